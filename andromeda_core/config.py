@@ -1,0 +1,55 @@
+"""Typed configuration. Environment variables are read here and nowhere else."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from andromeda_core.schema import DEFAULT_SCHEMA_PATH
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """How a replica lays out and scans its ad table."""
+
+    initial_capacity: int = 1024
+    """Slots allocated up front; the table doubles when full."""
+    chunk_size: int = 65536
+    """Ads per step of the reference scan; bounds the scan's scratch memory to O(batch * chunk)."""
+    max_k: int = 10000
+    """Largest k a request may ask for."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    schema_path: Path = DEFAULT_SCHEMA_PATH
+    """Targeting schema YAML (ANDROMEDA_SCHEMA)."""
+    device: str = "cpu"
+    """Torch device of the ad table (ANDROMEDA_DEVICE): cpu, cuda, cuda:1, ..."""
+    index: IndexConfig = field(default_factory=IndexConfig)
+
+
+def load_settings() -> Settings:
+    index = IndexConfig(
+        initial_capacity=_env_int("ANDROMEDA_INITIAL_CAPACITY", 1024, 1, 1 << 31),
+        chunk_size=_env_int("ANDROMEDA_CHUNK_SIZE", 65536, 1, 1 << 26),
+        max_k=_env_int("ANDROMEDA_MAX_K", 10000, 1, 1 << 20),
+    )
+    return Settings(
+        schema_path=Path(os.environ.get("ANDROMEDA_SCHEMA", DEFAULT_SCHEMA_PATH)),
+        device=os.environ.get("ANDROMEDA_DEVICE", "cpu"),
+        index=index,
+    )

@@ -1,0 +1,54 @@
+"""Raw ad events -> validated, compiled, embedded index operations."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from andromeda_core.errors import InvalidInput
+from andromeda_core.index import IndexOp, PreparedAd
+from andromeda_core.models import Scorer
+from andromeda_core.schema import Schema
+from andromeda_core.targeting import compile_targeting
+from andromeda_core.types import DeleteEvent, StatusEvent, UpsertEvent, parse_event
+
+AdEventModel = UpsertEvent | DeleteEvent | StatusEvent
+
+
+def read_events(path: str | Path, batch_size: int = 10000) -> Iterator[list[AdEventModel]]:
+    """Parse a JSONL file of ad events in batches; an error names the file, line and field."""
+    batch: list[AdEventModel] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                batch.append(parse_event(line, f"{path}:{lineno}"))
+            if len(batch) >= batch_size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def prepare_ops(schema: Schema, scorer: Scorer, events: Sequence[AdEventModel]) -> list[IndexOp]:
+    """Compile targeting and run the ad tower (batched) for the upserts; raises InvalidInput naming the ad."""
+    upserts = [e.ad for e in events if isinstance(e, UpsertEvent)]
+    compiled = {}
+    for ad in upserts:
+        try:
+            compiled[id(ad)] = compile_targeting(schema, ad.targeting, "ad.targeting")
+        except InvalidInput as exc:
+            raise InvalidInput(f"ad {ad.ad_id}: {exc.message}", exc.field) from None
+    embeddings = scorer.encode_ads(upserts).numpy() if upserts else None
+    ops: list[IndexOp] = []
+    row = 0
+    for event in events:
+        if isinstance(event, UpsertEvent):
+            ops.append(PreparedAd(event.ad, compiled[id(event.ad)], embeddings[row]))
+            row += 1
+        else:
+            ops.append(event)
+    return ops
+
+
+def load_events(index, schema: Schema, scorer: Scorer, batches: Iterable[Sequence[AdEventModel]]) -> int:
+    """Apply event batches to `index`; returns how many events changed it."""
+    return sum(sum(index.apply(prepare_ops(schema, scorer, batch))) for batch in batches)

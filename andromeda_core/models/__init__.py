@@ -1,0 +1,29 @@
+"""Retrieval models. A Scorer has an ad tower (`encode_ads`, run at publish time, stored in the
+index), user towers (`encode_users`, once per request) and a pairwise `score` the scan applies.
+
+- two_tower.HashedTwoTower: dot product of hashed-content towers (the baseline).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from andromeda_core.types import Ad, RetrieveRequest
+
+EmbeddingLookup = Callable[[Sequence[int]], torch.Tensor]
+"""ad ids -> (n, D) stored embeddings of those that are indexed."""
+
+
+class Scorer(Protocol):
+    name: str
+    dim: int
+
+    def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
+        """(n, D) float32 ad embeddings, as stored in the index."""
+
+    def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup) -> Any:
+        """Per-request user state consumed by `score` (run once per request)."""
+
+    def score(self, users: Any, ads: torch.Tensor) -> torch.Tensor:
+        """users for B requests, ads (n, D) -> (B, n) float32 scores."""

@@ -1,0 +1,62 @@
+"""Two-tower dot-product baseline over hashed content tokens.
+
+Ad tower: sum of token vectors of the creative's title, body and category, L2-normalised.
+User tower: normalised sum of the interest/behaviour tokens the user holds plus the mean stored
+embedding of the ads they engaged with. Token vectors come from a seeded table (trainable later).
+"""
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from andromeda_core.models import EmbeddingLookup
+from andromeda_core.types import Ad, RetrieveRequest
+
+TOKEN = re.compile(r"[a-z0-9]+")
+POSITIVE_EVENTS = frozenset({"click", "like", "share", "conversion"})
+USER_TEXT_CATEGORIES = ("interests", "behaviors", "life_events")
+
+
+def tokenize(text: str) -> list[str]:
+    return TOKEN.findall(text.lower())
+
+
+class HashedTwoTower:
+    name = "two_tower"
+
+    def __init__(self, dim: int = 64, buckets: int = 1 << 16, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        self.dim, self.buckets = dim, buckets
+        self.table = torch.randn(buckets, dim, generator=generator) / dim**0.5
+
+    def _embed(self, token_lists: Sequence[list[str]]) -> torch.Tensor:
+        """(n, D) normalised sum of hashed token vectors (zeros for no tokens)."""
+        ids = [zlib.crc32(t.encode()) % self.buckets for tokens in token_lists for t in tokens]
+        offsets = torch.tensor([0] + [len(t) for t in token_lists[:-1]]).cumsum(0)
+        bags = F.embedding_bag(torch.tensor(ids, dtype=torch.int64), self.table, offsets, mode="sum")
+        return F.normalize(bags, dim=1)
+
+    def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
+        return self._embed([tokenize(f"{a.creative.title} {a.creative.body} {a.creative.category}") for a in ads])
+
+    def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup) -> torch.Tensor:
+        """-> (B, D) user embeddings."""
+        texts = []
+        for r in requests:
+            values = [r.user.attributes.get(c) for c in USER_TEXT_CATEGORIES]
+            words = [v for value in values if value for v in (value if isinstance(value, list) else [value])]
+            texts.append([t for w in words if isinstance(w, str) for t in tokenize(w)])
+        content = self._embed(texts)
+        history = torch.zeros_like(content)
+        for b, r in enumerate(requests):
+            engaged = lookup([h.ad_id for h in r.user.history if h.event in POSITIVE_EVENTS])
+            if len(engaged):
+                history[b] = F.normalize(engaged.mean(0), dim=0)
+        return F.normalize(content + history, dim=1)
+
+    def score(self, users: torch.Tensor, ads: torch.Tensor) -> torch.Tensor:
+        return users @ ads.float().T

@@ -1,0 +1,65 @@
+"""Index snapshots: the index state in one safetensors file, written atomically.
+
+The header metadata carries the index layout, the caller's free-form metadata (e.g. the stream id
+the snapshot covers) and a SHA-256 over the names, dtypes, shapes and bytes of every tensor and
+over the metadata itself; any mismatch or parse failure on load raises SnapshotCorrupt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from andromeda_core.errors import SnapshotCorrupt
+from andromeda_core.index import AdIndex
+from andromeda_core.schema import Schema
+
+FORMAT = "andromeda-index/1"
+
+
+def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def save_snapshot(index: AdIndex, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+    """Write `index` to `path` atomically (temp file, fsync, rename)."""
+    path = Path(path)
+    tensors, layout = index.export_state()
+    meta = {**layout, "format": FORMAT, "user": json.dumps(metadata or {}, sort_keys=True)}
+    meta["sha256"] = _checksum(tensors, meta)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=meta)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_snapshot(path: str | Path, schema: Schema, device: str | torch.device = "cpu") -> tuple[AdIndex, dict[str, Any]]:
+    """Restore (index, caller metadata) from `path`, verifying its checksum."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+        tensors = load_file(str(path))
+    except Exception as exc:  # any failure to parse the file is corruption
+        raise SnapshotCorrupt(f"cannot read snapshot {path}: {exc}") from None
+    expected = meta.pop("sha256", None)
+    if meta.get("format") != FORMAT or expected != _checksum(tensors, meta):
+        raise SnapshotCorrupt(f"snapshot {path} failed its checksum")
+    try:
+        index = AdIndex.from_state(schema, tensors, meta, device)
+    except (KeyError, ValueError) as exc:
+        raise SnapshotCorrupt(f"snapshot {path} does not fit this index: {exc}") from None
+    return index, json.loads(meta["user"])

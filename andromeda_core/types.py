@@ -1,0 +1,149 @@
+"""Wire contracts (DESIGN.md section 4) as typed models, and parsing that names the bad field."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from andromeda_core.errors import InvalidInput
+
+INT64 = Annotated[int, Field(ge=0, lt=2**63)]
+TIME = Annotated[int, Field(ge=0, lt=2**62)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Creative(_Strict):
+    title: str = Field(max_length=512)
+    body: str = Field(default="", max_length=4096)
+    category: str = Field(default="", max_length=128)
+
+
+class Ad(_Strict):
+    ad_id: INT64
+    advertiser_id: INT64
+    version: INT64
+    status: Literal["active", "paused"] = "active"
+    start_time: TIME | None = None
+    end_time: TIME | None = None
+    creative: Creative
+    bid: float = Field(ge=0, allow_inf_nan=False)
+    targeting: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _window(self) -> "Ad":
+        if self.start_time is not None and self.end_time is not None and self.start_time >= self.end_time:
+            raise ValueError("start_time must be before end_time")
+        return self
+
+
+class UpsertEvent(_Strict):
+    op: Literal["upsert"]
+    ad: Ad
+
+
+class DeleteEvent(_Strict):
+    op: Literal["delete"]
+    ad_id: INT64
+    version: INT64
+
+
+class StatusEvent(_Strict):
+    op: Literal["pause", "resume"]
+    ad_id: INT64
+    version: INT64
+
+
+AdEvent = Annotated[Union[UpsertEvent, DeleteEvent, StatusEvent], Field(discriminator="op")]
+
+
+class HistoryEvent(_Strict):
+    ad_id: INT64
+    event: Literal["impression", "click", "like", "share", "conversion", "hide"]
+    ts: TIME
+
+
+class CoEngagement(_Strict):
+    """An engagement on another surface (cross-surface signal)."""
+
+    surface: str = Field(max_length=64)
+    ad_id: INT64
+    count: int = Field(default=1, ge=1)
+
+
+class User(_Strict):
+    user_id: INT64
+    attributes: dict[str, Any] = Field(default_factory=dict)
+    history: list[HistoryEvent] = Field(default_factory=list, max_length=1024)
+    cohorts: list[INT64] = Field(default_factory=list, max_length=256)
+    co_engagement: list[CoEngagement] = Field(default_factory=list, max_length=1024)
+
+
+class Context(BaseModel):
+    """Serving context. Extra keys are context-sourced targeting categories, checked by the schema."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+    surface: str | None = None
+    placement: str | None = None
+    ts: TIME | None = None
+
+    def targeting_values(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if k != "ts"}
+
+
+class RetrieveRequest(_Strict):
+    user: User
+    context: Context = Field(default_factory=Context)
+    k: int = Field(default=100, ge=1, le=10000)
+
+
+class ScoredAd(_Strict):
+    ad_id: int
+    score: float
+
+
+class RetrieveResponse(_Strict):
+    ads: list[ScoredAd]
+    eligible: int
+    index_watermark: str | None = None
+    took_ms: float
+    warnings: list[str] = Field(default_factory=list)
+
+
+T = TypeVar("T")
+_EVENT = TypeAdapter(AdEvent)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("upsert", "delete", "pause", "resume")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "") -> T:
+    """Validate `data` (a dict or a JSON string) into a model; errors name the first bad field."""
+    ta = adapter if isinstance(adapter, TypeAdapter) else TypeAdapter(adapter)
+    try:
+        # Always validate with JSON semantics so a Python dict and its JSON text are judged alike.
+        return ta.validate_json(data if isinstance(data, (str, bytes)) else json.dumps(data, allow_nan=False))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = _field_path(err["loc"])
+        if err["type"].startswith("union_tag"):
+            field = f"{field}.op" if field != "body" else "op"
+        raise InvalidInput(err["msg"], f"{where}{'.' if where and field else ''}{field}") from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(str(exc), where or "body") from None
+
+
+def parse_event(data: Any, where: str = "") -> UpsertEvent | DeleteEvent | StatusEvent:
+    return parse(_EVENT, data, where)
+
+
+def parse_request(data: Any, where: str = "") -> RetrieveRequest:
+    return parse(RetrieveRequest, data, where)

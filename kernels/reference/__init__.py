@@ -1,0 +1,1 @@
+"""PyTorch references: they define the result every faster kernel must reproduce."""
