@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import IndexOp, PreparedAd
@@ -14,11 +14,15 @@ from andromeda_core.types import DeleteEvent, StatusEvent, UpsertEvent, parse_ev
 AdEventModel = UpsertEvent | DeleteEvent | StatusEvent
 
 
-def read_events(path: str | Path, batch_size: int = 10000) -> Iterator[list[AdEventModel]]:
-    """Parse a JSONL file of ad events in batches; an error names the file, line and field."""
+def read_events(path: str | Path, batch_size: int = 10000,
+                on_bytes: Callable[[int], None] | None = None) -> Iterator[list[AdEventModel]]:
+    """Parse a JSONL file of ad events in batches; an error names the file, line and field.
+    `on_bytes(n)` is told how many bytes each line took (for progress bars)."""
     batch: list[AdEventModel] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
+            if on_bytes:
+                on_bytes(len(line))
             if line.strip():
                 batch.append(parse_event(line, f"{path}:{lineno}"))
             if len(batch) >= batch_size:
@@ -36,7 +40,7 @@ def prepare_ops(schema: Schema, scorer: Scorer, events: Sequence[AdEventModel]) 
         try:
             compiled[id(ad)] = compile_targeting(schema, ad.targeting, "ad.targeting")
         except InvalidInput as exc:
-            raise InvalidInput(f"ad {ad.ad_id}: {exc.message}", exc.field) from None
+            raise InvalidInput(f"{exc.message} (ad {ad.ad_id})", exc.field) from None
     embeddings = scorer.encode_ads(upserts).numpy() if upserts else None
     ops: list[IndexOp] = []
     row = 0

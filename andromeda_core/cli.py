@@ -1,0 +1,118 @@
+"""The `andromeda` command (offline subcommands: no Ray, no Redis)."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from andromeda_core.config import load_settings
+from andromeda_core.errors import AndromedaError
+from andromeda_core.index import AdIndex
+from andromeda_core.ingest import load_events, read_events
+from andromeda_core.models.two_tower import HashedTwoTower
+from andromeda_core.retriever import Retriever
+from andromeda_core.schema import Schema, load_schema
+from andromeda_core.synth import WorldConfig, synthesize
+from andromeda_core.types import RetrieveRequest, parse_request
+
+REQUEST_BATCH = 16  # requests sharing one pass over the table
+
+
+def build_retriever(schema: Schema, events: Path, progress: bool = True) -> Retriever:
+    """An in-process index loaded from an events JSONL file, with the baseline scorer."""
+    settings = load_settings()
+    scorer = HashedTwoTower()
+    index = AdIndex(schema, scorer.dim, capacity=settings.index.initial_capacity, device=settings.device)
+    with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", disable=not progress,
+              file=sys.stderr, miniters=1 << 20) as bar:
+        load_events(index, schema, scorer, read_events(events, on_bytes=bar.update))
+    return Retriever(index, scorer, chunk_size=settings.index.chunk_size)
+
+
+def read_requests(path: Path, k: int | None) -> list[RetrieveRequest]:
+    """One JSON request object, or a JSONL file of them."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        whole = json.loads(text)
+        docs = [(str(path), whole)]
+    except json.JSONDecodeError:
+        docs = [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    requests = [parse_request(doc, where) for where, doc in docs]
+    return [r.model_copy(update={"k": k}) for r in requests] if k is not None else requests
+
+
+def cmd_schema(args: argparse.Namespace) -> None:
+    schema = load_schema(args.schema)
+    if args.json:
+        print(json.dumps(schema.to_json(), indent=1))
+        return
+    for c in schema.categories:
+        detail = {"enum": f"{c.size} values", "ordinal": f"[{c.lo}, {c.hi}]", "id": f"cardinality {c.cardinality}"}[c.kind]
+        print(f"{c.name:22} {c.kind:8} {detail:22} {'multi' if c.multi else 'single':7} {c.source:8} {c.encoding}")
+
+
+def cmd_synth(args: argparse.Namespace) -> None:
+    cfg = WorldConfig(ads=args.ads, users=args.users, seed=args.seed)
+    out = synthesize(cfg, args.out, load_schema(args.schema), workers=args.workers)
+    print(f"wrote {out}/events.jsonl, requests.jsonl, engagements.jsonl, truth.npz")
+
+
+def cmd_retrieve(args: argparse.Namespace) -> None:
+    schema = load_schema(args.schema)
+    requests = read_requests(args.request, args.k)
+    retriever = build_retriever(schema, args.events, progress=not args.quiet)
+    for first in range(0, len(requests), REQUEST_BATCH):
+        for response in retriever.retrieve(requests[first:first + REQUEST_BATCH], now=args.now):
+            print(response.model_dump_json())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="andromeda", description=__doc__)
+    p.add_argument("--schema", type=Path, default=None, help="targeting schema YAML (default: ANDROMEDA_SCHEMA or the shipped one)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("schema", help="print the active targeting schema")
+    s.add_argument("--json", action="store_true", help="machine-readable JSON")
+    s.set_defaults(func=cmd_schema)
+
+    s = sub.add_parser("synth", help="write a synthetic ads world")
+    s.add_argument("--ads", type=int, required=True)
+    s.add_argument("--users", type=int, required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--workers", type=int, default=2, help="processes generating ad chunks")
+    s.set_defaults(func=cmd_synth)
+
+    s = sub.add_parser("retrieve", help="build an index from events in process and answer requests")
+    s.add_argument("--events", type=Path, required=True, help="ad events JSONL")
+    s.add_argument("--request", type=Path, required=True, help="one request JSON object or a JSONL of them")
+    s.add_argument("--k", type=int, default=None, help="override each request's k")
+    s.add_argument("--now", type=int, default=None, help="server time in seconds for requests without context.ts")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_retrieve)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `andromeda ... | head` ends quietly
+    args = parser().parse_args(argv)
+    if args.schema is None:
+        args.schema = load_settings().schema_path
+    try:
+        args.func(args)
+    except AndromedaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"error: {exc.filename}: no such file", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
