@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+
+from andromeda_core.index import AdIndex
+from andromeda_core.ingest import prepare_ops
+from andromeda_core.models.two_tower import HashedTwoTower
+from andromeda_core.schema import load_schema, schema_from_dict
+from andromeda_core.types import parse_event
+
+SMALL_SCHEMA = {
+    "name": "small-test",
+    "version": 1,
+    "categories": [
+        {"name": "country", "kind": "enum", "vocabulary": ["US", "CA", "GB", "DE", "FR"]},
+        {"name": "age", "kind": "ordinal", "range": [13, 20]},
+        {"name": "interests", "kind": "enum", "multi": True, "max_groups": 3,
+         "vocabulary": [f"i{n}" for n in range(40)]},
+        {"name": "topics", "kind": "enum", "multi": True, "max_values": 4, "max_groups": 2,
+         "vocabulary": [f"t{n}" for n in range(300)]},
+        {"name": "city", "kind": "enum", "max_values": 3, "vocabulary": [f"c{n}" for n in range(300)]},
+        {"name": "audiences", "kind": "id", "multi": True, "cardinality": 50, "max_values": 4, "max_groups": 2},
+        {"name": "surface", "kind": "enum", "source": "context", "vocabulary": ["feed", "stories", "reels"]},
+    ],
+}
+
+
+@pytest.fixture(scope="session")
+def small_schema():
+    return schema_from_dict(SMALL_SCHEMA)
+
+
+@pytest.fixture(scope="session")
+def default_schema():
+    return load_schema()
+
+
+@pytest.fixture(scope="session")
+def scorer():
+    return HashedTwoTower(dim=16, buckets=4096)
+
+
+def make_ad(ad_id: int, version: int = 1, targeting: dict | None = None, **fields) -> dict:
+    return {"ad_id": ad_id, "advertiser_id": 1, "version": version,
+            "creative": {"title": fields.pop("title", f"ad {ad_id}")}, "bid": fields.pop("bid", 1.0),
+            "targeting": targeting or {}, **fields}
+
+
+def upsert(ad_id: int, version: int = 1, targeting: dict | None = None, **fields) -> dict:
+    return {"op": "upsert", "ad": make_ad(ad_id, version, targeting, **fields)}
+
+
+def apply_events(index: AdIndex, scorer, events: list[dict]) -> list[bool]:
+    return index.apply(prepare_ops(index.schema, scorer, [parse_event(e) for e in events]))

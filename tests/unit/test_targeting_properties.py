@@ -1,0 +1,144 @@
+"""Property tests: the compiled index reproduces the naive contract evaluator bit for bit."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from andromeda_core.index import AdIndex
+from andromeda_core.retriever import Retriever
+from andromeda_core.targeting import compile_user, match_inputs
+from andromeda_core.types import parse_request
+from tests.conftest import SMALL_SCHEMA, apply_events, upsert
+from tests.naive import naive_eligible
+
+CATS = {c["name"]: c for c in SMALL_SCHEMA["categories"]}
+NOW = 1000
+
+
+def values_of(name: str) -> st.SearchStrategy:
+    """Values drawn from a small part of each vocabulary, so ads and users collide often."""
+    cat = CATS[name]
+    if cat["kind"] == "enum":
+        # Two values from the first bitset word, two from the last, for multi-word bitsets.
+        return st.sampled_from(cat["vocabulary"][:3] + cat["vocabulary"][-2:])
+    if cat["kind"] == "ordinal":
+        return st.integers(cat["range"][0], cat["range"][1])
+    return st.integers(0, 4)
+
+
+def value_lists(name: str, max_size: int) -> st.SearchStrategy:
+    return st.lists(values_of(name), min_size=1, max_size=max_size)
+
+
+@st.composite
+def rules(draw, name: str) -> dict:
+    cat = CATS[name]
+    limit = cat.get("max_values", 6)  # only list-encoded categories of SMALL_SCHEMA set max_values
+    groups_allowed = cat.get("max_groups", 2 if cat.get("multi") else 1)
+    rule: dict = {}
+    if draw(st.booleans()):
+        rule["any_of"] = draw(value_lists(name, limit))
+    if cat.get("multi") and draw(st.booleans()):
+        rule["all_of"] = draw(st.lists(value_lists(name, limit), min_size=1, max_size=groups_allowed - len(rule)))
+    elif not cat.get("multi") and draw(st.booleans()):
+        rule["all_of"] = draw(st.lists(value_lists(name, limit), min_size=1, max_size=3))
+    if cat["kind"] == "ordinal" and draw(st.booleans()):
+        lo = draw(st.integers(13, 20))
+        rule.update({k: v for k, v in (("min", lo), ("max", draw(st.integers(lo, 20)))) if draw(st.booleans())})
+    if draw(st.booleans()) or not rule:
+        rule["none_of"] = draw(st.lists(values_of(name), max_size=limit))
+    return rule
+
+
+@st.composite
+def ads(draw, ad_id: int) -> dict:
+    names = draw(st.lists(st.sampled_from(sorted(CATS)), unique=True, max_size=4))
+    targeting = {n: draw(rules(n)) for n in names}
+    fields = {}
+    if draw(st.booleans()):
+        fields["status"] = draw(st.sampled_from(["active", "paused"]))
+    start = draw(st.none() | st.integers(NOW - 3, NOW + 3))
+    end = draw(st.none() | st.integers(NOW - 3, NOW + 3))
+    if start is not None and end is not None and start >= end:
+        start, end = end - 1, start + 1
+    fields.update({k: v for k, v in (("start_time", start), ("end_time", end)) if v is not None})
+    return upsert(ad_id, targeting=targeting, **fields)["ad"]
+
+
+def user_value(name: str) -> st.SearchStrategy:
+    """What a user holds in one category: nothing, one value, or (multi) a list with unknown values."""
+    if CATS[name].get("multi"):
+        return st.lists(values_of(name) | st.just("unknown-value"), max_size=4)
+    return st.none() | values_of(name)
+
+
+@st.composite
+def users(draw) -> tuple[dict, dict]:
+    attributes = {name: draw(user_value(name)) for name in CATS if CATS[name].get("source") != "context"}
+    context = {"surface": draw(user_value("surface"))}
+    return ({k: v for k, v in attributes.items() if v is not None}, {k: v for k, v in context.items() if v is not None})
+
+
+def _drop_unknown(attributes: dict) -> dict:
+    return {k: [x for x in v if x != "unknown-value"] if isinstance(v, list) else v for k, v in attributes.items()}
+
+
+def _eligible_ids(schema, index, user_list, now) -> list[list[int]]:
+    compiled = [compile_user(schema, a, c)[0] for a, c in user_list]
+    return index.eligible(match_inputs(schema, compiled, [now] * len(user_list)), chunk_size=5)
+
+
+@pytest.mark.parametrize("name", sorted(CATS))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_rule_kind_of_every_category(small_schema, scorer, name, data):
+    """One category at a time, dense collisions: any_of, all_of, min/max, none_of and their mixes."""
+    rule_list = data.draw(st.lists(rules(name), min_size=1, max_size=6))
+    ad_list = [upsert(i + 1, targeting={name: rule})["ad"] for i, rule in enumerate(rule_list)]
+    index = AdIndex(small_schema, scorer.dim, capacity=2)
+    apply_events(index, scorer, [{"op": "upsert", "ad": ad} for ad in ad_list])
+    held = data.draw(user_value(name))
+    source = CATS[name].get("source", "user")
+    user = ({name: held} if source == "user" and held is not None else {},
+            {name: held} if source == "context" and held is not None else {})
+    want = [ad["ad_id"] for ad in ad_list if naive_eligible(small_schema, ad, _drop_unknown(user[0]), user[1], NOW)]
+    assert _eligible_ids(small_schema, index, [user], NOW) == [want]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=8, unique=True).flatmap(
+    lambda ids: st.tuples(*(ads(i) for i in ids))), st.lists(users(), min_size=1, max_size=4),
+    st.integers(NOW - 4, NOW + 4))
+def test_index_matches_naive_evaluator(small_schema, scorer, ad_list, user_list, now):
+    # Ids in the index of ids, users in the index of users: every pair is checked.
+    index = AdIndex(small_schema, scorer.dim, capacity=3)
+    assert all(apply_events(index, scorer, [{"op": "upsert", "ad": ad} for ad in ad_list]))
+    got = _eligible_ids(small_schema, index, user_list, now)
+    for (attributes, context), eligible in zip(user_list, got):
+        want = sorted(ad["ad_id"] for ad in ad_list
+                      if naive_eligible(small_schema, ad, _drop_unknown(attributes), context, now))
+        assert eligible == want
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=10, unique=True).flatmap(
+    lambda ids: st.tuples(*(ads(i) for i in ids))), users(), st.integers(1, 12))
+def test_retrieve_returns_best_eligible_in_order(small_schema, scorer, ad_list, user, k):
+    index = AdIndex(small_schema, scorer.dim, capacity=2)
+    apply_events(index, scorer, [{"op": "upsert", "ad": ad} for ad in ad_list])
+    attributes, context = user
+    request = parse_request({"user": {"user_id": 1, "attributes": attributes}, "context": {**context, "ts": NOW}, "k": k})
+    response = Retriever(index, scorer, chunk_size=3).retrieve([request])[0]
+    eligible = {ad["ad_id"] for ad in ad_list if naive_eligible(small_schema, ad, _drop_unknown(attributes), context, NOW)}
+    assert response.eligible == len(eligible)
+    got = [(a.ad_id, a.score) for a in response.ads]
+    assert len(got) == min(k, len(eligible))
+    assert {i for i, _ in got} <= eligible
+    assert got == sorted(got, key=lambda p: (-p[1], p[0]))
+    # Nothing left out scores better than the worst returned ad.
+    if got:
+        emb = {i: scorer.score(scorer.encode_users([request], index.embeddings_of), index.embeddings_of([i]))[0, 0].item()
+               for i in eligible}
+        worst = got[-1]
+        assert all((-s, i) >= (-worst[1], worst[0]) for i, s in emb.items() if i not in {g[0] for g in got})
