@@ -1,0 +1,57 @@
+"""The offline `andromeda` command as a user runs it (a subprocess)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def andromeda(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", *args], capture_output=True, text=True, timeout=300)
+    if check and result.returncode:
+        raise AssertionError(result.stderr)
+    return result
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli-world")
+    andromeda("synth", "--ads", "2000", "--users", "5", "--seed", "1", "--out", str(out))
+    return out
+
+
+def test_schema_json_lists_every_category():
+    schema = json.loads(andromeda("schema", "--json").stdout)
+    cats = {c["name"]: c for c in schema["categories"]}
+    assert len(cats) >= 20
+    assert "vocabulary" in cats["country"] and cats["age"]["range"] == [13, 100]
+    assert cats["custom_audiences"]["cardinality"] == 1_000_000 and cats["interests"]["multi"] is True
+
+
+def test_retrieve_one_request_prints_the_response(world, tmp_path):
+    request = tmp_path / "req.json"
+    first = json.loads((world / "requests.jsonl").read_text().splitlines()[0])
+    request.write_text(json.dumps(first, indent=2))
+    out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(request), "--k", "7")
+    response = json.loads(out.stdout)
+    assert set(response) == {"ads", "eligible", "index_watermark", "took_ms", "warnings"}
+    assert len(response["ads"]) == 7 and response["eligible"] >= 7
+    scores = [a["score"] for a in response["ads"]]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_retrieve_jsonl_gives_one_line_per_request(world):
+    out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(world / "requests.jsonl"), "--quiet")
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(lines) == 5 and all(len(r["ads"]) == 100 for r in lines)
+
+
+def test_bad_event_line_exits_2_naming_line_and_field(world, tmp_path):
+    events = tmp_path / "events.jsonl"
+    events.write_text((world / "events.jsonl").read_text().splitlines()[0] + '\n{"op":"delete","ad_id":1}\n')
+    request = tmp_path / "req.json"
+    request.write_text('{"user": {"user_id": 1}}')
+    result = andromeda("retrieve", "--events", str(events), "--request", str(request), check=False)
+    assert result.returncode == 2 and f"{events}:2.version" in result.stderr and result.stdout == ""

@@ -1,0 +1,118 @@
+"""Malformed events, targeting and requests: a clear error naming the field, and no change."""
+from __future__ import annotations
+
+import pytest
+
+from andromeda_core.errors import InvalidInput
+from andromeda_core.index import AdIndex
+from andromeda_core.ingest import prepare_ops
+from andromeda_core.schema import schema_from_dict
+from andromeda_core.targeting import compile_targeting, compile_user
+from andromeda_core.types import parse_event, parse_request
+from tests.conftest import SMALL_SCHEMA, apply_events, make_ad, upsert
+
+
+@pytest.mark.parametrize("event, field, words", [
+    ({"op": "upsert", "ad": {**make_ad(1), "ad_id": "1"}}, "ad.ad_id", "integer"),
+    ({"op": "upsert", "ad": {**make_ad(1), "bid": -1}}, "ad.bid", "greater than or equal"),
+    ({"op": "upsert", "ad": {**make_ad(1), "bid": "cheap"}}, "ad.bid", "number"),
+    ({"op": "upsert", "ad": {**make_ad(1), "status": "running"}}, "ad.status", "active"),
+    ({"op": "upsert", "ad": {**make_ad(1), "start_time": 9, "end_time": 3}}, "ad", "start_time must be before"),
+    ({"op": "upsert", "ad": {**make_ad(1), "colour": "red"}}, "ad.colour", "Extra"),
+    ({"op": "upsert", "ad": {k: v for k, v in make_ad(1).items() if k != "creative"}}, "ad.creative", "required"),
+    ({"op": "delete", "ad_id": 1}, "version", "required"),
+    ({"op": "pause", "ad_id": -5, "version": 1}, "ad_id", "greater than or equal"),
+    ({"op": "explode", "ad_id": 1, "version": 1}, "op", "explode"),
+    ("{not json", "body", "JSON"),
+])
+def test_malformed_events_name_the_field(event, field, words):
+    with pytest.raises(InvalidInput) as err:
+        parse_event(event, "events.jsonl:7")
+    assert err.value.field == f"events.jsonl:7.{field}" and words in err.value.message
+
+
+@pytest.mark.parametrize("targeting, field, words", [
+    ({"colour": {"any_of": ["red"]}}, "t.colour", "unknown targeting category"),
+    ({"country": {"any_of": ["US", "XX"]}}, "t.country.any_of[1]", "'XX'"),
+    ({"country": {"any_of": []}}, "t.country.any_of", "at least one"),
+    ({"country": {"any_of": "US"}}, "t.country.any_of", "list"),
+    ({"country": {"sometimes": ["US"]}}, "t.country", "unknown rule keys"),
+    ({"country": {}}, "t.country", "non-empty mapping"),
+    ({"country": {"min": 1}}, "t.country", "ordinal"),
+    ({"age": {"min": 18, "max": 15}}, "t.age", "greater than max"),
+    ({"age": {"min": 5}}, "t.age.min", "[13, 20]"),
+    ({"age": {"any_of": [True]}}, "t.age.any_of[0]", "True"),
+    ({"interests": {"all_of": []}}, "t.interests.all_of", "non-empty"),
+    ({"interests": {"all_of": [["i1"], ["i2"], ["i3"], ["i4"]]}}, "t.interests", "at most 3 positive groups"),
+    ({"topics": {"any_of": ["t1", "t2", "t3", "t4", "t5"]}}, "t.topics.any_of", "at most 4 distinct values"),
+    ({"audiences": {"none_of": [1, 2, 3, 4, 5]}}, "t.audiences.none_of", "at most 4"),
+    ({"audiences": {"any_of": [50]}}, "t.audiences.any_of[0]", "[0, 50)"),
+    ("everyone", "t", "mapping"),
+])
+def test_bad_targeting_names_category_and_value(small_schema, targeting, field, words):
+    with pytest.raises(InvalidInput) as err:
+        compile_targeting(small_schema, targeting, "t")
+    assert err.value.field == field and words in err.value.message
+
+
+def test_bad_ad_in_a_batch_changes_nothing_and_names_the_ad(small_schema, scorer):
+    index = AdIndex(small_schema, scorer.dim)
+    apply_events(index, scorer, [upsert(1)])
+    before = index.digest()
+    events = [parse_event(upsert(2)), parse_event(upsert(3, targeting={"country": {"any_of": ["Atlantis"]}}))]
+    with pytest.raises(InvalidInput) as err:
+        index.apply(prepare_ops(small_schema, scorer, events))
+    assert "ad 3" in str(err.value) and err.value.field == "ad.targeting.country.any_of[0]"
+    assert index.digest() == before and 2 not in index
+
+
+@pytest.mark.parametrize("request_body, field, words", [
+    ({"user": {"user_id": 1}, "k": 0}, "k", "greater than or equal"),
+    ({"user": {"user_id": 1}, "k": 10**6}, "k", "less than or equal"),
+    ({"user": {"user_id": "x"}}, "user.user_id", "integer"),
+    ({"user": {"user_id": 1, "history": [{"ad_id": 1, "event": "stare", "ts": 1}]}}, "user.history[0].event", "click"),
+    ({"context": {"surface": "feed"}}, "user", "required"),
+    ({"user": {"user_id": 1}, "context": {"ts": -1}}, "context.ts", "greater than or equal"),
+])
+def test_malformed_requests_name_the_field(request_body, field, words):
+    with pytest.raises(InvalidInput) as err:
+        parse_request(request_body)
+    assert err.value.field == field and words in err.value.message
+
+
+def test_request_unknown_category_is_an_error_unknown_value_a_warning(small_schema):
+    with pytest.raises(InvalidInput) as err:
+        compile_user(small_schema, {"shoe_size": 44}, {})
+    assert err.value.field == "user.attributes.shoe_size"
+    values, warnings = compile_user(small_schema, {"country": "Atlantis", "interests": ["i1", "nope"]}, {"surface": "feed"})
+    assert values == {"interests": (1,), "surface": (0,)}
+    assert warnings == ["user.attributes.country: unknown value 'Atlantis' matches nothing",
+                        "user.attributes.interests[1]: unknown value 'nope' matches nothing"]
+
+
+@pytest.mark.parametrize("attributes, context, field, words", [
+    ({"country": ["US", "CA"]}, {}, "user.attributes.country", "one value"),
+    ({"surface": "feed"}, {}, "user.attributes.surface", "context"),
+    ({}, {"country": "US"}, "context.country", "user.attributes"),
+    ({"interests": [{"a": 1}]}, {}, "user.attributes.interests[0]", "strings or integers"),
+    ({}, {"weather": "rain"}, "context.weather", "unknown targeting category"),
+])
+def test_bad_request_values_name_the_field(small_schema, attributes, context, field, words):
+    with pytest.raises(InvalidInput) as err:
+        compile_user(small_schema, attributes, context)
+    assert err.value.field == field and words in err.value.message
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda s: s["categories"].append({"name": "x", "kind": "colour"}), "categories.x.kind"),
+    (lambda s: s["categories"].append({"name": "x", "kind": "enum", "vocabulary": []}), "categories.x.vocabulary"),
+    (lambda s: s["categories"].append({"name": "x", "kind": "ordinal", "range": [0, 1000]}), "categories.x.range"),
+    (lambda s: s["categories"].append({"name": "x", "kind": "id"}), "categories.x.cardinality"),
+    (lambda s: s["categories"].append(dict(s["categories"][0])), "categories"),
+])
+def test_bad_schema_names_the_field(mutate, field):
+    raw = {**SMALL_SCHEMA, "categories": [dict(c) for c in SMALL_SCHEMA["categories"]]}
+    mutate(raw)
+    with pytest.raises(InvalidInput) as err:
+        schema_from_dict(raw)
+    assert err.value.field == field

@@ -1,0 +1,170 @@
+"""AdIndex operations: versioned idempotency, growth, expiry, digest, atomic batches."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from andromeda_core.index import AdIndex, PreparedAd
+from andromeda_core.targeting import compile_targeting, compile_user, match_inputs
+from andromeda_core.types import parse_event
+from tests.conftest import apply_events, make_ad, upsert
+
+NOW = 10_000
+
+
+def eligible(index: AdIndex, attributes: dict | None = None, now: int = NOW) -> list[int]:
+    user = compile_user(index.schema, attributes or {}, {})[0]
+    return index.eligible(match_inputs(index.schema, [user], [now]))[0]
+
+
+@pytest.fixture
+def index(small_schema, scorer):
+    return AdIndex(small_schema, scorer.dim, capacity=4)
+
+
+def test_upsert_then_retrievable_and_edit_replaces_targeting(index, scorer):
+    assert apply_events(index, scorer, [upsert(1, 1, {"country": {"any_of": ["US"]}})]) == [True]
+    assert eligible(index, {"country": "US"}) == [1] and eligible(index, {"country": "CA"}) == []
+    assert apply_events(index, scorer, [upsert(1, 2, {"country": {"any_of": ["CA"]}})]) == [True]
+    assert eligible(index, {"country": "US"}) == [] and eligible(index, {"country": "CA"}) == [1]
+    assert len(index) == 1 and index.get(1)["version"] == 2
+
+
+def test_duplicate_and_out_of_order_versions_are_noops(index, scorer):
+    apply_events(index, scorer, [upsert(1, 5, {"country": {"any_of": ["US"]}})])
+    before = index.digest()
+    assert apply_events(index, scorer, [upsert(1, 5, {"country": {"any_of": ["CA"]}}),
+                                        upsert(1, 4, {"country": {"any_of": ["CA"]}}),
+                                        {"op": "pause", "ad_id": 1, "version": 3},
+                                        {"op": "delete", "ad_id": 1, "version": 5}]) == [False] * 4
+    assert index.digest() == before and eligible(index, {"country": "US"}) == [1]
+
+
+def test_pause_resume_delete(index, scorer):
+    apply_events(index, scorer, [upsert(1), upsert(2)])
+    assert apply_events(index, scorer, [{"op": "pause", "ad_id": 1, "version": 2}]) == [True]
+    assert eligible(index) == [2] and index.get(1)["status"] == "paused"
+    assert apply_events(index, scorer, [{"op": "resume", "ad_id": 1, "version": 3}]) == [True]
+    assert eligible(index) == [1, 2]
+    assert apply_events(index, scorer, [{"op": "delete", "ad_id": 2, "version": 2}]) == [True]
+    assert eligible(index) == [1] and 2 not in index and index.version_of(2) == 2
+
+
+def test_deleted_ad_is_not_resurrected_by_a_late_older_upsert(index, scorer):
+    apply_events(index, scorer, [upsert(1, 1)])
+    apply_events(index, scorer, [{"op": "delete", "ad_id": 1, "version": 3}])
+    assert apply_events(index, scorer, [upsert(1, 2)]) == [False]
+    assert eligible(index) == []
+    assert apply_events(index, scorer, [upsert(1, 4)]) == [True]  # a newer one does come back
+    assert eligible(index) == [1]
+
+
+def test_delete_before_create_wins_over_the_older_create(index, scorer):
+    assert apply_events(index, scorer, [{"op": "delete", "ad_id": 9, "version": 2}]) == [True]
+    assert apply_events(index, scorer, [upsert(9, 1)]) == [False]
+    assert 9 not in index
+
+
+def test_pause_of_unknown_ad_is_a_noop(index, scorer):
+    assert apply_events(index, scorer, [{"op": "pause", "ad_id": 7, "version": 1}]) == [False]
+    assert len(index) == 0
+
+
+def test_ops_within_one_batch_apply_in_order(index, scorer):
+    result = apply_events(index, scorer, [upsert(1, 1), {"op": "pause", "ad_id": 1, "version": 2},
+                                          upsert(1, 3, {"country": {"any_of": ["DE"]}}),
+                                          {"op": "delete", "ad_id": 2, "version": 1}, upsert(2, 2)])
+    assert result == [True, True, True, True, True]
+    assert index.get(1)["status"] == "active" and index.get(1)["version"] == 3
+    assert eligible(index, {"country": "DE"}) == [1, 2]
+
+
+def test_paused_upsert_then_resume(index, scorer):
+    apply_events(index, scorer, [upsert(1, 1, status="paused")])
+    assert eligible(index) == []
+    apply_events(index, scorer, [{"op": "resume", "ad_id": 1, "version": 2}])
+    assert eligible(index) == [1]
+
+
+def test_growth_past_initial_capacity_keeps_every_ad(index, scorer):
+    apply_events(index, scorer, [upsert(i, targeting={"age": {"min": 13 + i % 8}}) for i in range(1, 40)])
+    assert index.capacity >= 39 and len(index) == 39
+    assert eligible(index, {"age": 20}) == list(range(1, 40))
+    assert eligible(index, {"age": 13}) == [i for i in range(1, 40) if i % 8 == 0]
+
+
+def test_freed_slots_are_reused(index, scorer):
+    apply_events(index, scorer, [upsert(i) for i in range(1, 5)])
+    apply_events(index, scorer, [{"op": "delete", "ad_id": i, "version": 2} for i in range(1, 5)])
+    apply_events(index, scorer, [upsert(i) for i in range(10, 14)])
+    assert index.capacity == 4 and eligible(index) == [10, 11, 12, 13]
+
+
+def test_time_window_and_expiry_sweep(index, scorer):
+    apply_events(index, scorer, [upsert(1, start_time=NOW - 10, end_time=NOW + 10), upsert(2, end_time=NOW),
+                                 upsert(3, start_time=NOW + 1)])
+    assert eligible(index, now=NOW) == [1]  # end is exclusive, start inclusive
+    assert eligible(index, now=NOW - 1) == [1, 2]
+    assert eligible(index, now=NOW + 1) == [1, 3]
+    assert index.sweep_expired(NOW) == 1 and 2 not in index and index.version_of(2) == 1
+    assert apply_events(index, scorer, [upsert(2, 1, end_time=NOW + 100)]) == [False]  # stale replay stays gone
+    assert apply_events(index, scorer, [upsert(2, 2, end_time=NOW + 100)]) == [True]
+
+
+def test_unsatisfiable_targeting_never_matches(index, scorer):
+    apply_events(index, scorer, [upsert(1, targeting={"country": {"all_of": [["US"], ["CA"]]}})])
+    assert eligible(index, {"country": "US"}) == [] and index.get(1)["satisfiable"] is False
+
+
+def test_digest_depends_on_content_not_slot_order(small_schema, scorer):
+    events = [upsert(i, targeting={"country": {"any_of": ["US"]}}) for i in range(1, 9)]
+    a, b = AdIndex(small_schema, scorer.dim, 2), AdIndex(small_schema, scorer.dim, 16)
+    apply_events(a, scorer, events)
+    apply_events(b, scorer, events[::-1])
+    assert a.digest() == b.digest()
+    apply_events(b, scorer, [{"op": "pause", "ad_id": 3, "version": 2}])
+    assert a.digest() != b.digest()
+
+
+def test_concurrent_reader_never_sees_a_half_written_batch(small_schema, scorer):
+    """Every batch rewrites all ads to one version; a scan must see a single version across them."""
+    index = AdIndex(small_schema, 4, capacity=64)
+
+    def batch(version: int) -> list[PreparedAd]:
+        ads = [parse_event(upsert(i, version, bid=float(version))).ad for i in range(1, 65)]
+        return [PreparedAd(ad, compile_targeting(small_schema, {}), np.full(4, version, np.float32)) for ad in ads]
+
+    index.apply(batch(1))
+    stop, seen = threading.Event(), []
+
+    def writer():
+        for version in range(2, 60):
+            index.apply(batch(version))
+        stop.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    while not stop.is_set():
+        with index.reading():
+            versions = set(index.columns["version"][:64].tolist())
+            bids = set(index.columns["bid"][:64].tolist())
+            emb = set(index.columns["embedding"][:64].flatten().tolist())
+        seen.append(len(versions))
+        assert len(versions) == 1 and bids == emb == {float(v) for v in versions}
+    thread.join()
+    assert seen
+
+
+def test_get_unknown_ad_raises_not_found(index):
+    from andromeda_core.errors import NotFound
+
+    with pytest.raises(NotFound):
+        index.get(123)
+
+
+def test_get_reports_indexed_state(index, scorer):
+    apply_events(index, scorer, [{"op": "upsert", "ad": make_ad(5, 3, bid=2.5, start_time=1, end_time=9)}])
+    state = index.get(5)
+    assert (state["version"], state["bid"], state["start_time"], state["end_time"], state["status"]) == (3, 2.5, 1, 9, "active")

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from andromeda_core.errors import SnapshotCorrupt
+from andromeda_core.index import AdIndex
+from andromeda_core.schema import schema_from_dict
+from andromeda_core.snapshot import load_snapshot, save_snapshot
+from tests.conftest import SMALL_SCHEMA, apply_events, upsert
+
+
+@pytest.fixture
+def populated(small_schema, scorer):
+    index = AdIndex(small_schema, scorer.dim, capacity=2)
+    apply_events(index, scorer, [upsert(i, targeting={"audiences": {"any_of": [i % 5]}}) for i in range(1, 12)])
+    apply_events(index, scorer, [{"op": "delete", "ad_id": 3, "version": 2}, {"op": "pause", "ad_id": 4, "version": 2}])
+    return index
+
+
+def test_round_trip_restores_content_metadata_and_tombstones(tmp_path, populated, small_schema, scorer):
+    path = save_snapshot(populated, tmp_path / "index.snap", {"stream_id": "1764460899123-0"})
+    restored, meta = load_snapshot(path, small_schema)
+    assert meta == {"stream_id": "1764460899123-0"}
+    assert restored.digest() == populated.digest() and len(restored) == len(populated) == 10
+    assert apply_events(restored, scorer, [upsert(3, 1)]) == [False]  # the delete is remembered
+    assert apply_events(restored, scorer, [upsert(99)]) == [True]  # and the table still grows
+    assert restored.get(4)["status"] == "paused"
+    assert not list(tmp_path.glob(".*tmp*"))  # the temp file was renamed into place
+
+
+def test_corrupted_byte_is_detected(tmp_path, populated, small_schema):
+    path = save_snapshot(populated, tmp_path / "index.snap")
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x01  # a bit flip inside the tensor data
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorrupt, match="checksum"):
+        load_snapshot(path, small_schema)
+
+
+def test_truncated_file_is_detected(tmp_path, populated, small_schema):
+    path = save_snapshot(populated, tmp_path / "index.snap")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(SnapshotCorrupt):
+        load_snapshot(path, small_schema)
+
+
+def test_snapshot_of_another_schema_is_refused(tmp_path, populated):
+    path = save_snapshot(populated, tmp_path / "index.snap")
+    other = schema_from_dict({**SMALL_SCHEMA, "version": 2})
+    with pytest.raises(SnapshotCorrupt, match="schema"):
+        load_snapshot(path, other)

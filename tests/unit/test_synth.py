@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from andromeda_core.ingest import load_events, read_events
+from andromeda_core.index import AdIndex
+from andromeda_core.retriever import Retriever
+from andromeda_core.synth import WorldConfig, synthesize, truth_scores
+from andromeda_core.types import parse_request
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, default_schema):
+    out = tmp_path_factory.mktemp("world")
+    return synthesize(WorldConfig(ads=3000, users=40, seed=3, chunk=700), out, default_schema, workers=2, progress=False)
+
+
+def test_same_seed_same_world(world, tmp_path, default_schema):
+    again = synthesize(WorldConfig(ads=3000, users=40, seed=3, chunk=700), tmp_path, default_schema, workers=1, progress=False)
+    for name in ("events.jsonl", "requests.jsonl", "engagements.jsonl"):
+        assert (world / name).read_bytes() == (again / name).read_bytes()
+    other = synthesize(WorldConfig(ads=3000, users=40, seed=4, chunk=700), tmp_path / "o", default_schema, workers=1, progress=False)
+    assert (world / "events.jsonl").read_bytes() != (other / "events.jsonl").read_bytes()
+
+
+def test_world_is_valid_and_varied(world, default_schema, scorer):
+    events = [e for batch in read_events(world / "events.jsonl") for e in batch]
+    upserts = [e.ad for e in events if e.op == "upsert"]
+    ops = {e.op for e in events}
+    assert ops == {"upsert", "pause", "delete"} and len({a.ad_id for a in upserts}) == 3000
+    targeted = [a.targeting for a in upserts]
+    assert any("all_of" in r for t in targeted for r in t.values())
+    assert any("none_of" in r for t in targeted for r in t.values())
+    assert sum(not t for t in targeted) > 50 and sum(len(t) >= 3 for t in targeted) > 50  # broad and narrow
+    assert any(a.status == "paused" for a in upserts) and any(a.end_time for a in upserts)
+    index = AdIndex(default_schema, scorer.dim)
+    load_events(index, default_schema, scorer, read_events(world / "events.jsonl"))
+    requests = [parse_request(line) for line in (world / "requests.jsonl").read_text().splitlines()]
+    responses = Retriever(index, scorer).retrieve(requests[:8])
+    assert all(0 < r.eligible < len(index) and len(r.ads) == 100 for r in responses)
+
+
+def test_engagement_follows_the_truth(world):
+    truth = np.load(world / "truth.npz")
+    log = [json.loads(line) for line in (world / "engagements.jsonl").read_text().splitlines()]
+    clicked = {True: [], False: []}
+    for e in log:
+        score = truth_scores(truth["user_latent"][e["user_id"] - 1], truth["ad_latent"][[e["ad_id"] - 1]],
+                             truth["ad_quality"][[e["ad_id"] - 1]])[0]
+        clicked[e["event"] == "click"].append(score)
+    assert np.mean(clicked[True]) > np.mean(clicked[False]) + 0.5
