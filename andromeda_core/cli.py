@@ -71,6 +71,29 @@ def cmd_retrieve(args: argparse.Namespace) -> None:
             print(response.model_dump_json())
 
 
+def cmd_demo(args: argparse.Namespace) -> None:
+    schema = load_schema(args.schema)
+    world = args.out
+    if not (world / "requests.jsonl").exists():
+        print(f"synthesising a demo world of {args.ads} ads and {args.users} users in {world}")
+        synthesize(WorldConfig(ads=args.ads, users=args.users, seed=0), world, schema)
+    retriever = build_retriever(schema, world / "events.jsonl")
+    titles = {}
+    for batch in read_events(world / "events.jsonl"):
+        titles.update({e.ad.ad_id: e.ad.creative.title for e in batch if e.op == "upsert"})
+    requests = read_requests(world / "requests.jsonl", k=5)[: args.show]
+    print(f"\nindex: {len(retriever.index)} live ads, digest {retriever.index.digest()}")
+    for request, response in zip(requests, retriever.retrieve(requests)):
+        a = request.user.attributes
+        print(f"\nuser {request.user.user_id} ({a.get('age')}, {a.get('country')}, interests "
+              f"{', '.join(a.get('interests', [])[:4])}) on {request.context.surface}: "
+              f"{response.eligible} eligible ads, top 5 in {response.took_ms:.1f} ms")
+        for ad in response.ads:
+            print(f"  {ad.score:6.3f}  ad {ad.ad_id:>6}  {titles[ad.ad_id]}")
+    print(f"\nTry it yourself:\n  .venv/bin/andromeda retrieve --events {world}/events.jsonl "
+          f"--request {world}/requests.jsonl --k 10 --quiet | head -3")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andromeda", description=__doc__)
     p.add_argument("--schema", type=Path, default=None, help="targeting schema YAML (default: ANDROMEDA_SCHEMA or the shipped one)")
@@ -95,6 +118,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--now", type=int, default=None, help="server time in seconds for requests without context.ts")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_retrieve)
+
+    s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")
+    s.add_argument("--out", type=Path, default=Path("var/demo"))
+    s.add_argument("--ads", type=int, default=50000)
+    s.add_argument("--users", type=int, default=100)
+    s.add_argument("--show", type=int, default=3, help="requests to print")
+    s.set_defaults(func=cmd_demo)
     return p
 
 

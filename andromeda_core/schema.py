@@ -6,6 +6,7 @@ word); a larger one (big enums, `id` spaces) to fixed-width lists of value indic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ class Category:
     """Most positive groups (any_of, each all_of group, min/max) kept after folding."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    @cached_property
     def size(self) -> int:
         """Number of distinct values; values are indexed 0..size-1."""
         if self.kind == "enum":
@@ -44,11 +45,11 @@ class Category:
             return self.hi - self.lo + 1
         return self.cardinality
 
-    @property
+    @cached_property
     def encoding(self) -> str:
         return "bitset" if self.kind != "id" and self.size <= BITSET_MAX_VALUES else "list"
 
-    @property
+    @cached_property
     def words(self) -> int:
         """int32 words of one bitset (bitset encoding only)."""
         return (self.size + 31) // 32

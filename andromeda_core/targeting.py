@@ -55,11 +55,11 @@ class CompiledTargeting:
 
 
 def _bitset(cat: Category, values: frozenset[int]) -> np.ndarray:
-    """(W,) int32 with bit i set for each value index i."""
-    words = np.zeros(cat.words, dtype=np.uint32)
+    """(W,) int32 with bit i set for each value index i (read-only)."""
+    mask = 0
     for v in values:
-        words[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
-    return words.view(np.int32)
+        mask |= 1 << v
+    return np.frombuffer(mask.to_bytes(4 * cat.words, "little"), dtype="<i4")
 
 
 def _value_set(cat: Category, raw: Any, where: str, allow_empty: bool = False) -> frozenset[int]:

@@ -1,0 +1,31 @@
+# Sourced by scripts/up.sh and scripts/test.sh: make .venv with everything installed, and make sure
+# redis-server exists. Safe to run again: it reinstalls only when pyproject.toml or requirements change.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+apt_install() {
+  echo ">> apt-get install $*"
+  as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+}
+
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [ ! -x .venv/bin/python ]; then
+  echo ">> creating .venv with $PYTHON"
+  "$PYTHON" -m venv .venv 2>/dev/null || { rm -rf .venv; apt_install python3-venv; "$PYTHON" -m venv .venv; }
+fi
+
+STAMP=.venv/.andromeda-installed
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements-cpu.txt -nt "$STAMP" ]; then
+  echo ">> installing Python packages into .venv (first run: a few minutes)"
+  .venv/bin/python -m pip install --upgrade --progress-bar on pip
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/python -m pip install --progress-bar on -r requirements-cpu.txt
+  fi
+  .venv/bin/python -m pip install --progress-bar on -e '.[dev,bench]'
+  touch "$STAMP"
+fi
+
+if [ -z "${REDIS_URL:-}" ] && ! command -v redis-server >/dev/null; then
+  apt_install redis-server
+fi
