@@ -94,6 +94,27 @@ def cmd_demo(args: argparse.Namespace) -> None:
           f"--request {world}/requests.jsonl --k 10 --quiet | head -3")
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from andromeda_core.models.quality import checkpoint_path, load_data
+    from andromeda_core.models.train import TrainConfig, default_config, train
+
+    data = load_data(args.data, args.world)
+    cfg = default_config(args.model, args.seed)
+    if args.steps:
+        cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
+    model = train(data, args.model, cfg)
+    out = args.out or checkpoint_path(data.name, args.model)
+    schema = load_schema(args.schema)
+    model.save(out, {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": args.seed})
+    print(f"wrote {out}")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from andromeda_core.models.quality import quality_report
+
+    print(quality_report(tuple(args.data), args.out, retrain=args.retrain, world=args.world))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andromeda", description=__doc__)
     p.add_argument("--schema", type=Path, default=None, help="targeting schema YAML (default: ANDROMEDA_SCHEMA or the shipped one)")
@@ -118,6 +139,22 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--now", type=int, default=None, help="server time in seconds for requests without context.ts")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_retrieve)
+
+    s = sub.add_parser("train", help="train a retrieval model (checkpoint in safetensors)")
+    s.add_argument("--data", choices=("synthetic", "movielens"), required=True)
+    s.add_argument("--model", choices=("moe", "two_tower", "dense", "ranker"), required=True)
+    s.add_argument("--steps", type=int, default=None, help="override the default number of steps")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
+    s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors)")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("eval", help="quality report of every model on both data sets (writes docs/quality.md)")
+    s.add_argument("--data", nargs="+", choices=("synthetic", "movielens"), default=["synthetic", "movielens"])
+    s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")
+    s.add_argument("--world", type=Path, default=None)
+    s.add_argument("--out", type=Path, default=Path("docs/quality.md"))
+    s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")
     s.add_argument("--out", type=Path, default=Path("var/demo"))

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 
 def _env_int(name: str, default: int, lo: int, hi: int) -> int:
     raw = os.environ.get(name)
@@ -40,6 +42,10 @@ class Settings:
     device: str = "cpu"
     """Torch device of the ad table (ANDROMEDA_DEVICE): cpu, cuda, cuda:1, ..."""
     index: IndexConfig = field(default_factory=IndexConfig)
+    cache_dir: Path = Path(".cache")
+    """Derived data kept between runs: text embeddings, benchmark worlds (ANDROMEDA_CACHE)."""
+    movielens_dir: Path = REPO_ROOT.parent / "shared" / "data" / "ml-latest-small"
+    """MovieLens ml-latest-small CSVs (ANDROMEDA_MOVIELENS)."""
 
 
 def load_settings() -> Settings:
@@ -52,4 +58,6 @@ def load_settings() -> Settings:
         schema_path=Path(os.environ.get("ANDROMEDA_SCHEMA", DEFAULT_SCHEMA_PATH)),
         device=os.environ.get("ANDROMEDA_DEVICE", "cpu"),
         index=index,
+        cache_dir=Path(os.environ.get("ANDROMEDA_CACHE", ".cache")),
+        movielens_dir=Path(os.environ.get("ANDROMEDA_MOVIELENS", Settings.movielens_dir)),
     )

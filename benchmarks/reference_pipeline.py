@@ -129,7 +129,7 @@ def main() -> None:
                      f"{r['total']*1e3:.1f} | {pairs / r['total'] / 1e6:.1f} | {r['faiss']*1e3:.1f} | "
                      f"{pairs / r['faiss'] / 1e6:.1f} | {r['faiss'] / r['total']:.2f}x | "
                      f"{r['gbs'] / bandwidth:.1%} | {r['gflops'] / gflops:.2%} |")
-    body = f"""## Reference pipeline on CPU vs FAISS IndexFlatIP
+    body = f"""## Reference pipeline on CPU vs FAISS IndexFlatIP ({', '.join(f'{n:,}' for n in args.ads)} ads)
 
 `python -m benchmarks.reference_pipeline --ads {' '.join(map(str, args.ads))} --batch {' '.join(map(str, args.batch))} --threads {args.threads}`
 
@@ -144,7 +144,7 @@ ad-table bytes read / total time / measured bandwidth; FLOP share = 2*D*ads*batc
 """
     print(body)
     if not args.no_write:
-        write_section("reference_pipeline", body)
+        write_section(f"reference_pipeline_{'_'.join(map(str, args.ads))}", body)
 
 
 if __name__ == "__main__":

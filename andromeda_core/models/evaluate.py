@@ -1,0 +1,93 @@
+"""Offline quality: full-corpus ranking per user (history excluded), HR@K, NDCG@10, recall of the
+ranker's and (synthetic) the true top-100 inside a model's top-1000, FLOPs per pair, bytes per ad."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+from andromeda_core.models.recdata import RecData
+from andromeda_core.models.retrieval import RetrievalModel, user_inputs
+from andromeda_core.synth import truth_scores
+
+TOP = 1000
+
+
+def quantize(stored: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Stored vectors as the index would hold them, dequantised: fp32, fp16, or int8 with a per-ad scale."""
+    if dtype == "fp32":
+        return stored
+    if dtype == "fp16":
+        return stored.half().float()
+    scale = stored.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    return (stored / scale).round().clamp(-127, 127) * scale
+
+
+def bytes_per_ad(model: RetrievalModel, dtype: str) -> int:
+    S = model.dims.stored
+    stored = {"fp32": 4 * S, "fp16": 2 * S, "int8": S + 4}[dtype]
+    return stored + (2 * 384 if model.kind == "ranker" else 0)  # the ranker also reads the text embedding
+
+
+@dataclass
+class Ranking:
+    top: np.ndarray  # (U, TOP) item rows, best first
+    target_rank: np.ndarray  # (U,) 0-based rank of the held-out item (>= TOP: not found)
+
+
+@torch.no_grad()
+def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: str = "fp32",
+               batch: int = 16, chunk: int = 4096, progress: bool = True) -> Ranking:
+    stored = quantize(model.item_vectors(data.items), dtype)
+    text = torch.from_numpy(data.items.text).float()
+    tops, ranks = [], []
+    for first in tqdm(range(0, len(users), batch), desc=f"rank {model.kind} {dtype}", disable=not progress):
+        us = users[first:first + batch]
+        positions = np.array([data.split(u)[1] for u in us])
+        state = model.users(user_inputs(data, stored, us, positions))
+        scores = torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk])
+                            for a in range(0, len(stored), chunk)], 1)
+        for i, (u, p) in enumerate(zip(us, positions)):
+            scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
+        targets = torch.tensor([data.users.items[u][p] for u, p in zip(us, positions)])
+        target_scores = scores[torch.arange(len(us)), targets]
+        ranks.append((scores > target_scores[:, None]).sum(1).numpy())
+        tops.append(scores.topk(min(TOP, scores.shape[1]), dim=1).indices.numpy())
+    return Ranking(np.concatenate(tops), np.concatenate(ranks))
+
+
+def hit_metrics(r: Ranking) -> dict[str, float]:
+    rank = r.target_rank
+    return {"HR@10": float(np.mean(rank < 10)), "HR@50": float(np.mean(rank < 50)), "HR@200": float(np.mean(rank < 200)),
+            "NDCG@10": float(np.mean(np.where(rank < 10, 1 / np.log2(rank + 2), 0.0)))}
+
+
+def recall_within(reference_top100: np.ndarray, model_top: np.ndarray) -> float:
+    """Mean share of each user's reference top-100 found inside the model's top-1000."""
+    return float(np.mean([len(set(ref) & set(top)) / len(ref) for ref, top in zip(reference_top100, model_top)]))
+
+
+def true_top100(data: RecData, users: np.ndarray) -> np.ndarray:
+    """(U, 100) item rows with the highest true affinity, history excluded (synthetic data only)."""
+    out = []
+    for u in users:
+        truth = truth_scores(data.truth["user_latent"][u], data.truth["ad_latent"], data.truth["ad_quality"])
+        truth[data.users.items[u][: data.split(u)[1]]] = -np.inf
+        out.append(np.argsort(-truth, kind="stable")[:100])
+    return np.array(out)
+
+
+def counted_flops_per_pair(model: RetrievalModel, data: RecData, n: int = 512) -> float:
+    """FLOPs torch.utils.flop_counter counts (matmul-type ops only) scoring n candidates for one request."""
+    with torch.no_grad():
+        stored = model.item_vectors(data.items, np.arange(n))
+        user = data.eval_users()[:1]
+        state = model.users(user_inputs(data, stored.new_zeros((len(data.items.ids), stored.shape[1])), user,
+                                        np.array([data.split(user[0])[1]])))
+        text = torch.from_numpy(data.items.text[:n]).float()
+        with FlopCounterMode(display=False) as counter:
+            model.score(state, stored, text)
+    return counter.get_total_flops() / n

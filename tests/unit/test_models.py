@@ -1,0 +1,113 @@
+"""Retrieval models: shapes, masking, determinism, top-n routing, overfitting, checkpoints, int8."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from andromeda_core.models.evaluate import quantize
+from andromeda_core.models.heads import MoEHead
+from andromeda_core.models.recdata import Items, RecData, Users
+from andromeda_core.models.retrieval import RetrievalModel, user_inputs
+from andromeda_core.models.towers import Dims, UserState
+from andromeda_core.models.train import TrainConfig, train
+
+DIMS = Dims(dim=16, gate=8, semantic=8, interests=2, categories=5)
+
+
+
+def tiny_data(n_items: int = 40, n_users: int = 12, seed: int = 0) -> RecData:
+    """Users engage with the items of one 'taste' block each; texts differ by block."""
+    rng = np.random.default_rng(seed)
+    text = rng.standard_normal((n_items, 384)).astype(np.float16)
+    items = Items(ids=np.arange(1, n_items + 1), text=text, category=np.arange(n_items) % 4,
+                  advertiser=np.arange(n_items) % 7, bid=np.ones(n_items, np.float32), categories=["a", "b", "c", "d"])
+    seqs = [np.array([(u * 3 + j) % n_items for j in range(6)]) for u in range(n_users)]
+    users = Users(items=seqs, events=[np.ones(6, np.int64) for _ in seqs], times=[np.arange(6) * 3600 for _ in seqs],
+                  cohorts=[[u % 3] for u in range(n_users)], co_items=[[int(s[0])] for s in seqs],
+                  context=np.zeros((n_users, 3), np.int64), now=np.full(n_users, 6 * 3600))
+    return RecData("tiny", items, users)
+
+
+@pytest.mark.parametrize("kind", ["moe", "two_tower", "dense", "ranker"])
+def test_shapes_and_masking(kind):
+    torch.manual_seed(0)
+    data, model = tiny_data(), RetrievalModel(kind, DIMS)
+    stored = model.item_vectors(data.items)
+    assert stored.shape == (40, DIMS.stored)
+    inputs = user_inputs(data, stored, np.array([0, 1, 2]), np.array([3, 0, 5]))
+    assert inputs.hist.shape == (3, 30, DIMS.stored) and inputs.hist_mask.sum(1).tolist() == [3, 0, 5]
+    state = model.users(inputs)
+    assert state.experts.shape == (3, DIMS.experts, DIMS.dim) and state.keys.shape == (3, DIMS.experts, DIMS.gate)
+    assert state.mask[1].tolist() == [True, False, True, False, True]  # no history: only interest 0, cohort, co
+    scores = model.score(state, stored, torch.from_numpy(data.items.text).float())
+    assert scores.shape == (3, 40) and torch.isfinite(scores).all()
+    # Padding is inert: the same history with different padded-out values scores the same.
+    inputs.hist[1] = torch.randn_like(inputs.hist[1])
+    assert torch.allclose(model.score(model.users(inputs), stored, torch.from_numpy(data.items.text).float())[1], scores[1])
+
+
+def test_gating_routes_each_candidate_to_its_top_n_experts():
+    d = Dims(dim=4, gate=2, semantic=2, interests=2)
+    head = MoEHead(d, top_n=2)
+    keys = torch.tensor([[[1.0, 0], [0, 1.0], [-1.0, 0], [0, -1.0], [0.5, 0.5]]])  # (1, E=5, G)
+    experts = torch.arange(5.0)[None, :, None].expand(1, 5, 4).clone()  # expert e scores e * sum(a)
+    mask = torch.tensor([[True, True, True, False, True]])
+    q = torch.tensor([[1.0, 0.2], [0.0, -1.0]])  # candidate 0 prefers experts 0, 4; candidate 1 expert 3 (masked) then 2
+    gates = head.gates(UserState(experts, keys, mask), q)
+    assert (gates[0, :, 0] > 0).tolist() == [True, False, False, False, True]
+    assert (gates[0, :, 1] > 0).tolist() == [False, False, True, False, True] or (gates[0, :, 1] > 0).sum() == 2
+    assert gates[0, 3].abs().sum() == 0 and torch.allclose(gates.sum(1), torch.ones(1, 2))
+    a = torch.zeros(2, d.stored)
+    a[:, :4] = 1.0
+    a[:, 4:6] = q
+    score = head.score(UserState(experts, keys, mask), a)
+    expected = (gates[0] * torch.arange(5.0)[:, None] * 4).sum(0)
+    assert torch.allclose(score[0], expected)
+
+
+def test_training_is_deterministic_for_a_seed():
+    data = tiny_data()
+    cfg = TrainConfig(steps=5, batch=8, negatives=4, seed=3)
+    a, b = train(data, "moe", cfg, progress=False), train(data, "moe", cfg, progress=False)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def train_hit_rate(model: RetrievalModel, data: RecData, k: int = 3) -> float:
+    """Share of training examples whose target ranks in the top k over all items."""
+    examples = data.train_examples()
+    with torch.no_grad():
+        stored = model.item_vectors(data.items)
+        state = model.users(user_inputs(data, stored, examples[:, 0], examples[:, 1]))
+        scores = model.score(state, stored, torch.from_numpy(data.items.text).float())
+    targets = torch.tensor([data.users.items[u][p] for u, p in examples])
+    return float((scores.topk(k, dim=1).indices == targets[:, None]).any(1).float().mean())
+
+
+@pytest.mark.parametrize("kind", ["moe", "two_tower", "dense", "ranker"])
+def test_tiny_model_overfits_tiny_data(kind):
+    data = tiny_data()
+    before = train_hit_rate(RetrievalModel(kind, DIMS), data)
+    model = train(data, kind, TrainConfig(steps=250, batch=16, negatives=16, lr=5e-3, seed=1), progress=False)
+    after = train_hit_rate(model, data)
+    assert after >= 0.9 > before
+
+
+def test_checkpoint_round_trip(tmp_path):
+    data = tiny_data()
+    model = train(data, "moe", TrainConfig(steps=3, batch=8, negatives=4), progress=False)
+    model.save(tmp_path / "m.safetensors", {"data": "tiny", "schema_version": 1})
+    loaded, config = RetrievalModel.load(tmp_path / "m.safetensors")
+    assert config["model"] == "moe" and config["data"] == "tiny" and config["dims"]["dim"] == 64
+    with torch.no_grad():
+        assert torch.equal(model.item_vectors(data.items), loaded.item_vectors(data.items))
+
+
+def test_int8_quantisation_error_is_bounded():
+    stored = torch.randn(257, 37)
+    q = quantize(stored, "int8")
+    step = stored.abs().amax(1, keepdim=True) / 127
+    assert ((q - stored).abs() <= step / 2 + 1e-6).all()
+    assert torch.allclose(quantize(stored, "fp16"), stored, atol=1e-2, rtol=1e-3)
+    assert torch.equal(quantize(stored, "fp32"), stored)
