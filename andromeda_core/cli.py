@@ -14,7 +14,9 @@ from andromeda_core.config import load_settings
 from andromeda_core.errors import AndromedaError
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import load_events, read_events
+from andromeda_core.models.serving import ModelScorer
 from andromeda_core.models.two_tower import HashedTwoTower
+from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever
 from andromeda_core.schema import Schema, load_schema
 from andromeda_core.synth import WorldConfig, synthesize
@@ -23,11 +25,14 @@ from andromeda_core.types import RetrieveRequest, parse_request
 REQUEST_BATCH = 16  # requests sharing one pass over the table
 
 
-def build_retriever(schema: Schema, events: Path, progress: bool = True) -> Retriever:
-    """An in-process index loaded from an events JSONL file, with the baseline scorer."""
+def build_retriever(schema: Schema, events: Path, progress: bool = True, model: Path | None = None,
+                    storage: str = "fp32") -> Retriever:
+    """An in-process index loaded from an events JSONL file, scored by a trained model checkpoint
+    (or, without one, the untrained hashed two-tower baseline)."""
     settings = load_settings()
-    scorer = HashedTwoTower()
-    index = AdIndex(schema, scorer.dim, capacity=settings.index.initial_capacity, device=settings.device)
+    scorer = ModelScorer.load(model, schema) if model else HashedTwoTower()
+    index = AdIndex(schema, scorer.dim, capacity=settings.index.initial_capacity, device=settings.device,
+                    embedding_dtype=STORAGE[storage])
     with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", disable=not progress,
               file=sys.stderr, miniters=1 << 20) as bar:
         load_events(index, schema, scorer, read_events(events, on_bytes=bar.update))
@@ -65,7 +70,7 @@ def cmd_synth(args: argparse.Namespace) -> None:
 def cmd_retrieve(args: argparse.Namespace) -> None:
     schema = load_schema(args.schema)
     requests = read_requests(args.request, args.k)
-    retriever = build_retriever(schema, args.events, progress=not args.quiet)
+    retriever = build_retriever(schema, args.events, progress=not args.quiet, model=args.model, storage=args.storage)
     for first in range(0, len(requests), REQUEST_BATCH):
         for response in retriever.retrieve(requests[first:first + REQUEST_BATCH], now=args.now):
             print(response.model_dump_json())
@@ -77,7 +82,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if not (world / "requests.jsonl").exists():
         print(f"synthesising a demo world of {args.ads} ads and {args.users} users in {world}")
         synthesize(WorldConfig(ads=args.ads, users=args.users, seed=0), world, schema)
-    retriever = build_retriever(schema, world / "events.jsonl")
+    retriever = build_retriever(schema, world / "events.jsonl", model=args.model, storage=args.storage)
     titles = {}
     for batch in read_events(world / "events.jsonl"):
         titles.update({e.ad.ad_id: e.ad.creative.title for e in batch if e.op == "upsert"})
@@ -95,7 +100,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from andromeda_core.models.quality import checkpoint_path, load_data
+    from andromeda_core.models.quality import checkpoint_meta, checkpoint_path, load_data
     from andromeda_core.models.train import TrainConfig, default_config, train
 
     data = load_data(args.data, args.world)
@@ -104,8 +109,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     model = train(data, args.model, cfg)
     out = args.out or checkpoint_path(data.name, args.model)
-    schema = load_schema(args.schema)
-    model.save(out, {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": args.seed})
+    model.save(out, checkpoint_meta(data, args.seed))
     print(f"wrote {out}")
 
 
@@ -113,6 +117,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from andromeda_core.models.quality import quality_report
 
     print(quality_report(tuple(args.data), args.out, retrain=args.retrain, world=args.world))
+
+
+def add_model_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--model", type=Path, default=None, help="trained checkpoint (default: untrained hashed two-tower)")
+    s.add_argument("--storage", choices=sorted(STORAGE), default="fp32", help="ad vector storage in the index")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -138,6 +147,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--k", type=int, default=None, help="override each request's k")
     s.add_argument("--now", type=int, default=None, help="server time in seconds for requests without context.ts")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_flags(s)
     s.set_defaults(func=cmd_retrieve)
 
     s = sub.add_parser("train", help="train a retrieval model (checkpoint in safetensors)")
@@ -161,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ads", type=int, default=50000)
     s.add_argument("--users", type=int, default=100)
     s.add_argument("--show", type=int, default=3, help="requests to print")
+    add_model_flags(s)
     s.set_defaults(func=cmd_demo)
     return p
 

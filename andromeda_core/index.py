@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from andromeda_core.errors import NotFound
+from andromeda_core.quantization import dequantize, quantize_int8
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import ColumnSpec, CompiledTargeting, MatchInputs, targeting_columns
 from andromeda_core.types import Ad, DeleteEvent, StatusEvent
@@ -40,7 +41,8 @@ IndexOp = Union[PreparedAd, DeleteEvent, StatusEvent]
 
 
 def core_columns(dim: int, embedding_dtype: torch.dtype) -> dict[str, ColumnSpec]:
-    return {
+    scale = {"embedding_scale": ColumnSpec((), torch.float32, 0)} if embedding_dtype == torch.int8 else {}
+    return {**scale,
         "ad_id": ColumnSpec((), torch.int64, -1),
         "version": ColumnSpec((), torch.int64, -1),
         "advertiser_id": ColumnSpec((), torch.int64, -1),
@@ -113,10 +115,19 @@ class AdIndex:
     def slot_of(self, ad_id: int) -> int | None:
         return self._slot_of.get(ad_id)
 
-    def embeddings_of(self, ad_ids: Sequence[int]) -> torch.Tensor:
-        """(n, D) stored embeddings of the indexed ads among `ad_ids` (unknown ids are skipped)."""
-        slots = [s for s in (self._slot_of.get(a) for a in ad_ids) if s is not None]
-        return self.columns["embedding"][slots].float()
+    def embeddings(self, start: int, stop: int) -> torch.Tensor:
+        """(stop - start, D) float32 stored embeddings of slots [start, stop), dequantised."""
+        scale = self.columns["embedding_scale"][start:stop] if "embedding_scale" in self.columns else None
+        return dequantize(self.columns["embedding"][start:stop], scale)
+
+    def embeddings_of(self, ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, D) float32 stored embeddings of `ad_ids` (zeros where not indexed) and found (n,) bool."""
+        slots = [self._slot_of.get(a, -1) for a in ad_ids]
+        found = torch.tensor([s >= 0 for s in slots], dtype=torch.bool)
+        index = torch.tensor([max(s, 0) for s in slots], dtype=torch.int64, device=self.device)
+        scale = self.columns["embedding_scale"][index] if "embedding_scale" in self.columns else None
+        vectors = dequantize(self.columns["embedding"][index], scale).cpu()
+        return vectors * found[:, None], found
 
     def get(self, ad_id: int) -> dict:
         """The indexed state of one ad."""
@@ -275,7 +286,7 @@ class AdIndex:
         n = len(batch.rows)
         if n:
             values: dict[str, np.ndarray] = {
-                name: np.full((n, *spec.shape), spec.fill, dtype=_numpy_dtype(spec.dtype))
+                name: np.full((n, *spec.shape), spec.fill, dtype=np.float32 if name == "embedding" else _numpy_dtype(spec.dtype))
                 for name, spec in self.specs.items() if name not in ("status", "version")
             }
             for i, prepared in enumerate(batch.rows.values()):
@@ -286,6 +297,9 @@ class AdIndex:
                 values["embedding"][i] = prepared.embedding
                 for name, row in prepared.targeting.rows.items():
                     values[name][i] = row
+            if "embedding_scale" in values:
+                q, scale = quantize_int8(torch.from_numpy(values["embedding"]))
+                values["embedding"], values["embedding_scale"] = q.numpy(), scale.numpy()
             slots = torch.tensor(list(batch.rows), dtype=torch.int64, device=self.device)
             for name, array in values.items():
                 self.columns[name][slots] = torch.from_numpy(array).to(self.device, self.specs[name].dtype)

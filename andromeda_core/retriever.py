@@ -24,10 +24,10 @@ class Retriever:
         started = time.perf_counter()
         server_now = int(time.time()) if now is None else now
         compiled = [compile_user(self.index.schema, r.user.attributes, r.context.targeting_values()) for r in requests]
-        inputs = match_inputs(self.index.schema, [c[0] for c in compiled],
-                              [server_now if r.context.ts is None else r.context.ts for r in requests], self.index.device)
+        nows = [server_now if r.context.ts is None else r.context.ts for r in requests]
+        inputs = match_inputs(self.index.schema, [c[0] for c in compiled], nows, self.index.device)
         with self.index.reading():
-            users = self.scorer.encode_users(requests, self.index.embeddings_of)
+            users = self.scorer.encode_users(requests, self.index.embeddings_of, nows)
             ids, scores, eligible = self.scan(inputs, users, max(r.k for r in requests))
         took_ms = (time.perf_counter() - started) * 1000
         responses = []
@@ -49,7 +49,7 @@ class Retriever:
             stop = min(start + self.chunk_size, self.index.high_water)
             ok = self.index.match(inputs, start, stop)
             eligible += ok.sum(1)
-            scores = self.scorer.score(users, cols["embedding"][start:stop])
+            scores = self.scorer.score(users, self.index.embeddings(start, stop))
             ids = cols["ad_id"][start:stop].expand(B, -1)
             best_ids, best_scores = topk_by_score_then_id(
                 torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1),

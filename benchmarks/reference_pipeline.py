@@ -50,11 +50,11 @@ def stage_times(retriever: Retriever, requests, repeats: int) -> dict[str, float
     schema, chunk = index.schema, retriever.chunk_size
     users = [compile_user(schema, r.user.attributes, r.context.targeting_values())[0] for r in requests]
     inputs = match_inputs(schema, users, [r.context.ts for r in requests])
-    user_state = scorer.encode_users(requests, index.embeddings_of)
+    user_state = scorer.encode_users(requests, index.embeddings_of, inputs.now.tolist())
     spans = [(s, min(s + chunk, index.high_water)) for s in range(0, index.high_water, chunk)]
-    emb, ids = index.columns["embedding"], index.columns["ad_id"]
+    ids = index.columns["ad_id"]
     oks = [index.match(inputs, a, b) for a, b in spans]
-    scores = [scorer.score(user_state, emb[a:b]) for a, b in spans]
+    scores = [scorer.score(user_state, index.embeddings(a, b)) for a, b in spans]
     B = len(requests)
 
     def topk_only():
@@ -66,7 +66,7 @@ def stage_times(retriever: Retriever, requests, repeats: int) -> dict[str, float
 
     return {
         "match": median_seconds(lambda: [index.match(inputs, a, b) for a, b in spans], repeats),
-        "score": median_seconds(lambda: [scorer.score(user_state, emb[a:b]) for a, b in spans], repeats),
+        "score": median_seconds(lambda: [scorer.score(user_state, index.embeddings(a, b)) for a, b in spans], repeats),
         "topk": median_seconds(topk_only, repeats),
         "total": median_seconds(lambda: retriever.retrieve(requests), repeats),
     }

@@ -1,7 +1,10 @@
 """Retrieval models. A Scorer has an ad tower (`encode_ads`, run at publish time, stored in the
 index), user towers (`encode_users`, once per request) and a pairwise `score` the scan applies.
 
-- two_tower.HashedTwoTower: dot product of hashed-content towers (the baseline).
+- two_tower.HashedTwoTower: dot product of hashed-content towers (untrained content baseline).
+- serving.ModelScorer: a trained RetrievalModel (MoE or a baseline head) behind this interface.
+- towers / heads / retrieval: the trained models; recdata / train / evaluate / quality: their data,
+  training and offline quality report.
 """
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ import torch
 
 from andromeda_core.types import Ad, RetrieveRequest
 
-EmbeddingLookup = Callable[[Sequence[int]], torch.Tensor]
-"""ad ids -> (n, D) stored embeddings of those that are indexed."""
+EmbeddingLookup = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
+"""ad ids (n,) -> (stored vectors (n, D) float32, zeros where not indexed; found (n,) bool)."""
 
 
 class Scorer(Protocol):
@@ -22,8 +25,8 @@ class Scorer(Protocol):
     def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
         """(n, D) float32 ad embeddings, as stored in the index."""
 
-    def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup) -> Any:
-        """Per-request user state consumed by `score` (run once per request)."""
+    def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> Any:
+        """Per-request user state consumed by `score` (run once per request); now (B,) seconds."""
 
     def score(self, users: Any, ads: torch.Tensor) -> torch.Tensor:
         """users for B requests, ads (n, D) -> (B, n) float32 scores."""

@@ -10,20 +10,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from andromeda_core.models.recdata import RecData
+from andromeda_core.quantization import round_trip
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.synth import truth_scores
 
 TOP = 1000
-
-
-def quantize(stored: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Stored vectors as the index would hold them, dequantised: fp32, fp16, or int8 with a per-ad scale."""
-    if dtype == "fp32":
-        return stored
-    if dtype == "fp16":
-        return stored.half().float()
-    scale = stored.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
-    return (stored / scale).round().clamp(-127, 127) * scale
 
 
 def bytes_per_ad(model: RetrievalModel, dtype: str) -> int:
@@ -41,7 +32,7 @@ class Ranking:
 @torch.no_grad()
 def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: str = "fp32",
                batch: int = 16, chunk: int = 4096, progress: bool = True) -> Ranking:
-    stored = quantize(model.item_vectors(data.items), dtype)
+    stored = round_trip(model.item_vectors(data.items), dtype)
     text = torch.from_numpy(data.items.text).float()
     tops, ranks = [], []
     for first in tqdm(range(0, len(users), batch), desc=f"rank {model.kind} {dtype}", disable=not progress):

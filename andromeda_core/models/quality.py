@@ -36,12 +36,18 @@ def checkpoint_path(data: str, kind: str) -> Path:
     return load_settings().cache_dir / "models" / f"{data}-{kind}.safetensors"
 
 
+def checkpoint_meta(data: RecData, seed: int) -> dict:
+    schema = load_schema()
+    return {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": seed,
+            "categories": data.items.categories}
+
+
 def get_model(data: RecData, kind: str, retrain: bool, seed: int = 0) -> RetrievalModel:
     path = checkpoint_path(data.name, kind)
     if path.exists() and not retrain:
         return RetrievalModel.load(path)[0]
     model = train(data, kind, default_config(kind, seed))
-    model.save(path, {"data": data.name, "schema": load_schema().name, "schema_version": load_schema().version, "seed": seed})
+    model.save(path, checkpoint_meta(data, seed))
     return model
 
 

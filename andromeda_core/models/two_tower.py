@@ -43,7 +43,8 @@ class HashedTwoTower:
     def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
         return self._embed([tokenize(f"{a.creative.title} {a.creative.body} {a.creative.category}") for a in ads])
 
-    def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup) -> torch.Tensor:
+    def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup,
+                     now: Sequence[int] = ()) -> torch.Tensor:
         """-> (B, D) user embeddings."""
         texts = []
         for r in requests:
@@ -53,9 +54,9 @@ class HashedTwoTower:
         content = self._embed(texts)
         history = torch.zeros_like(content)
         for b, r in enumerate(requests):
-            engaged = lookup([h.ad_id for h in r.user.history if h.event in POSITIVE_EVENTS])
-            if len(engaged):
-                history[b] = F.normalize(engaged.mean(0), dim=0)
+            engaged, found = lookup([h.ad_id for h in r.user.history if h.event in POSITIVE_EVENTS])
+            if found.any():
+                history[b] = F.normalize(engaged[found].mean(0), dim=0)
         return F.normalize(content + history, dim=1)
 
     def score(self, users: torch.Tensor, ads: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ def test_retrieve_returns_best_eligible_in_order(small_schema, scorer, ad_list, 
     assert got == sorted(got, key=lambda p: (-p[1], p[0]))
     # Nothing left out scores better than the worst returned ad.
     if got:
-        emb = {i: scorer.score(scorer.encode_users([request], index.embeddings_of), index.embeddings_of([i]))[0, 0].item()
+        emb = {i: scorer.score(scorer.encode_users([request], index.embeddings_of), index.embeddings_of([i])[0])[0, 0].item()
                for i in eligible}
         worst = got[-1]
         assert all((-s, i) >= (-worst[1], worst[0]) for i, s in emb.items() if i not in {g[0] for g in got})

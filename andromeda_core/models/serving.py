@@ -1,0 +1,84 @@
+"""A trained RetrievalModel behind the retriever's Scorer interface.
+
+encode_ads runs the ad tower (MiniLM text embedding of title and body, creative category,
+advertiser, bid) at publish time; the index stores its (S,) output. encode_users runs the user
+towers once per request on the stored vectors of the ads in the user's history and cross-surface
+engagements (looked up in the index), the cohorts and the serving context. score applies the head.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from andromeda_core.models import EmbeddingLookup
+from andromeda_core.models.recdata import EVENTS
+from andromeda_core.models.retrieval import CO_ITEMS, COHORTS, HISTORY, RetrievalModel
+from andromeda_core.models.text import encode_texts
+from andromeda_core.models.towers import UserInputs, UserState
+from andromeda_core.schema import Schema
+from andromeda_core.types import Ad, RetrieveRequest
+
+
+class ModelScorer:
+    def __init__(self, model: RetrievalModel, categories: Sequence[str], schema: Schema):
+        self.model, self.name = model.eval(), model.kind
+        self.dim = model.dims.stored
+        self.categories = {c: i for i, c in enumerate(categories)}  # unknown -> len(categories)
+        self.surface, self.placement = schema.by_name.get("surface"), schema.by_name.get("placement")
+
+    @classmethod
+    def load(cls, path: str | Path, schema: Schema) -> "ModelScorer":
+        model, config = RetrievalModel.load(path)
+        if "categories" not in config:
+            raise ValueError(f"{path}: checkpoint has no category vocabulary; retrain it with `andromeda train`")
+        return cls(model, config["categories"], schema)
+
+    @torch.no_grad()
+    def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
+        if not ads:
+            return torch.zeros((0, self.dim))
+        text = encode_texts([f"{a.creative.title}. {a.creative.body}" for a in ads])
+        category = [self.categories.get(a.creative.category, len(self.categories)) for a in ads]
+        return self.model.ad_tower(torch.from_numpy(text), torch.tensor(category), torch.tensor([a.advertiser_id for a in ads]),
+                                   torch.tensor([a.bid for a in ads], dtype=torch.float32))
+
+    def _context(self, r: RetrieveRequest, now: int) -> list[int]:
+        def index(cat, value) -> int:
+            i = cat.value_index(value) if cat is not None and value is not None else None
+            return 0 if i is None else i + 1
+        return [index(self.surface, r.context.surface), index(self.placement, r.context.placement), now // 3600 % 24]
+
+    @torch.no_grad()
+    def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> UserState:
+        B, S = len(requests), self.dim
+        hist = torch.zeros((B, HISTORY, S))
+        hist_event = torch.zeros((B, HISTORY), dtype=torch.int64)
+        hist_age = torch.zeros((B, HISTORY))
+        hist_mask = torch.zeros((B, HISTORY), dtype=torch.bool)
+        co = torch.zeros((B, CO_ITEMS, S))
+        co_mask = torch.zeros((B, CO_ITEMS), dtype=torch.bool)
+        cohorts = torch.full((B, COHORTS), -1, dtype=torch.int64)
+        for b, r in enumerate(requests):
+            events = sorted(r.user.history, key=lambda h: h.ts)[-HISTORY:]
+            if events:
+                vectors, found = lookup([h.ad_id for h in events])
+                n = len(events)
+                hist[b, :n], hist_mask[b, :n] = vectors, found
+                hist_event[b, :n] = torch.tensor([EVENTS.index(h.event) for h in events])
+                hist_age[b, :n] = torch.tensor([max(0, now[b] - h.ts) / 3600 for h in events]) * found
+            engaged = r.user.co_engagement[-CO_ITEMS:]
+            if engaged:
+                co[b, : len(engaged)], co_mask[b, : len(engaged)] = lookup([c.ad_id for c in engaged])
+            held = r.user.cohorts[-COHORTS:]
+            cohorts[b, : len(held)] = torch.tensor(held, dtype=torch.int64)
+        context = torch.tensor([self._context(r, t) for r, t in zip(requests, now)], dtype=torch.int64)
+        inputs = UserInputs(hist, hist_event, hist_age, hist_mask, cohorts, cohorts >= 0, co, co_mask,
+                            context.reshape(B, 3))
+        return self.model.users(inputs)
+
+    @torch.no_grad()
+    def score(self, users: UserState, ads: torch.Tensor) -> torch.Tensor:
+        return self.model.score(users, ads)
