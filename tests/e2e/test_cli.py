@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -55,3 +56,17 @@ def test_bad_event_line_exits_2_naming_line_and_field(world, tmp_path):
     request.write_text('{"user": {"user_id": 1}}')
     result = andromeda("retrieve", "--events", str(events), "--request", str(request), check=False)
     assert result.returncode == 2 and f"{events}:2.version" in result.stderr and result.stdout == ""
+
+
+def test_train_writes_a_checkpoint_the_retriever_serves(world, tmp_path):
+    checkpoint = tmp_path / "moe.safetensors"
+    env_cache = {"ANDROMEDA_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "train", "--data", "synthetic", "--model", "moe",
+                             "--world", str(world), "--steps", "3", "--out", str(checkpoint)],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, **env_cache})
+    assert result.returncode == 0, result.stderr
+    request = tmp_path / "req.json"
+    request.write_text((world / "requests.jsonl").read_text().splitlines()[0])
+    out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(request), "--k", "3",
+                    "--model", str(checkpoint), "--storage", "int8", "--quiet")
+    assert len(json.loads(out.stdout)["ads"]) == 3
