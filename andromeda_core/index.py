@@ -198,6 +198,15 @@ class AdIndex:
         index._tombstones = dict(zip(tensors["tombstones.ad_id"].tolist(), tensors["tombstones.version"].tolist()))
         return index
 
+    def adopt(self, other: "AdIndex") -> None:
+        """Take over `other`'s content (e.g. a restored snapshot) in one step that scans see whole."""
+        if other.schema != self.schema or other.dim != self.dim:
+            raise ValueError("can only adopt an index with the same schema and embedding width")
+        with self._lock:
+            self.specs, self.columns = other.specs, other.columns
+            self._slot_of, self._tombstones, self._free = other._slot_of, other._tombstones, other._free
+            self.high_water = other.high_water
+
     # -- writing ---------------------------------------------------------------------------------
 
     def apply(self, ops: Sequence[IndexOp]) -> list[bool]:

@@ -1,0 +1,199 @@
+"""Per-replica stream consumer: XREAD (no consumer group: every replica sees every entry) from the
+last applied id, apply this shard's entries to the index one atomic batch per read, idempotently.
+
+Invalid entries go to the dead-letter stream with the reason and never stop the consumer. Transient
+Redis errors are retried with backoff. If the stream was trimmed past the last applied id (a gap),
+the consumer reloads the newest snapshot and replays from there.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import redis
+
+from andromeda_core.index import AdIndex
+from andromeda_core.schema import Schema
+from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
+from index_updater.records import InvalidRecord, decode, event_json, header
+from index_updater.snapshots import SnapshotStore, stream_id_key
+
+log = logging.getLogger(__name__)
+
+
+class StreamGap(RuntimeError):
+    """Entries after the last applied id were trimmed away; the index must be reloaded from a snapshot."""
+
+
+@dataclass
+class ConsumerStats:
+    """Metrics hooks: read by the replica's Prometheus exporter."""
+
+    applied: int = 0  # entries that changed the index
+    stale: int = 0  # entries that were no-ops (not newer than the indexed version)
+    dead_letters: int = 0
+    newest_published_ms: int = 0  # publish time of the newest applied entry of this shard
+    last_id: str = "0-0"
+    index_size: int = 0
+    recoveries: int = 0
+    apply_latency_ms: list[float] = field(default_factory=list)  # published -> servable, last 10k entries
+
+    def lag_seconds(self, now: float | None = None) -> float:
+        if not self.newest_published_ms:
+            return 0.0
+        return max(0.0, (now if now is not None else time.time()) - self.newest_published_ms / 1000)
+
+
+class ShardConsumer:
+    def __init__(self, client: redis.Redis, index: AdIndex, shard: int = 0, shards: int = 1,
+                 stream: str = DEFAULT_STREAM, snapshots: SnapshotStore | None = None, count: int = 2000,
+                 block_ms: int = 50, snapshot_every_s: float = 60.0, sweep_every_s: float = 10.0, trim: bool = False,
+                 on_applied: Callable[[str], None] | None = None):
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard must be in [0, {shards})")
+        self.client, self.index, self.shard, self.shards = client, index, shard, shards
+        self.stream, self.dead_letter_stream = stream, f"{stream}:dead-letters"
+        self.snapshots, self.count, self.block_ms = snapshots, count, block_ms
+        self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
+        self.on_applied = on_applied
+        self.stats = ConsumerStats(index_size=len(index))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def schema(self) -> Schema:
+        return self.index.schema
+
+    # -- recovery --------------------------------------------------------------------------------
+
+    def recover(self) -> bool:
+        """Load the newest valid snapshot (if any) and continue from the stream id it covers."""
+        if self.snapshots is None:
+            return False
+        found = self.snapshots.newest(self.schema, self.index.device)
+        if found is None:
+            return False
+        restored, meta = found
+        self.index.adopt(restored)
+        self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
+        self.stats.recoveries += 1
+        return True
+
+    def check_gap(self) -> None:
+        """Raise StreamGap when entries after the last applied id may have been trimmed away.
+
+        Conservative: when anything was trimmed and the oldest remaining entry is newer than the last
+        applied id, it is a gap (at worst a needless reload from a snapshot, never a lost update)."""
+        try:
+            info = self.client.xinfo_stream(self.stream)
+        except redis.ResponseError:  # no stream yet
+            return
+        if info["entries-added"] <= info["length"]:
+            return  # nothing was ever removed
+        first = info.get("first-entry")
+        oldest = first[0] if first else info["last-generated-id"]
+        oldest = oldest.decode() if isinstance(oldest, bytes) else oldest
+        applied = stream_id_key(self.stats.last_id)
+        if stream_id_key(oldest) > applied:
+            raise StreamGap(f"stream trimmed up to {oldest}, past the last applied id {self.stats.last_id}")
+
+    # -- consuming -------------------------------------------------------------------------------
+
+    def poll(self, block_ms: int | None = None) -> int:
+        """Read and apply one batch; returns how many entries were read (all shards)."""
+        block = self.block_ms if block_ms is None else block_ms
+        reply = self.client.xread({self.stream: self.stats.last_id}, count=self.count, block=block or None)
+        if not reply:
+            return 0
+        entries = reply[0][1]
+        ops, published, dead = [], [], []
+        for entry_id, fields in entries:
+            try:
+                shard, published_ms = header(fields)
+                if shard != self.shard:
+                    continue
+                ops.append(decode(fields, self.schema, self.index.dim))
+                published.append(published_ms)
+            except InvalidRecord as exc:
+                dead.append((entry_id, fields, exc))
+            except Exception as exc:  # any other malformed content is a poison entry too
+                dead.append((entry_id, fields, InvalidRecord(f"{type(exc).__name__}: {exc}", "entry")))
+        for entry_id, fields, exc in dead:
+            self._dead_letter(entry_id, fields, exc)
+        results = self.index.apply(ops) if ops else []
+        servable_ms = time.time() * 1000
+        last = entries[-1][0]
+        self.stats.last_id = last.decode() if isinstance(last, bytes) else last
+        self.stats.applied += sum(results)
+        self.stats.stale += len(results) - sum(results)
+        self.stats.index_size = len(self.index)
+        if published:
+            self.stats.newest_published_ms = max(self.stats.newest_published_ms, max(published))
+            self.stats.apply_latency_ms = (self.stats.apply_latency_ms + [servable_ms - p for p in published])[-10000:]
+        if self.on_applied:
+            self.on_applied(self.stats.last_id)
+        return len(entries)
+
+    def _dead_letter(self, entry_id, fields: dict, exc: InvalidRecord) -> None:
+        entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        record = {"source_id": entry_id, "stream": self.stream, "reason": exc.message, "field": exc.field or "",
+                  "shard": self.shard, "event": fields.get(b"event", b"")}
+        retry(lambda: self.client.xadd(self.dead_letter_stream, record))
+        self.stats.dead_letters += 1
+        log.warning("dead-lettered %s: %s", entry_id, exc)
+
+    def catch_up(self) -> None:
+        """Apply everything already in the stream (returns once a read comes back empty)."""
+        self.check_gap()
+        while retry(lambda: self.poll(block_ms=0)):
+            pass
+
+    def snapshot(self) -> None:
+        if self.snapshots is None:
+            return
+        self.snapshots.write(self.index, self.stats.last_id, {"shard": self.shard, "shards": self.shards})
+        oldest = self.snapshots.oldest_stream_id()
+        if self.trim and oldest:
+            retry(lambda: self.client.xtrim(self.stream, minid=oldest, approximate=False))
+
+    # -- background loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Consume until stop(): poll, sweep expired ads, snapshot periodically; never dies on one error."""
+        last_snapshot = last_sweep = time.monotonic()
+        delay = 0.05
+        while not self._stop.is_set():
+            try:
+                self.check_gap()
+                self.poll()
+                now = time.monotonic()
+                if now - last_sweep >= self.sweep_every_s:
+                    self.index.sweep_expired(int(time.time()))
+                    last_sweep = now
+                if self.snapshots is not None and now - last_snapshot >= self.snapshot_every_s:
+                    self.snapshot()
+                    last_snapshot = now
+                delay = 0.05
+            except StreamGap as exc:
+                log.error("%s; reloading from the newest snapshot", exc)
+                if not self.recover():
+                    log.error("no snapshot covers the gap; replaying what the stream still holds")
+                    self.stats.last_id = "0-0"
+            except TRANSIENT as exc:
+                log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
+                self._stop.wait(delay)
+                delay = min(2.0, delay * 2)
+
+    def start(self) -> "ShardConsumer":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name=f"consumer-shard-{self.shard}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=10)

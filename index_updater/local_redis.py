@@ -1,0 +1,60 @@
+"""Start a private redis-server on a free loopback port (tests, benchmarks, `andromeda up`)."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """A redis-server child process; AOF with fsync on every write when `aof` (no acknowledged write is lost)."""
+
+    def __init__(self, directory: str | Path, port: int | None = None, aof: bool = True):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server), or set REDIS_URL")
+        self.directory, self.port, self.aof, self.binary = Path(directory), port or free_port(), aof, binary
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "LocalRedis":
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+                "--save", "", "--protected-mode", "yes", "--logfile", str(self.directory / "redis.log")]
+        if self.aof:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return self
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start; see {self.directory / 'redis.log'}") from None
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        """Stop at once (SIGKILL), as a crash would."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)

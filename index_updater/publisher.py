@@ -1,0 +1,75 @@
+"""Publisher: validate, compile and embed ad events, then XADD them to the updates stream.
+
+A batch is validated and compiled in full before anything is written, so a bad event changes
+nothing. The batch goes to Redis in one MULTI/EXEC transaction; on a connection error it is sent
+again (with backoff) until acknowledged. A resend after a lost reply can duplicate entries, which
+is harmless: consumers apply events idempotently by (ad_id, version).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import redis
+
+from andromeda_core.ingest import prepare_ops, read_events
+from andromeda_core.models import Scorer
+from andromeda_core.schema import Schema
+from andromeda_core.types import parse_event
+from index_updater.records import encode
+
+DEFAULT_STREAM = "andromeda:ad-events"
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+def retry(call: Callable[[], Any], attempts: int = 60, first_delay: float = 0.05, max_delay: float = 2.0) -> Any:
+    """Run `call`, retrying transient Redis errors with exponential backoff; the last error propagates."""
+    delay = first_delay
+    for attempt in range(attempts):
+        try:
+            return call()
+        except TRANSIENT:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(delay)
+            delay = min(max_delay, delay * 2)
+    raise AssertionError("unreachable")
+
+
+class Publisher:
+    def __init__(self, client: redis.Redis, schema: Schema, scorer: Scorer, shards: int = 1, stream: str = DEFAULT_STREAM):
+        if shards < 1:
+            raise ValueError("shards must be >= 1")
+        self.client, self.schema, self.scorer, self.shards, self.stream = client, schema, scorer, shards, stream
+
+    def publish(self, events: Sequence[dict | str | Any], where: str = "events") -> list[str]:
+        """Validate, compile and append events; returns their stream ids. Raises InvalidInput, writing nothing."""
+        parsed = [e if hasattr(e, "op") else parse_event(e, f"{where}[{i}]") for i, e in enumerate(events)]
+        return self.publish_ops(prepare_ops(self.schema, self.scorer, parsed))
+
+    def publish_ops(self, ops: Sequence) -> list[str]:
+        """Append already prepared ops (one transaction, retried until acknowledged)."""
+        if not ops:
+            return []
+        now_ms = int(time.time() * 1000)
+        entries = [encode(op, self.shards, self.schema, self.scorer.dim, now_ms) for op in ops]
+
+        def send() -> list[bytes]:
+            pipe = self.client.pipeline(transaction=True)
+            for fields in entries:
+                pipe.xadd(self.stream, fields)
+            return pipe.execute()
+
+        return [i.decode() if isinstance(i, bytes) else i for i in retry(send)]
+
+    def publish_file(self, path: str | Path, batch_size: int = 1000,
+                     on_batch: Callable[[int], None] | None = None) -> int:
+        """Publish a JSONL file in batches; a bad line stops the run before its batch is written."""
+        total = 0
+        for batch in read_events(path, batch_size):
+            total += len(self.publish_ops(prepare_ops(self.schema, self.scorer, batch)))
+            if on_batch:
+                on_batch(len(batch))
+        return total
+

@@ -1,0 +1,54 @@
+"""A directory of index snapshots named by the stream id they cover; the newest valid one wins."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from andromeda_core.errors import SnapshotCorrupt
+from andromeda_core.index import AdIndex
+from andromeda_core.schema import Schema
+from andromeda_core.snapshot import load_snapshot, save_snapshot
+
+NAME = re.compile(r"^snapshot-(\d{15})-(\d{10})\.safetensors$")
+
+
+def stream_id_key(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class SnapshotStore:
+    def __init__(self, directory: str | Path, keep: int = 3):
+        self.directory, self.keep = Path(directory), max(1, keep)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def paths(self) -> list[Path]:
+        """Snapshot files, newest stream id first."""
+        return sorted((p for p in self.directory.iterdir() if NAME.match(p.name)), key=lambda p: p.name, reverse=True)
+
+    def write(self, index: AdIndex, stream_id: str, metadata: dict | None = None) -> Path:
+        ms, seq = stream_id_key(stream_id)
+        path = save_snapshot(index, self.directory / f"snapshot-{ms:015d}-{seq:010d}.safetensors",
+                             {**(metadata or {}), "stream_id": stream_id})
+        for old in self.paths()[self.keep:]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def newest(self, schema: Schema, device: str | torch.device = "cpu") -> tuple[AdIndex, dict] | None:
+        """The newest snapshot that passes its checksum (corrupt ones are skipped), or None."""
+        for path in self.paths():
+            try:
+                return load_snapshot(path, schema, device)
+            except SnapshotCorrupt:
+                continue
+        return None
+
+    def oldest_stream_id(self) -> str | None:
+        """Stream id covered by the oldest kept snapshot: the stream may be trimmed up to it."""
+        paths = self.paths()
+        if not paths:
+            return None
+        ms, seq = NAME.match(paths[-1].name).groups()
+        return f"{int(ms)}-{int(seq)}"

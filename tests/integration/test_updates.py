@@ -1,0 +1,194 @@
+"""Index updates through a real redis-server: publisher -> stream -> per-replica consumers."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from andromeda_core.errors import InvalidInput
+from andromeda_core.index import AdIndex
+from andromeda_core.sharding import shard_of
+from andromeda_core.targeting import compile_user, match_inputs
+from index_updater.consumer import ShardConsumer
+from index_updater.publisher import DEFAULT_STREAM, Publisher
+from index_updater.snapshots import SnapshotStore
+from tests.conftest import upsert
+
+NOW = 1_000_000
+
+
+def eligible(index: AdIndex, attributes: dict | None = None, now: int = NOW) -> list[int]:
+    user = compile_user(index.schema, attributes or {}, {})[0]
+    return index.eligible(match_inputs(index.schema, [user], [now]))[0]
+
+
+@pytest.fixture
+def setup(redis_server, small_schema, scorer):
+    _, client = redis_server
+
+    def consumer(shard: int = 0, shards: int = 1, **kwargs) -> ShardConsumer:
+        return ShardConsumer(client, AdIndex(small_schema, scorer.dim, capacity=4), shard, shards, block_ms=10, **kwargs)
+
+    return client, Publisher(client, small_schema, scorer), consumer
+
+
+def test_create_edit_pause_resume_delete(setup):
+    client, publisher, make = setup
+    c = make()
+    publisher.publish([upsert(1, 1, {"country": {"any_of": ["US"]}})])
+    c.catch_up()
+    assert eligible(c.index, {"country": "US"}) == [1]
+    publisher.publish([upsert(1, 2, {"country": {"any_of": ["CA"]}})])
+    c.catch_up()
+    assert eligible(c.index, {"country": "US"}) == [] and eligible(c.index, {"country": "CA"}) == [1]
+    publisher.publish([{"op": "pause", "ad_id": 1, "version": 3}])
+    c.catch_up()
+    assert eligible(c.index, {"country": "CA"}) == []
+    publisher.publish([{"op": "resume", "ad_id": 1, "version": 4}])
+    c.catch_up()
+    assert eligible(c.index, {"country": "CA"}) == [1]
+    publisher.publish([{"op": "delete", "ad_id": 1, "version": 5}])
+    c.catch_up()
+    assert 1 not in c.index and c.stats.applied == 5 and c.stats.last_id != "0-0"
+
+
+def test_expiry_needs_no_event(setup):
+    _, publisher, make = setup
+    c = make()
+    end = int(time.time()) + 2
+    publisher.publish([upsert(1, end_time=end), upsert(2)])
+    c.catch_up()
+    assert eligible(c.index, now=end - 1) == [1, 2] and eligible(c.index, now=end) == [2]
+    assert c.index.sweep_expired(end) == 1 and 1 not in c.index
+
+
+def test_duplicate_and_out_of_order_delivery_is_idempotent(setup):
+    _, publisher, make = setup
+    events = [upsert(1, 3, {"age": {"min": 18}}), upsert(2, 1), {"op": "pause", "ad_id": 2, "version": 2}]
+    reference = make()
+    publisher.publish(events)
+    reference.catch_up()
+    publisher.publish(events)  # delivered twice
+    publisher.publish([upsert(1, 2, {"age": {"min": 20}}), {"op": "resume", "ad_id": 2, "version": 1}])  # older
+    c = make()
+    c.catch_up()
+    assert c.index.digest() == reference.index.digest()
+    assert c.stats.applied == 3 and c.stats.stale == 5 and eligible(c.index, {"age": 19}) == [1]
+
+
+def test_poison_entry_goes_to_dead_letters_and_the_next_good_one_applies(setup):
+    client, publisher, make = setup
+    c = make()
+    publisher.publish([upsert(1)])
+    client.xadd(DEFAULT_STREAM, {"op": "upsert", "shard": 0, "published_ms": 1, "schema": "small-test:1", "dim": 16,
+                                 "event": '{"op": "upsert", "ad": {"ad_id": "bad"}}'})
+    client.xadd(DEFAULT_STREAM, {"shard": 0, "published_ms": 1, "schema": "other:9", "dim": 16, "event": "{}"})
+    client.xadd(DEFAULT_STREAM, {"garbage": b"\xff\xfe"})
+    publisher.publish([upsert(2)])
+    c.catch_up()
+    assert sorted([1, 2]) == eligible(c.index)
+    dead = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
+    assert c.stats.dead_letters == len(dead) == 3
+    reasons = [fields[b"field"].decode() + ": " + fields[b"reason"].decode() for _, fields in dead]
+    assert "event.ad.ad_id" in reasons[0] and "schema" in reasons[1] and "shard" in reasons[2]
+
+
+def test_bad_event_is_rejected_at_publish_and_writes_nothing(setup):
+    client, publisher, _ = setup
+    with pytest.raises(InvalidInput) as err:
+        publisher.publish([upsert(1), upsert(2, targeting={"country": {"any_of": ["Atlantis"]}})])
+    assert err.value.field == "ad.targeting.country.any_of[0]" and "ad 2" in err.value.message
+    assert client.xlen(DEFAULT_STREAM) == 0
+
+
+def test_shards_split_the_stream_and_two_replicas_agree(setup):
+    _, publisher, make = setup
+    publisher.shards = 3
+    publisher.publish([upsert(i, targeting={"age": {"min": 13 + i % 5}}) for i in range(1, 61)])
+    publisher.publish([{"op": "pause", "ad_id": i, "version": 2} for i in range(1, 61, 7)])
+    replicas = [[make(shard, 3) for _ in range(2)] for shard in range(3)]
+    for pair in replicas:
+        for c in pair:
+            c.catch_up()
+    for shard, (a, b) in enumerate(replicas):
+        assert a.index.digest() == b.index.digest()
+        assert all(shard_of(ad_id, 3) == shard for ad_id in a.index._slot_of)
+    assert sum(len(pair[0].index) for pair in replicas) == 60
+
+
+def test_killed_consumer_restarts_from_snapshot_plus_replay(setup, tmp_path):
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots", keep=2)
+    first = make(snapshots=store, count=7)
+    publisher.publish([upsert(i) for i in range(1, 30)])
+    first.poll(block_ms=0)
+    first.poll(block_ms=0)
+    first.snapshot()
+    first.poll(block_ms=0)  # applied past the snapshot, then "killed"
+    publisher.publish([{"op": "delete", "ad_id": i, "version": 2} for i in range(1, 10)] + [upsert(99)])
+    restarted = make(snapshots=store)
+    assert restarted.recover() and len(restarted.index) == 14
+    restarted.catch_up()
+    everything = make()
+    everything.catch_up()
+    assert restarted.index.digest() == everything.index.digest() and len(everything.index) == 21
+
+
+def test_trim_keeps_what_the_oldest_snapshot_needs_and_gaps_reload(setup, tmp_path):
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots", keep=1)
+    leader = make(snapshots=store, trim=True)
+    publisher.publish([upsert(i) for i in range(1, 11)])
+    lagging = make(snapshots=store)
+    leader.catch_up()
+    leader.snapshot()
+    assert client.xlen(DEFAULT_STREAM) <= 1  # trimmed behind the snapshot
+    publisher.publish([upsert(11)])
+    leader.catch_up()
+    with pytest.raises(Exception, match="trimmed"):
+        lagging.catch_up()
+    assert lagging.recover()
+    lagging.catch_up()
+    assert lagging.index.digest() == leader.index.digest()
+
+
+def test_background_consumer_applies_within_a_second(setup):
+    _, publisher, make = setup
+    c = make().start()
+    try:
+        publisher.publish([upsert(5)])
+        deadline = time.monotonic() + 1.0
+        while 5 not in c.index and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert 5 in c.index and c.stats.lag_seconds() < 5
+    finally:
+        c.stop()
+
+
+def test_redis_restart_under_publishing_loses_no_acknowledged_event(redis_server, small_schema, scorer):
+    server, client = redis_server
+    if server is None:
+        pytest.skip("needs a redis-server this test can kill (REDIS_URL is set)")
+    publisher = Publisher(redis.Redis.from_url(server.url, socket_timeout=2), small_schema, scorer)
+    acknowledged: list[int] = []
+
+    def publish_forever():
+        for ad_id in range(1, 301):
+            publisher.publish([upsert(ad_id)])
+            acknowledged.append(ad_id)
+
+    thread = threading.Thread(target=publish_forever)
+    thread.start()
+    while len(acknowledged) < 50:
+        time.sleep(0.01)
+    server.kill()  # a crash mid-publishing
+    time.sleep(0.3)
+    server.start()
+    thread.join(timeout=120)
+    assert len(acknowledged) == 300
+    c = ShardConsumer(redis.Redis.from_url(server.url), AdIndex(small_schema, scorer.dim), block_ms=10)
+    c.catch_up()
+    assert set(acknowledged) <= set(c.index._slot_of)
