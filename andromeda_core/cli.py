@@ -119,6 +119,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(quality_report(tuple(args.data), args.out, retrain=args.retrain, world=args.world))
 
 
+def cmd_publish(args: argparse.Namespace) -> None:
+    import redis
+
+    from index_updater.publisher import Publisher
+
+    settings = load_settings()
+    url = args.redis or settings.redis_url
+    if not url:
+        raise SystemExit("error: no Redis to publish to: pass --redis or set REDIS_URL")
+    schema = load_schema(args.schema)
+    scorer = ModelScorer.load(args.model, schema) if args.model else HashedTwoTower()
+    publisher = Publisher(redis.Redis.from_url(url), schema, scorer, shards=args.shards or settings.shards,
+                          stream=args.stream or settings.stream)
+    with tqdm(unit="event", desc="publish", file=sys.stderr) as bar:
+        total = publisher.publish_file(args.events, on_batch=bar.update)
+    print(f"published {total} events to {publisher.stream} at {url}")
+
+
 def add_model_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", type=Path, default=None, help="trained checkpoint (default: untrained hashed two-tower)")
     s.add_argument("--storage", choices=sorted(STORAGE), default="fp32", help="ad vector storage in the index")
@@ -149,6 +167,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     add_model_flags(s)
     s.set_defaults(func=cmd_retrieve)
+
+    s = sub.add_parser("publish", help="validate, compile and append ad events to the Redis updates stream")
+    s.add_argument("events", type=Path, help="ad events JSONL")
+    s.add_argument("--redis", default=None, help="Redis URL (default: REDIS_URL)")
+    s.add_argument("--stream", default=None, help="stream name (default: ANDROMEDA_STREAM)")
+    s.add_argument("--shards", type=int, default=None, help="index shards (default: ANDROMEDA_SHARDS)")
+    s.add_argument("--model", type=Path, default=None, help="checkpoint whose ad tower embeds the ads")
+    s.set_defaults(func=cmd_publish)
 
     s = sub.add_parser("train", help="train a retrieval model (checkpoint in safetensors)")
     s.add_argument("--data", choices=("synthetic", "movielens"), required=True)

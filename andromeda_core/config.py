@@ -42,6 +42,12 @@ class Settings:
     device: str = "cpu"
     """Torch device of the ad table (ANDROMEDA_DEVICE): cpu, cuda, cuda:1, ..."""
     index: IndexConfig = field(default_factory=IndexConfig)
+    redis_url: str | None = None
+    """Redis holding the updates stream (REDIS_URL); unset: `andromeda` starts a local redis-server."""
+    stream: str = "andromeda:ad-events"
+    """Name of the updates stream (ANDROMEDA_STREAM); dead letters go to `<stream>:dead-letters`."""
+    shards: int = 1
+    """Index shards the ads are split over by hash(ad_id) % shards (ANDROMEDA_SHARDS)."""
     cache_dir: Path = Path(".cache")
     """Derived data kept between runs: text embeddings, benchmark worlds (ANDROMEDA_CACHE)."""
     movielens_dir: Path = REPO_ROOT.parent / "shared" / "data" / "ml-latest-small"
@@ -58,6 +64,9 @@ def load_settings() -> Settings:
         schema_path=Path(os.environ.get("ANDROMEDA_SCHEMA", DEFAULT_SCHEMA_PATH)),
         device=os.environ.get("ANDROMEDA_DEVICE", "cpu"),
         index=index,
+        redis_url=os.environ.get("REDIS_URL") or None,
+        stream=os.environ.get("ANDROMEDA_STREAM", "andromeda:ad-events"),
+        shards=_env_int("ANDROMEDA_SHARDS", 1, 1, 4096),
         cache_dir=Path(os.environ.get("ANDROMEDA_CACHE", ".cache")),
         movielens_dir=Path(os.environ.get("ANDROMEDA_MOVIELENS", Settings.movielens_dir)),
     )

@@ -8,6 +8,7 @@ the consumer reloads the newest snapshot and replays from there.
 from __future__ import annotations
 
 import logging
+from collections import deque
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class ConsumerStats:
     last_id: str = "0-0"
     index_size: int = 0
     recoveries: int = 0
-    apply_latency_ms: list[float] = field(default_factory=list)  # published -> servable, last 10k entries
+    apply_latency_ms: deque = field(default_factory=lambda: deque(maxlen=100_000))  # published -> servable, ms
 
     def lag_seconds(self, now: float | None = None) -> float:
         if not self.newest_published_ms:
@@ -132,7 +133,7 @@ class ShardConsumer:
         self.stats.index_size = len(self.index)
         if published:
             self.stats.newest_published_ms = max(self.stats.newest_published_ms, max(published))
-            self.stats.apply_latency_ms = (self.stats.apply_latency_ms + [servable_ms - p for p in published])[-10000:]
+            self.stats.apply_latency_ms.extend(servable_ms - p for p in published)
         if self.on_applied:
             self.on_applied(self.stats.last_id)
         return len(entries)

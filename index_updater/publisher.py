@@ -13,13 +13,14 @@ from typing import Any, Callable, Sequence
 
 import redis
 
+from andromeda_core.config import Settings
 from andromeda_core.ingest import prepare_ops, read_events
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.types import parse_event
 from index_updater.records import encode
 
-DEFAULT_STREAM = "andromeda:ad-events"
+DEFAULT_STREAM = Settings.stream
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 

@@ -192,3 +192,23 @@ def test_redis_restart_under_publishing_loses_no_acknowledged_event(redis_server
     c = ShardConsumer(redis.Redis.from_url(server.url), AdIndex(small_schema, scorer.dim), block_ms=10)
     c.catch_up()
     assert set(acknowledged) <= set(c.index._slot_of)
+
+
+def test_publish_cli_appends_a_file(redis_server, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    server, client = redis_server
+    url = server.url if server else os.environ["REDIS_URL"]
+    events = tmp_path / "events.jsonl"
+    events.write_text("\n".join(json.dumps(upsert(i)) for i in range(1, 6)) + "\n")
+    result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "publish", str(events), "--redis", url, "--shards", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert client.xlen(DEFAULT_STREAM) == 5 and "published 5 events" in result.stdout
+    events.write_text(json.dumps(upsert(9, targeting={"planet": {"any_of": ["mars"]}})) + "\n")
+    bad = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "publish", str(events), "--redis", url],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "ad.targeting.planet" in bad.stderr and client.xlen(DEFAULT_STREAM) == 5
