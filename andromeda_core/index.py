@@ -112,6 +112,10 @@ class AdIndex:
                     out[b].extend(ids[ok[b]].tolist())
         return [sorted(ids) for ids in out]
 
+    def ad_ids(self) -> list[int]:
+        """Ids of the live ads."""
+        return list(self._slot_of)
+
     def slot_of(self, ad_id: int) -> int | None:
         return self._slot_of.get(ad_id)
 

@@ -70,3 +70,9 @@ def test_train_writes_a_checkpoint_the_retriever_serves(world, tmp_path):
     out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(request), "--k", "3",
                     "--model", str(checkpoint), "--storage", "int8", "--quiet")
     assert len(json.loads(out.stdout)["ads"]) == 3
+
+
+def test_demo_runs_the_main_job_end_to_end(tmp_path):
+    out = andromeda("demo", "--out", str(tmp_path / "demo"), "--ads", "1500", "--users", "4", "--show", "2")
+    assert out.stdout.count("eligible ads, top 5") == 2 and "Try it yourself" in out.stdout
+    assert (tmp_path / "demo" / "events.jsonl").exists()

@@ -115,7 +115,7 @@ def test_shards_split_the_stream_and_two_replicas_agree(setup):
             c.catch_up()
     for shard, (a, b) in enumerate(replicas):
         assert a.index.digest() == b.index.digest()
-        assert all(shard_of(ad_id, 3) == shard for ad_id in a.index._slot_of)
+        assert all(shard_of(ad_id, 3) == shard for ad_id in a.index.ad_ids())
     assert sum(len(pair[0].index) for pair in replicas) == 60
 
 
@@ -191,7 +191,7 @@ def test_redis_restart_under_publishing_loses_no_acknowledged_event(redis_server
     assert len(acknowledged) == 300
     c = ShardConsumer(redis.Redis.from_url(server.url), AdIndex(small_schema, scorer.dim), block_ms=10)
     c.catch_up()
-    assert set(acknowledged) <= set(c.index._slot_of)
+    assert set(acknowledged) <= set(c.index.ad_ids())
 
 
 def test_publish_cli_appends_a_file(redis_server, tmp_path):
