@@ -110,7 +110,7 @@ class ShardConsumer:
         if not reply:
             return 0
         entries = reply[0][1]
-        ops, published, dead = [], [], []
+        ops, published, sources, dead = [], [], [], []
         for entry_id, fields in entries:
             try:
                 shard, published_ms = header(fields)
@@ -118,13 +118,14 @@ class ShardConsumer:
                     continue
                 ops.append(decode(fields, self.schema, self.index.dim))
                 published.append(published_ms)
+                sources.append((entry_id, fields))
             except InvalidRecord as exc:
                 dead.append((entry_id, fields, exc))
             except Exception as exc:  # any other malformed content is a poison entry too
                 dead.append((entry_id, fields, InvalidRecord(f"{type(exc).__name__}: {exc}", "entry")))
         for entry_id, fields, exc in dead:
             self._dead_letter(entry_id, fields, exc)
-        results = self.index.apply(ops) if ops else []
+        results = self._apply(ops, sources)
         servable_ms = time.time() * 1000
         last = entries[-1][0]
         self.stats.last_id = last.decode() if isinstance(last, bytes) else last
@@ -137,6 +138,22 @@ class ShardConsumer:
         if self.on_applied:
             self.on_applied(self.stats.last_id)
         return len(entries)
+
+    def _apply(self, ops: list, sources: list) -> list[bool]:
+        """Apply the batch atomically; should it fail, apply entry by entry and dead-letter the failures."""
+        if not ops:
+            return []
+        try:
+            return self.index.apply(ops)
+        except Exception:  # a decoded entry the index still cannot take must not stop the consumer
+            log.exception("batch apply failed; applying its entries one by one")
+        results = []
+        for op, (entry_id, fields) in zip(ops, sources):
+            try:
+                results.extend(self.index.apply([op]))
+            except Exception as exc:
+                self._dead_letter(entry_id, fields, InvalidRecord(f"index rejected it: {type(exc).__name__}: {exc}", "entry"))
+        return results
 
     def _dead_letter(self, entry_id, fields: dict, exc: InvalidRecord) -> None:
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id

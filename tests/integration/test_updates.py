@@ -212,3 +212,21 @@ def test_publish_cli_appends_a_file(redis_server, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "publish", str(events), "--redis", url],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "ad.targeting.planet" in bad.stderr and client.xlen(DEFAULT_STREAM) == 5
+
+
+def test_an_entry_the_index_cannot_take_is_dead_lettered_not_fatal(setup, monkeypatch):
+    client, publisher, make = setup
+    c = make()
+    publisher.publish([upsert(1), upsert(666), upsert(2)])
+    real_apply = c.index.apply
+
+    def picky_apply(ops):
+        if any(getattr(op, "ad", None) and op.ad.ad_id == 666 for op in ops):
+            raise RuntimeError("cannot take ad 666")
+        return real_apply(ops)
+
+    monkeypatch.setattr(c.index, "apply", picky_apply)
+    c.catch_up()
+    assert eligible(c.index) == [1, 2] and c.stats.dead_letters == 1
+    (_, fields), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
+    assert b"cannot take ad 666" in fields[b"reason"]
