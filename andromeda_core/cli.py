@@ -1,4 +1,4 @@
-"""The `andromeda` command (offline subcommands: no Ray, no Redis)."""
+"""The `andromeda` command: schema, synth, retrieve, demo (offline), publish (Redis), train, eval."""
 from __future__ import annotations
 
 import argparse
@@ -47,8 +47,9 @@ def read_requests(path: Path, k: int | None) -> list[RetrieveRequest]:
         docs = [(str(path), whole)]
     except json.JSONDecodeError:
         docs = [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    requests = [parse_request(doc, where) for where, doc in docs]
-    return [r.model_copy(update={"k": k}) for r in requests] if k is not None else requests
+    if k is not None:  # the override is validated like the request's own k
+        docs = [(where, {**(json.loads(doc) if isinstance(doc, str) else doc), "k": k}) for where, doc in docs]
+    return [parse_request(doc, where) for where, doc in docs]
 
 
 def cmd_schema(args: argparse.Namespace) -> None:

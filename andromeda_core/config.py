@@ -31,8 +31,6 @@ class IndexConfig:
     """Slots allocated up front; the table doubles when full."""
     chunk_size: int = 65536
     """Ads per step of the reference scan; bounds the scan's scratch memory to O(batch * chunk)."""
-    max_k: int = 10000
-    """Largest k a request may ask for."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,6 @@ def load_settings() -> Settings:
     index = IndexConfig(
         initial_capacity=_env_int("ANDROMEDA_INITIAL_CAPACITY", 1024, 1, 1 << 31),
         chunk_size=_env_int("ANDROMEDA_CHUNK_SIZE", 65536, 1, 1 << 26),
-        max_k=_env_int("ANDROMEDA_MAX_K", 10000, 1, 1 << 20),
     )
     return Settings(
         schema_path=Path(os.environ.get("ANDROMEDA_SCHEMA", DEFAULT_SCHEMA_PATH)),
