@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from andromeda_core.errors import NotFound
-from andromeda_core.quantization import dequantize, quantize_int8
+from andromeda_core.quantization import dequantize, int8_blocks, quantize_int8
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import ColumnSpec, CompiledTargeting, MatchInputs, targeting_columns
 from andromeda_core.types import Ad, DeleteEvent, StatusEvent
@@ -41,7 +41,7 @@ IndexOp = Union[PreparedAd, DeleteEvent, StatusEvent]
 
 
 def core_columns(dim: int, embedding_dtype: torch.dtype) -> dict[str, ColumnSpec]:
-    scale = {"embedding_scale": ColumnSpec((), torch.float32, 0)} if embedding_dtype == torch.int8 else {}
+    scale = {"embedding_scale": ColumnSpec((int8_blocks(dim),), torch.float32, 0)} if embedding_dtype == torch.int8 else {}
     return {**scale,
         "ad_id": ColumnSpec((), torch.int64, -1),
         "version": ColumnSpec((), torch.int64, -1),

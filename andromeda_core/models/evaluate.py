@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from andromeda_core.models.recdata import RecData
-from andromeda_core.quantization import round_trip
+from andromeda_core.quantization import int8_blocks, round_trip
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.synth import truth_scores
 
@@ -19,7 +19,7 @@ TOP = 1000
 
 def bytes_per_ad(model: RetrievalModel, dtype: str) -> int:
     S = model.dims.stored
-    stored = {"fp32": 4 * S, "fp16": 2 * S, "int8": S + 4}[dtype]
+    stored = {"fp32": 4 * S, "fp16": 2 * S, "int8": S + 4 * int8_blocks(S)}[dtype]
     return stored + (2 * 384 if model.kind == "ranker" else 0)  # the ranker also reads the text embedding
 
 

@@ -106,9 +106,13 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_int8_quantisation_error_is_bounded():
     stored = torch.randn(257, 37)
+    stored[:, 16:32] *= 50  # one loud block must not coarsen the others
     q, scale = quantize_int8(stored)
-    assert q.dtype == torch.int8 and scale.shape == (257,)
-    step = stored.abs().amax(1, keepdim=True) / 127
-    assert ((round_trip(stored, "int8") - stored).abs() <= step / 2 + 1e-6).all()
+    assert q.dtype == torch.int8 and scale.shape == (257, 3)
+    blocks = torch.nn.functional.pad(stored.abs(), (0, 11)).view(257, 3, 16).amax(2)
+    step = (blocks / 127).repeat_interleave(16, dim=1)[:, :37]
+    error = (round_trip(stored, "int8") - stored).abs()
+    assert (error <= step / 2 + 1e-5).all()
+    assert error[:, :16].max() < 0.05
     assert torch.allclose(round_trip(stored, "fp16"), stored, atol=1e-2, rtol=1e-3)
     assert torch.equal(round_trip(stored, "fp32"), stored)
