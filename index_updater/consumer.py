@@ -18,6 +18,7 @@ import redis
 
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
+from andromeda_core.targeting import targeting_columns
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
 from index_updater.records import InvalidRecord, decode, event_json, header
 from index_updater.snapshots import SnapshotStore, stream_id_key
@@ -61,6 +62,7 @@ class ShardConsumer:
         self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
         self.on_applied = on_applied
         self.stats = ConsumerStats(index_size=len(index))
+        self._columns = targeting_columns(index.schema)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -116,7 +118,7 @@ class ShardConsumer:
                 shard, published_ms = header(fields)
                 if shard != self.shard:
                     continue
-                ops.append(decode(fields, self.schema, self.index.dim))
+                ops.append(decode(fields, self.schema, self.index.dim, self._columns))
                 published.append(published_ms)
                 sources.append((entry_id, fields))
             except InvalidRecord as exc:

@@ -1,17 +1,18 @@
 """Stream records: one compiled ad event per Redis stream entry.
 
 Fields (bytes): op, ad_id, version, shard, published_ms, schema (name:version), dim, event (the
-validated event JSON) and, for upserts, payload: a safetensors blob with the compiled targeting rows,
-the satisfiable flag and the ad-tower embedding. Consumers never re-run the ad tower.
+validated event JSON) and, for upserts, payload: the compiled targeting rows, the satisfiable flag and
+the ad-tower embedding as little-endian arrays behind a JSON header (4-byte header length, then
+{"arrays": [[name, dtype, shape], ...]}, then the raw bytes in that order). Consumers never re-run
+the ad tower.
 """
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import numpy as np
-from safetensors.numpy import load as load_arrays
-from safetensors.numpy import save as save_arrays
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import IndexOp, PreparedAd
@@ -23,6 +24,39 @@ from andromeda_core.types import UpsertEvent, parse_event
 
 class InvalidRecord(InvalidInput):
     """A stream entry that cannot be applied; it goes to the dead-letter stream."""
+
+
+DTYPES = {"i4": np.dtype("<i4"), "i2": np.dtype("<i2"), "u1": np.dtype("u1"), "f4": np.dtype("<f4")}
+
+
+def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
+    header, blobs = [], []
+    for name, array in arrays.items():
+        code = next(c for c, d in DTYPES.items() if d == array.dtype.newbyteorder("<"))
+        header.append([name, code, list(array.shape)])
+        blobs.append(np.ascontiguousarray(array, dtype=DTYPES[code]).tobytes())
+    head = json.dumps({"arrays": header}, separators=(",", ":")).encode()
+    return len(head).to_bytes(4, "little") + head + b"".join(blobs)
+
+
+def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
+    """Inverse of pack_arrays; raises ValueError on any malformed payload."""
+    size = int.from_bytes(payload[:4], "little")
+    spec = json.loads(payload[4:4 + size])["arrays"]
+    out, offset = {}, 4 + size
+    for name, code, shape in spec:
+        dtype = DTYPES[code]
+        if not all(isinstance(d, int) and 0 <= d < 1 << 20 for d in shape):
+            raise ValueError(f"array {name} has a bad shape {shape}")
+        count = math.prod(shape)
+        end = offset + count * dtype.itemsize
+        if end > len(payload):
+            raise ValueError(f"array {name} runs past the payload")
+        out[name] = np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
+        offset = end
+    if offset != len(payload):
+        raise ValueError("trailing bytes after the arrays")
+    return out
 
 
 def schema_tag(schema: Schema) -> str:
@@ -43,7 +77,7 @@ def encode(op: IndexOp, shards: int, schema: Schema, dim: int, now_ms: int | Non
         arrays = {name: np.ascontiguousarray(row) for name, row in op.targeting.rows.items()}
         arrays["satisfiable"] = np.array([op.targeting.satisfiable], dtype=np.uint8)
         arrays["embedding"] = np.ascontiguousarray(op.embedding, dtype=np.float32)
-        fields["payload"] = save_arrays(arrays)
+        fields["payload"] = pack_arrays(arrays)
     return fields
 
 
@@ -56,8 +90,9 @@ def _text(fields: dict[bytes, bytes], key: str) -> str:
         raise InvalidRecord("not UTF-8", key) from None
 
 
-def decode(fields: dict[bytes, bytes], schema: Schema, dim: int) -> IndexOp:
-    """Stream entry fields -> index op; raises InvalidRecord naming the field."""
+def decode(fields: dict[bytes, bytes], schema: Schema, dim: int, columns: dict | None = None) -> IndexOp:
+    """Stream entry fields -> index op; raises InvalidRecord naming the field.
+    `columns`: targeting_columns(schema), passed in by callers that decode many entries."""
     if _text(fields, "schema") != schema_tag(schema):
         raise InvalidRecord(f"written for schema {_text(fields, 'schema')}, this index uses {schema_tag(schema)}", "schema")
     if _text(fields, "dim") != str(dim):
@@ -66,12 +101,12 @@ def decode(fields: dict[bytes, bytes], schema: Schema, dim: int) -> IndexOp:
     if not isinstance(event, UpsertEvent):
         return event
     try:
-        arrays = load_arrays(fields[b"payload"])
+        arrays = unpack_arrays(fields[b"payload"])
     except KeyError:
         raise InvalidRecord("upsert without compiled payload", "payload") from None
-    except Exception as exc:  # any malformed safetensors blob
+    except (ValueError, KeyError, TypeError, IndexError) as exc:  # any malformed payload
         raise InvalidRecord(f"unreadable compiled payload: {exc}", "payload") from None
-    columns = targeting_columns(schema)
+    columns = columns or targeting_columns(schema)
     rows = {}
     for name, row in arrays.items():
         if name in ("satisfiable", "embedding"):

@@ -230,3 +230,15 @@ def test_an_entry_the_index_cannot_take_is_dead_lettered_not_fatal(setup, monkey
     assert eligible(c.index) == [1, 2] and c.stats.dead_letters == 1
     (_, fields), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
     assert b"cannot take ad 666" in fields[b"reason"]
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x05\x00\x00\x00{bad}", b"\x0e\x00\x00\x00{\"arrays\":[]}xx",
+                                     b"\x2a\x00\x00\x00{\"arrays\":[[\"embedding\",\"f4\",[9999]]]}"])
+def test_malformed_payloads_are_dead_lettered(setup, payload):
+    client, publisher, make = setup
+    publisher.publish([upsert(1)])
+    (_, fields), = client.xrange(DEFAULT_STREAM)
+    client.xadd(DEFAULT_STREAM, {**{k.decode(): v for k, v in fields.items()}, "payload": payload})
+    c = make()
+    c.catch_up()
+    assert eligible(c.index) == [1] and c.stats.dead_letters == 1
