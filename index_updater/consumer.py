@@ -20,7 +20,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import targeting_columns
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
-from index_updater.records import InvalidRecord, decode, event_json, header
+from index_updater.records import InvalidRecord, decode, header
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)

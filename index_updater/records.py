@@ -128,10 +128,3 @@ def header(fields: dict[bytes, bytes]) -> tuple[int, int]:
     except (KeyError, ValueError):
         raise InvalidRecord("missing or malformed shard/published_ms", "shard") from None
 
-
-def event_json(fields: dict[bytes, bytes]) -> dict:
-    """The entry's event as JSON (for the dead-letter stream and inspection), best effort."""
-    try:
-        return json.loads(fields.get(b"event", b"{}"))
-    except ValueError:
-        return {}
