@@ -67,7 +67,7 @@ def run(rate: int, seconds: float, qps: float, world: Path, corpus: list, reques
     client = redis.Redis.from_url(server.url)
     client.flushdb()
     index = AdIndex(schema, scorer.dim, capacity=len(corpus) * 2)
-    consumer = ShardConsumer(client, index, block_ms=5)
+    consumer = ShardConsumer(client, index, scorer.name, block_ms=5)
     Publisher(client, schema, scorer).publish_ops(corpus)
     consumer.catch_up()
     consumer.stats.apply_latency_ms.clear()

@@ -50,13 +50,13 @@ class ConsumerStats:
 
 
 class ShardConsumer:
-    def __init__(self, client: redis.Redis, index: AdIndex, shard: int = 0, shards: int = 1,
+    def __init__(self, client: redis.Redis, index: AdIndex, model: str, shard: int = 0, shards: int = 1,
                  stream: str = DEFAULT_STREAM, snapshots: SnapshotStore | None = None, count: int = 2000,
                  block_ms: int = 50, snapshot_every_s: float = 60.0, sweep_every_s: float = 10.0, trim: bool = False,
                  on_applied: Callable[[str], None] | None = None):
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards})")
-        self.client, self.index, self.shard, self.shards = client, index, shard, shards
+        self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
         self.stream, self.dead_letter_stream = stream, f"{stream}:dead-letters"
         self.snapshots, self.count, self.block_ms = snapshots, count, block_ms
         self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
@@ -80,6 +80,9 @@ class ShardConsumer:
         if found is None:
             return False
         restored, meta = found
+        if meta.get("model") != self.model:
+            log.error("newest snapshot holds %s embeddings, this replica serves %s; ignoring it", meta.get("model"), self.model)
+            return False
         self.index.adopt(restored)
         self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
         self.stats.recoveries += 1
@@ -118,7 +121,7 @@ class ShardConsumer:
                 shard, published_ms = header(fields)
                 if shard != self.shard:
                     continue
-                ops.append(decode(fields, self.schema, self.index.dim, self._columns))
+                ops.append(decode(fields, self.schema, self.model, self.index.dim, self._columns))
                 published.append(published_ms)
                 sources.append((entry_id, fields))
             except InvalidRecord as exc:
@@ -174,7 +177,7 @@ class ShardConsumer:
     def snapshot(self) -> None:
         if self.snapshots is None:
             return
-        self.snapshots.write(self.index, self.stats.last_id, {"shard": self.shard, "shards": self.shards})
+        self.snapshots.write(self.index, self.stats.last_id, {"shard": self.shard, "shards": self.shards, "model": self.model})
         oldest = self.snapshots.oldest_stream_id()
         if self.trim and oldest:
             retry(lambda: self.client.xtrim(self.stream, minid=oldest, approximate=False))

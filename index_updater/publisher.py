@@ -54,7 +54,7 @@ class Publisher:
         if not ops:
             return []
         now_ms = int(time.time() * 1000)
-        entries = [encode(op, self.shards, self.schema, self.scorer.dim, now_ms) for op in ops]
+        entries = [encode(op, self.shards, self.schema, self.scorer.name, self.scorer.dim, now_ms) for op in ops]
 
         def send() -> list[bytes]:
             pipe = self.client.pipeline(transaction=True)

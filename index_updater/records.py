@@ -1,6 +1,7 @@
 """Stream records: one compiled ad event per Redis stream entry.
 
-Fields (bytes): op, ad_id, version, shard, published_ms, schema (name:version), dim, event (the
+Fields (bytes): op, ad_id, version, shard, published_ms, schema (name:version), model (the ad tower's
+tag), dim, event (the
 validated event JSON) and, for upserts, payload: the compiled targeting rows, the satisfiable flag and
 the ad-tower embedding as little-endian arrays behind a JSON header (4-byte header length, then
 {"arrays": [[name, dtype, shape], ...]}, then the raw bytes in that order). Consumers never re-run
@@ -63,7 +64,8 @@ def schema_tag(schema: Schema) -> str:
     return f"{schema.name}:{schema.version}"
 
 
-def encode(op: IndexOp, shards: int, schema: Schema, dim: int, now_ms: int | None = None) -> dict[str, bytes | str | int]:
+def encode(op: IndexOp, shards: int, schema: Schema, model: str, dim: int,
+           now_ms: int | None = None) -> dict[str, bytes | str | int]:
     """An index op -> stream entry fields."""
     is_upsert = isinstance(op, PreparedAd)
     event = UpsertEvent(op="upsert", ad=op.ad) if is_upsert else op
@@ -71,7 +73,7 @@ def encode(op: IndexOp, shards: int, schema: Schema, dim: int, now_ms: int | Non
     fields: dict[str, bytes | str | int] = {
         "op": event.op, "ad_id": ad_id, "version": op.ad.version if is_upsert else op.version,
         "shard": shard_of(ad_id, shards), "published_ms": now_ms if now_ms is not None else int(time.time() * 1000),
-        "schema": schema_tag(schema), "dim": dim, "event": event.model_dump_json(),
+        "schema": schema_tag(schema), "model": model, "dim": dim, "event": event.model_dump_json(),
     }
     if is_upsert:
         arrays = {name: np.ascontiguousarray(row) for name, row in op.targeting.rows.items()}
@@ -90,11 +92,13 @@ def _text(fields: dict[bytes, bytes], key: str) -> str:
         raise InvalidRecord("not UTF-8", key) from None
 
 
-def decode(fields: dict[bytes, bytes], schema: Schema, dim: int, columns: dict | None = None) -> IndexOp:
+def decode(fields: dict[bytes, bytes], schema: Schema, model: str, dim: int, columns: dict | None = None) -> IndexOp:
     """Stream entry fields -> index op; raises InvalidRecord naming the field.
     `columns`: targeting_columns(schema), passed in by callers that decode many entries."""
     if _text(fields, "schema") != schema_tag(schema):
         raise InvalidRecord(f"written for schema {_text(fields, 'schema')}, this index uses {schema_tag(schema)}", "schema")
+    if _text(fields, "model") != model:
+        raise InvalidRecord(f"embedded by model {_text(fields, 'model')}, this index serves {model}", "model")
     if _text(fields, "dim") != str(dim):
         raise InvalidRecord(f"embedding width {_text(fields, 'dim')}, this index stores {dim}", "dim")
     event = parse_event(_text(fields, "event"), "event")

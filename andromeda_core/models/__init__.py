@@ -19,7 +19,7 @@ EmbeddingLookup = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Scorer(Protocol):
-    name: str
+    name: str  # model tag stored with every stream entry and snapshot: embeddings of one model only
     dim: int
 
     def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:

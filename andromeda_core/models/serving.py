@@ -15,7 +15,7 @@ import torch
 
 from andromeda_core.models import EmbeddingLookup
 from andromeda_core.models.recdata import EVENTS
-from andromeda_core.models.retrieval import CO_ITEMS, COHORTS, HISTORY, RetrievalModel
+from andromeda_core.models.retrieval import CO_ITEMS, COHORTS, HISTORY, MODEL_VERSION, RetrievalModel
 from andromeda_core.models.text import encode_texts
 from andromeda_core.models.towers import UserInputs, UserState
 from andromeda_core.schema import Schema
@@ -24,7 +24,7 @@ from andromeda_core.types import Ad, RetrieveRequest
 
 class ModelScorer:
     def __init__(self, model: RetrievalModel, categories: Sequence[str], schema: Schema):
-        self.model, self.name = model.eval(), model.kind
+        self.model, self.name = model.eval(), f"{model.kind}-v{MODEL_VERSION}"
         self.dim = model.dims.stored
         self.categories = {c: i for i, c in enumerate(categories)}  # unknown -> len(categories)
         self.surface, self.placement = schema.by_name.get("surface"), schema.by_name.get("placement")

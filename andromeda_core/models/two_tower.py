@@ -26,7 +26,7 @@ def tokenize(text: str) -> list[str]:
 
 
 class HashedTwoTower:
-    name = "two_tower"
+    name = "hashed_two_tower"
 
     def __init__(self, dim: int = 64, buckets: int = 1 << 16, seed: int = 0):
         generator = torch.Generator().manual_seed(seed)

@@ -30,7 +30,8 @@ def setup(redis_server, small_schema, scorer):
     _, client = redis_server
 
     def consumer(shard: int = 0, shards: int = 1, **kwargs) -> ShardConsumer:
-        return ShardConsumer(client, AdIndex(small_schema, scorer.dim, capacity=4), shard, shards, block_ms=10, **kwargs)
+        return ShardConsumer(client, AdIndex(small_schema, scorer.dim, capacity=4), scorer.name, shard, shards,
+                             block_ms=10, **kwargs)
 
     return client, Publisher(client, small_schema, scorer), consumer
 
@@ -83,17 +84,20 @@ def test_poison_entry_goes_to_dead_letters_and_the_next_good_one_applies(setup):
     client, publisher, make = setup
     c = make()
     publisher.publish([upsert(1)])
-    client.xadd(DEFAULT_STREAM, {"op": "upsert", "shard": 0, "published_ms": 1, "schema": "small-test:1", "dim": 16,
-                                 "event": '{"op": "upsert", "ad": {"ad_id": "bad"}}'})
+    client.xadd(DEFAULT_STREAM, {"op": "upsert", "shard": 0, "published_ms": 1, "schema": "small-test:1",
+                                 "model": "hashed_two_tower", "dim": 16, "event": '{"op": "upsert", "ad": {"ad_id": "bad"}}'})
     client.xadd(DEFAULT_STREAM, {"shard": 0, "published_ms": 1, "schema": "other:9", "dim": 16, "event": "{}"})
     client.xadd(DEFAULT_STREAM, {"garbage": b"\xff\xfe"})
+    client.xadd(DEFAULT_STREAM, {"shard": 0, "published_ms": 1, "schema": "small-test:1", "model": "moe-v9", "dim": 16,
+                                 "event": "{}"})
     publisher.publish([upsert(2)])
     c.catch_up()
     assert sorted([1, 2]) == eligible(c.index)
     dead = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
-    assert c.stats.dead_letters == len(dead) == 3
+    assert c.stats.dead_letters == len(dead) == 4
     reasons = [fields[b"field"].decode() + ": " + fields[b"reason"].decode() for _, fields in dead]
     assert "event.ad.ad_id" in reasons[0] and "schema" in reasons[1] and "shard" in reasons[2]
+    assert reasons[3].startswith("model: embedded by model moe-v9")
 
 
 def test_bad_event_is_rejected_at_publish_and_writes_nothing(setup):
@@ -189,7 +193,7 @@ def test_redis_restart_under_publishing_loses_no_acknowledged_event(redis_server
     server.start()
     thread.join(timeout=120)
     assert len(acknowledged) == 300
-    c = ShardConsumer(redis.Redis.from_url(server.url), AdIndex(small_schema, scorer.dim), block_ms=10)
+    c = ShardConsumer(redis.Redis.from_url(server.url), AdIndex(small_schema, scorer.dim), scorer.name, block_ms=10)
     c.catch_up()
     assert set(acknowledged) <= set(c.index.ad_ids())
 
@@ -242,3 +246,15 @@ def test_malformed_payloads_are_dead_lettered(setup, payload):
     c = make()
     c.catch_up()
     assert eligible(c.index) == [1] and c.stats.dead_letters == 1
+
+
+def test_a_snapshot_of_another_model_is_not_loaded(setup, tmp_path, small_schema, scorer):
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    publisher.publish([upsert(1)])
+    writer = make(snapshots=store)
+    writer.catch_up()
+    writer.snapshot()
+    other = ShardConsumer(client, AdIndex(small_schema, scorer.dim), "moe-v9", snapshots=store)
+    assert not other.recover() and len(other.index) == 0
+    assert make(snapshots=store).recover()
