@@ -42,17 +42,20 @@ def checkpoint_meta(data: RecData, seed: int) -> dict:
             "categories": data.items.categories}
 
 
-def get_model(data: RecData, kind: str, retrain: bool, seed: int = 0) -> RetrievalModel:
+def get_model(data: RecData, kind: str, retrain: bool, seed: int = 0) -> tuple[RetrievalModel, bool]:
+    """(model, trained in this call) from its checkpoint, training and saving it when missing."""
     path = checkpoint_path(data.name, kind)
     if path.exists() and not retrain:
-        return RetrievalModel.load(path)[0]
+        return RetrievalModel.load(path)[0], False
     model = train(data, kind, default_config(kind, seed))
     model.save(path, checkpoint_meta(data, seed))
-    return model
+    return model, True
 
 
-def evaluate_dataset(data: RecData, retrain: bool) -> list[dict]:
-    models = {kind: get_model(data, kind, retrain) for kind in KINDS}
+def evaluate_dataset(data: RecData, retrain: bool) -> tuple[list[dict], list[str]]:
+    """(rows, kinds trained in this run)."""
+    loaded = {kind: get_model(data, kind, retrain) for kind in KINDS}
+    models = {kind: model for kind, (model, _) in loaded.items()}
     users = data.eval_users()[: EVAL_USERS[data.name]]
     rankings = {(kind, dtype): rank_items(models[kind], data, users, dtype) for kind, dtype in ROWS}
     ranker_top100 = rankings[("ranker", "fp32")].top[:, :100]
@@ -65,7 +68,7 @@ def evaluate_dataset(data: RecData, retrain: bool) -> list[dict]:
                      "true_recall": recall_within(truth, r.top) if truth is not None else None,
                      "flops": model.head.flops_per_pair(), "counted_flops": counted_flops_per_pair(model, data),
                      "bytes": bytes_per_ad(model, dtype)})
-    return rows
+    return rows, [kind for kind, (_, trained) in loaded.items() if trained]
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -100,10 +103,13 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     sections = []
     for name in datasets:
         data = load_data(name, world)
-        rows = evaluate_dataset(data, retrain)
+        rows, trained = evaluate_dataset(data, retrain)
         users = min(len(data.eval_users()), EVAL_USERS[name])
+        provenance = (f"trained in this run: {', '.join(trained) or 'none'}; the others loaded from their "
+                      f"checkpoints (trained with the same defaults by an earlier run)")
         sections.append(f"## {name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, "
-                        f"{users} evaluated (last engagement held out, full corpus ranked, history excluded).\n\n"
+                        f"{users} evaluated (last engagement held out, full corpus ranked, history excluded); "
+                        f"{provenance}.\n\n"
                         f"{table(rows)}\n\nTargets:\n" + "\n".join(targets(rows)))
     cpu = platform.processor() or platform.machine()
     text = (f"# Retrieval quality\n\nWritten by `andromeda eval` in one run ({time.time() - started:.0f} s on {cpu}, "
