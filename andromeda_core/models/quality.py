@@ -105,8 +105,8 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
         data = load_data(name, world)
         rows, trained = evaluate_dataset(data, retrain)
         users = min(len(data.eval_users()), EVAL_USERS[name])
-        provenance = (f"trained in this run: {', '.join(trained) or 'none'}; the others loaded from their "
-                      f"checkpoints (trained with the same defaults by an earlier run)")
+        provenance = (f"models trained in this run: {', '.join(trained) or 'none'}; any others were loaded from "
+                      f"checkpoints trained with the same defaults by an earlier run")
         sections.append(f"## {name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, "
                         f"{users} evaluated (last engagement held out, full corpus ranked, history excluded); "
                         f"{provenance}.\n\n"
