@@ -25,7 +25,9 @@ class TrainConfig:
 
 def default_config(kind: str, seed: int = 0) -> TrainConfig:
     """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x B pairs per step."""
-    if kind in ("dense", "ranker"):
+    if kind == "ranker":  # the quality ceiling gets the longest training
+        return TrainConfig(steps=2400, batch=96, negatives=0, lr=1e-3, seed=seed)
+    if kind == "dense":
         return TrainConfig(steps=800, batch=96, negatives=0, lr=1e-3, seed=seed)
     return TrainConfig(seed=seed)
 
