@@ -119,18 +119,20 @@ class AdIndex:
     def slot_of(self, ad_id: int) -> int | None:
         return self._slot_of.get(ad_id)
 
+    def _vectors(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """Stored embeddings of `rows` as float32, dequantised when stored as int8."""
+        scale = self.columns["embedding_scale"][rows] if "embedding_scale" in self.columns else None
+        return dequantize(self.columns["embedding"][rows], scale)
+
     def embeddings(self, start: int, stop: int) -> torch.Tensor:
-        """(stop - start, D) float32 stored embeddings of slots [start, stop), dequantised."""
-        scale = self.columns["embedding_scale"][start:stop] if "embedding_scale" in self.columns else None
-        return dequantize(self.columns["embedding"][start:stop], scale)
+        """(stop - start, D) float32 stored embeddings of slots [start, stop)."""
+        return self._vectors(slice(start, stop))
 
     def embeddings_of(self, ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, D) float32 stored embeddings of `ad_ids` (zeros where not indexed) and found (n,) bool."""
         slots = [self._slot_of.get(a, -1) for a in ad_ids]
         found = torch.tensor([s >= 0 for s in slots], dtype=torch.bool)
-        index = torch.tensor([max(s, 0) for s in slots], dtype=torch.int64, device=self.device)
-        scale = self.columns["embedding_scale"][index] if "embedding_scale" in self.columns else None
-        vectors = dequantize(self.columns["embedding"][index], scale).cpu()
+        vectors = self._vectors(torch.tensor([max(s, 0) for s in slots], dtype=torch.int64, device=self.device)).cpu()
         return vectors * found[:, None], found
 
     def get(self, ad_id: int) -> dict:
