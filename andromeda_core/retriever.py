@@ -11,7 +11,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.models import Scorer
 from andromeda_core.targeting import compile_user, match_inputs
 from andromeda_core.types import RetrieveRequest, RetrieveResponse, ScoredAd
-from kernels.reference.topk import NO_ID, topk_by_score_then_id
+from kernels.reference.topk import NO_ID, merge_topk, topk_by_score_then_id
 
 
 class Retriever:
@@ -51,9 +51,7 @@ class Retriever:
             eligible += ok.sum(1)
             scores = self.scorer.score(users, self.index.embeddings(start, stop))
             ids = cols["ad_id"][start:stop].expand(B, -1)
-            best_ids, best_scores = topk_by_score_then_id(
-                torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1),
-                torch.cat([best_ids != NO_ID, ok], 1), k)
+            best_ids, best_scores = merge_topk(best_ids, best_scores, ids, scores, ok, k)
         if best_ids.shape[1] < k:
             best_ids, best_scores = topk_by_score_then_id(best_scores, best_ids, best_ids != NO_ID, k)
         return best_ids, best_scores, eligible

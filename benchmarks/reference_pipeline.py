@@ -28,7 +28,7 @@ from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.targeting import compile_user, match_inputs
 from andromeda_core.types import parse_request
 from benchmarks.common import machine, matmul_gflops, median_seconds, read_bandwidth_gbs, write_section
-from kernels.reference.topk import topk_by_score_then_id
+from kernels.reference.topk import merge_topk
 
 K = 100
 
@@ -61,8 +61,7 @@ def stage_times(retriever: Retriever, requests, repeats: int) -> dict[str, float
         best_ids = torch.empty((B, 0), dtype=torch.int64)
         best = torch.empty((B, 0))
         for (a, b), ok, sc in zip(spans, oks, scores):
-            best_ids, best = topk_by_score_then_id(torch.cat([best, sc], 1), torch.cat([best_ids, ids[a:b].expand(B, -1)], 1),
-                                                   torch.cat([best_ids != -1, ok], 1), K)
+            best_ids, best = merge_topk(best_ids, best, ids[a:b].expand(B, -1), sc, ok, K)
 
     return {
         "match": median_seconds(lambda: [index.match(inputs, a, b) for a, b in spans], repeats),
