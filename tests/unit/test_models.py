@@ -116,3 +116,17 @@ def test_int8_quantisation_error_is_bounded():
     assert error[:, :16].max() < 0.05
     assert torch.allclose(round_trip(stored, "fp16"), stored, atol=1e-2, rtol=1e-3)
     assert torch.equal(round_trip(stored, "fp32"), stored)
+
+
+def test_ranker_factored_first_layer_equals_the_plain_mlp():
+    """The ranker's factored evaluation is the MLP over the concatenated pair features, exactly."""
+    torch.manual_seed(3)
+    data, model = tiny_data(), RetrievalModel("ranker", DIMS)
+    stored, text = model.item_vectors(data.items), torch.from_numpy(data.items.text).float()
+    state = model.users(user_inputs(data, stored, np.array([0, 1, 2]), np.array([3, 0, 5])))
+    experts = state.experts * state.mask[..., None]
+    products = torch.einsum("bed,nd->bned", experts, stored[:, : DIMS.dim]).flatten(2)
+    ad = torch.cat([stored, model.head.text(text)], 1)
+    pair = torch.cat([experts.flatten(1)[:, None].expand(3, 40, -1), products, ad[None].expand(3, -1, -1)], -1)
+    with torch.no_grad():
+        assert torch.allclose(model.score(state, stored, text), model.head.mlp(pair).squeeze(-1), atol=1e-5)
