@@ -108,9 +108,15 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = default_config(args.model, args.seed)
     if args.steps:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
-    model = train(data, args.model, cfg)
+    teacher = None
+    if args.teacher:
+        from andromeda_core.models.distill import ask_teacher
+        from andromeda_core.models.retrieval import RetrievalModel
+
+        teacher = ask_teacher(RetrievalModel.load(args.teacher)[0], data)
+    model = train(data, args.model, cfg, teacher)
     out = args.out or checkpoint_path(data.name, args.model)
-    model.save(out, checkpoint_meta(data, args.seed))
+    model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill))
     print(f"wrote {out}")
 
 
@@ -182,6 +188,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", choices=("moe", "two_tower", "dense", "ranker"), required=True)
     s.add_argument("--steps", type=int, default=None, help="override the default number of steps")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--teacher", type=Path, default=None,
+                   help="ranker checkpoint to distil (its top-100 per user); `andromeda eval` uses DATA-ranker")
     s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
     s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors)")
     s.set_defaults(func=cmd_train)

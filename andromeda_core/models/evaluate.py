@@ -30,14 +30,15 @@ class Ranking:
 
 
 @torch.no_grad()
-def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: str = "fp32",
+def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: str = "fp32", split: int = 1,
                batch: int = 16, chunk: int = 4096, progress: bool = True) -> Ranking:
+    """Each user's state at their test (split=1) or validation (split=0) position ranks the full corpus."""
     stored = round_trip(model.item_vectors(data.items), dtype)
     text = torch.from_numpy(data.items.text).float()
     tops, ranks = [], []
     for first in tqdm(range(0, len(users), batch), desc=f"rank {model.kind} {dtype}", disable=not progress):
         us = users[first:first + batch]
-        positions = np.array([data.split(u)[1] for u in us])
+        positions = np.array([data.split(u)[split] for u in us])
         state = model.users(user_inputs(data, stored, us, positions))
         scores = torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk])
                             for a in range(0, len(stored), chunk)], 1)

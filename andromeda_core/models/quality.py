@@ -1,14 +1,17 @@
 """The quality report (docs/quality.md): every model on both data sets, measured in one run."""
 from __future__ import annotations
 
+import functools
 import platform
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from andromeda_core.config import load_settings
+from andromeda_core.models.distill import TEACHER_TOP, Teacher, ask_teacher
 from andromeda_core.models.evaluate import (bytes_per_ad, counted_flops_per_pair, hit_metrics, rank_items,
                                             recall_within, true_top100)
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
@@ -17,10 +20,10 @@ from andromeda_core.models.train import default_config, train
 from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 
-KINDS = ("two_tower", "dense", "moe", "ranker")
+STUDENTS = ("two_tower", "dense", "moe")  # distilled from the ranker
 ROWS = (("two_tower", "fp32"), ("dense", "fp32"), ("moe", "fp32"), ("moe", "fp16"), ("moe", "int8"), ("ranker", "fp32"))
 QUALITY_WORLD = WorldConfig(ads=10000, users=4000, seed=5)
-EVAL_USERS = {"synthetic": 1000, "movielens": 610}
+EVAL_USERS = {"synthetic": 4000, "movielens": 610}
 
 
 def load_data(name: str, world: Path | None = None) -> RecData:
@@ -36,25 +39,31 @@ def checkpoint_path(data: str, kind: str) -> Path:
     return load_settings().cache_dir / "models" / f"{data}-{kind}.safetensors"
 
 
-def checkpoint_meta(data: RecData, seed: int) -> dict:
+def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, distill: float = 0.0) -> dict:
     schema = load_schema()
-    return {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": seed,
+    meta = {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": seed,
             "categories": data.items.categories}
+    return {**meta, "teacher": teacher.name, "distill": distill} if teacher else meta
 
 
-def get_model(data: RecData, kind: str, retrain: bool, seed: int = 0) -> tuple[RetrievalModel, bool]:
-    """(model, trained in this call) from its checkpoint, training and saving it when missing."""
+def get_model(data: RecData, kind: str, retrain: bool, teacher: Callable[[], Teacher] | None = None,
+              seed: int = 0) -> tuple[RetrievalModel, bool]:
+    """(model, trained in this call) from its checkpoint, training and saving it when missing;
+    `teacher` gives the distillation targets when the model has to be trained."""
     path = checkpoint_path(data.name, kind)
     if path.exists() and not retrain:
         return RetrievalModel.load(path)[0], False
-    model = train(data, kind, default_config(kind, seed))
-    model.save(path, checkpoint_meta(data, seed))
+    cfg = default_config(kind, seed)
+    model = train(data, kind, cfg, teacher() if teacher else None)
+    model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if teacher else None, cfg.distill))
     return model, True
 
 
 def evaluate_dataset(data: RecData, retrain: bool) -> tuple[list[dict], list[str]]:
-    """(rows, kinds trained in this run)."""
-    loaded = {kind: get_model(data, kind, retrain) for kind in KINDS}
+    """(rows, kinds trained in this run). The ranker comes first: the retrieval models distil it."""
+    loaded = {"ranker": get_model(data, "ranker", retrain)}
+    teacher = functools.cache(lambda: ask_teacher(loaded["ranker"][0], data))
+    loaded.update({kind: get_model(data, kind, retrain, teacher) for kind in STUDENTS})
     models = {kind: model for kind, (model, _) in loaded.items()}
     users = data.eval_users()[: EVAL_USERS[data.name]]
     rankings = {(kind, dtype): rank_items(models[kind], data, users, dtype) for kind, dtype in ROWS}
@@ -105,8 +114,9 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
         data = load_data(name, world)
         rows, trained = evaluate_dataset(data, retrain)
         users = min(len(data.eval_users()), EVAL_USERS[name])
-        provenance = (f"models trained in this run: {', '.join(trained) or 'none'}; any others were loaded from "
-                      f"checkpoints trained with the same defaults by an earlier run")
+        provenance = (f"two_tower, dense and moe are distilled from the ranker's top-{TEACHER_TOP} at each user's "
+                      f"validation-time state; models trained in this run: {', '.join(trained) or 'none'}; any "
+                      f"others were loaded from checkpoints trained with the same defaults by an earlier run")
         sections.append(f"## {name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, "
                         f"{users} evaluated (last engagement held out, full corpus ranked, history excluded); "
                         f"{provenance}.\n\n"

@@ -1,5 +1,9 @@
-"""Training with sampled softmax: each example's positive against in-batch positives (and, for the
-cheap heads, shared uniformly sampled negatives); accidental hits are masked."""
+"""Training with sampled softmax: each row's positive against every row's positive and shared
+uniformly sampled negatives (none for the dense head); accidental hits are masked.
+
+Rows are engagements (the next item a user engaged with) and, with a teacher, distillation rows:
+a user state and one item drawn uniformly from the ranker's top-k for it, weighted by `distill`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from andromeda_core.models.distill import Teacher
 from andromeda_core.models.recdata import RecData
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import Dims
@@ -18,21 +23,43 @@ from andromeda_core.models.towers import Dims
 class TrainConfig:
     steps: int = 800
     batch: int = 256
-    negatives: int = 512  # shared random negatives per step (0 for the pairwise heads)
+    negatives: int = 512  # shared uniformly sampled negatives per step
     lr: float = 2e-3
     seed: int = 0
+    distill: float = 1.0  # weight of the distillation rows (used only with a teacher)
 
 
 def default_config(kind: str, seed: int = 0) -> TrainConfig:
     """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x B pairs per step."""
-    if kind == "ranker":  # the quality ceiling gets the longest training
-        return TrainConfig(steps=2400, batch=96, negatives=0, lr=1e-3, seed=seed)
+    if kind == "ranker":  # the quality ceiling: uniform negatives teach it to rank the full corpus
+        return TrainConfig(steps=1000, batch=96, negatives=256, lr=2e-3, seed=seed)
     if kind == "dense":
         return TrainConfig(steps=800, batch=96, negatives=0, lr=1e-3, seed=seed)
     return TrainConfig(seed=seed)
 
 
-def train(data: RecData, kind: str, cfg: TrainConfig, progress: bool = True) -> RetrievalModel:
+def _rows(data: RecData, examples: np.ndarray, teacher: Teacher | None, cfg: TrainConfig,
+          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One step's rows: users (R,), positions (R,), positives (R,), known positives (R, K) padded
+    with -1 (masked as accidental hits), loss weights (R,). Teacher rows follow batch // 2 engagements."""
+    batch = examples[rng.integers(0, len(examples), cfg.batch)]
+    users, positions = batch[:, 0], batch[:, 1]
+    positives = np.array([data.users.items[u][p] for u, p in batch])
+    known, weights = positives[:, None], np.ones(cfg.batch, np.float32)
+    if teacher is None:
+        return users, positions, positives, known, weights
+    asked = rng.integers(0, len(teacher.users), cfg.batch // 2)
+    top = teacher.top[asked]
+    drawn = top[np.arange(len(asked)), rng.integers(0, top.shape[1], len(asked))]
+    known = np.full((cfg.batch + len(asked), top.shape[1]), -1)
+    known[: cfg.batch, 0], known[cfg.batch:] = positives, top
+    return (np.concatenate([users, teacher.users[asked]]), np.concatenate([positions, teacher.positions[asked]]),
+            np.concatenate([positives, drawn]), known,
+            np.concatenate([weights, np.full(len(asked), cfg.distill, np.float32)]))
+
+
+def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None,
+          progress: bool = True) -> RetrievalModel:
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1))
@@ -42,22 +69,25 @@ def train(data: RecData, kind: str, cfg: TrainConfig, progress: bool = True) -> 
     text = torch.from_numpy(data.items.text).float()
     n_items = len(data.items.ids)
     model.train()
-    bar = tqdm(range(cfg.steps), desc=f"train {kind} on {data.name}", disable=not progress)
+    label = f"train {kind} on {data.name}" + (" (distilled)" if teacher is not None else "")
+    bar = tqdm(range(cfg.steps), desc=label, disable=not progress)
     for _ in bar:
-        batch = examples[rng.integers(0, len(examples), cfg.batch)]
-        users, positions = batch[:, 0], batch[:, 1]
-        positives = torch.from_numpy(np.array([data.users.items[u][p] for u, p in batch]))
-        candidates = torch.cat([positives, torch.from_numpy(rng.integers(0, n_items, cfg.negatives))])
+        users, positions, positives, known, weights = _rows(data, examples, teacher, cfg, rng)
+        candidates = np.concatenate([positives, rng.integers(0, n_items, cfg.negatives)])
         # Run the ad tower only on the items this step reads (histories, co-engagements, candidates).
-        needed = np.unique(np.concatenate([candidates.numpy(), *(data.users.items[u][:p] for u, p in batch),
+        needed = np.unique(np.concatenate([candidates, *(data.users.items[u][:p] for u, p in zip(users, positions)),
                                            *(data.users.co_items[u] for u in users)]).astype(np.int64))
         stored = torch.zeros((n_items, model.dims.stored)).index_put((torch.from_numpy(needed),),
                                                                      model.item_vectors(data.items, needed))
         state = model.users(user_inputs(data, stored, users, positions))
+        candidates = torch.from_numpy(candidates)
         logits = model.score(state, stored[candidates], text[candidates])
-        hit = (candidates[None, :] == positives[:, None])
-        hit[torch.arange(cfg.batch), torch.arange(cfg.batch)] = False  # own positive stays
-        loss = F.cross_entropy(logits.masked_fill(hit, float("-inf")), torch.arange(cfg.batch))
+        rows = torch.arange(len(users))
+        hit = (candidates[None, :, None] == torch.from_numpy(known)[:, None, :]).any(-1)
+        hit[rows, rows] = False  # each row's own positive stays
+        losses = F.cross_entropy(logits.masked_fill(hit, float("-inf")), rows, reduction="none")
+        weights_t = torch.from_numpy(weights)
+        loss = (losses * weights_t).sum() / weights_t.sum()
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)

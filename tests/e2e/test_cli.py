@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from andromeda_core.models.retrieval import RetrievalModel
+
 
 def andromeda(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", *args], capture_output=True, text=True, timeout=300)
@@ -58,13 +60,17 @@ def test_bad_event_line_exits_2_naming_line_and_field(world, tmp_path):
     assert result.returncode == 2 and f"{events}:2.version" in result.stderr and result.stdout == ""
 
 
-def test_train_writes_a_checkpoint_the_retriever_serves(world, tmp_path):
-    checkpoint = tmp_path / "moe.safetensors"
-    env_cache = {"ANDROMEDA_CACHE": str(tmp_path / "cache")}
-    result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "train", "--data", "synthetic", "--model", "moe",
-                             "--world", str(world), "--steps", "3", "--out", str(checkpoint)],
-                            capture_output=True, text=True, timeout=600, env={**os.environ, **env_cache})
-    assert result.returncode == 0, result.stderr
+def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tmp_path):
+    ranker, checkpoint = tmp_path / "ranker.safetensors", tmp_path / "moe.safetensors"
+    env = {**os.environ, "ANDROMEDA_CACHE": str(tmp_path / "cache")}
+    for args in (["--model", "ranker", "--out", str(ranker)],
+                 ["--model", "moe", "--teacher", str(ranker), "--out", str(checkpoint)]):
+        result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "train", "--data", "synthetic",
+                                 "--world", str(world), "--steps", "3", *args],
+                                capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr
+    config = RetrievalModel.load(checkpoint)[1]
+    assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 1.0
     request = tmp_path / "req.json"
     request.write_text((world / "requests.jsonl").read_text().splitlines()[0])
     out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(request), "--k", "3",

@@ -1,0 +1,36 @@
+"""Distillation targets: what the ranker (the quality ceiling) would retrieve for each user.
+
+The retrieval models learn to put the ranker's top-k near the top of their own ranking, the way a
+production retriever is distilled from the ranking stage's logged scores. The teacher is asked at
+each user's validation-time state (history = everything before the validation engagement), so no
+held-out engagement is ever shown to it or to the student; evaluation uses the later test-time state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from andromeda_core.models.evaluate import rank_items
+from andromeda_core.models.recdata import RecData
+from andromeda_core.models.retrieval import RetrievalModel
+
+TEACHER_TOP = 100
+
+
+@dataclass
+class Teacher:
+    """users (U,), positions (U,) of the states asked, top (U, k) the ranker's item rows, best first."""
+
+    users: np.ndarray
+    positions: np.ndarray
+    top: np.ndarray
+
+
+def ask_teacher(ranker: RetrievalModel, data: RecData, k: int = TEACHER_TOP, progress: bool = True) -> Teacher:
+    """The ranker's top-k over the full corpus (history excluded) for every user with a validation engagement."""
+    if ranker.kind != "ranker":
+        raise ValueError(f"the teacher must be a ranker checkpoint, got a {ranker.kind!r} model")
+    users = data.eval_users()
+    ranking = rank_items(ranker, data, users, split=0, progress=progress)
+    return Teacher(users, np.array([data.split(u)[0] for u in users]), ranking.top[:, :k])
