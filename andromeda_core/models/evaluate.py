@@ -51,10 +51,18 @@ def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: s
     return Ranking(np.concatenate(tops), np.concatenate(ranks))
 
 
+CUTOFFS = (10, 50, 200)
+
+
 def hit_metrics(r: Ranking) -> dict[str, float]:
     rank = r.target_rank
-    return {"HR@10": float(np.mean(rank < 10)), "HR@50": float(np.mean(rank < 50)), "HR@200": float(np.mean(rank < 200)),
+    return {**{f"HR@{k}": float(np.mean(rank < k)) for k in CUTOFFS},
             "NDCG@10": float(np.mean(np.where(rank < 10, 1 / np.log2(rank + 2), 0.0)))}
+
+
+def crossings(r: Ranking, reference: Ranking) -> int:
+    """Users whose held-out item is a hit at some cutoff in one ranking and a miss in the other."""
+    return int(np.any([(r.target_rank < k) != (reference.target_rank < k) for k in CUTOFFS], axis=0).sum())
 
 
 def recall_within(reference_top100: np.ndarray, model_top: np.ndarray) -> float:

@@ -12,7 +12,7 @@ import torch
 
 from andromeda_core.config import load_settings
 from andromeda_core.models.distill import TEACHER_TOP, Teacher, ask_teacher
-from andromeda_core.models.evaluate import (bytes_per_ad, counted_flops_per_pair, hit_metrics, rank_items,
+from andromeda_core.models.evaluate import (bytes_per_ad, counted_flops_per_pair, crossings, hit_metrics, rank_items,
                                             recall_within, true_top100)
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
 from andromeda_core.models.retrieval import RetrievalModel
@@ -76,7 +76,8 @@ def evaluate_dataset(data: RecData, retrain: bool) -> tuple[list[dict], list[str
                      "ranker_recall": recall_within(ranker_top100, r.top),
                      "true_recall": recall_within(truth, r.top) if truth is not None else None,
                      "flops": model.head.flops_per_pair(), "counted_flops": counted_flops_per_pair(model, data),
-                     "bytes": bytes_per_ad(model, dtype)})
+                     "bytes": bytes_per_ad(model, dtype), "users": len(users),
+                     "crossings": crossings(r, rankings[(kind, "fp32")])})
     return rows, [kind for kind, (_, trained) in loaded.items() if trained]
 
 
@@ -91,7 +92,9 @@ def targets(rows: list[dict]) -> list[str]:
         (ranker["flops"] >= 100 * moe["flops"], f"ranker / MoE FLOPs per pair = {ranker['flops'] / moe['flops']:.0f}x (target >= 100x)"),
         (moe["HR@10"] > tt["HR@10"] and moe["NDCG@10"] > tt["NDCG@10"],
          f"MoE vs two-tower: HR@10 {moe['HR@10']:.4f} vs {tt['HR@10']:.4f}, NDCG@10 {moe['NDCG@10']:.4f} vs {tt['NDCG@10']:.4f}"),
-        (worst <= 0.01, f"fp16/int8 largest relative change from fp32 over {', '.join(metrics)}: {worst:.2%} (target <= 1%)"),
+        (worst <= 0.01, f"fp16/int8 largest relative change from fp32 over {', '.join(metrics)}: {worst:.2%} (target <= 1%); "
+                        f"users whose held-out item crosses a cutoff vs fp32: fp16 {by[('moe', 'fp16')]['crossings']}, "
+                        f"int8 {by[('moe', 'int8')]['crossings']} of {moe['users']}"),
     ]
     return [f"- {'met' if ok else 'NOT met'}: {text}" for ok, text in checks]
 

@@ -27,6 +27,7 @@ class TrainConfig:
     lr: float = 2e-3
     seed: int = 0
     distill: float = 1.0  # weight of the distillation rows (used only with a teacher)
+    teacher_rows: int = 128  # distillation rows per step (used only with a teacher)
 
 
 def default_config(kind: str, seed: int = 0) -> TrainConfig:
@@ -41,14 +42,14 @@ def default_config(kind: str, seed: int = 0) -> TrainConfig:
 def _rows(data: RecData, examples: np.ndarray, teacher: Teacher | None, cfg: TrainConfig,
           rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One step's rows: users (R,), positions (R,), positives (R,), known positives (R, K) padded
-    with -1 (masked as accidental hits), loss weights (R,). Teacher rows follow batch // 2 engagements."""
+    with -1 (masked as accidental hits), loss weights (R,). Teacher rows follow the engagement rows."""
     batch = examples[rng.integers(0, len(examples), cfg.batch)]
     users, positions = batch[:, 0], batch[:, 1]
     positives = np.array([data.users.items[u][p] for u, p in batch])
     known, weights = positives[:, None], np.ones(cfg.batch, np.float32)
     if teacher is None:
         return users, positions, positives, known, weights
-    asked = rng.integers(0, len(teacher.users), cfg.batch // 2)
+    asked = rng.integers(0, len(teacher.users), cfg.teacher_rows)
     top = teacher.top[asked]
     drawn = top[np.arange(len(asked)), rng.integers(0, top.shape[1], len(asked))]
     known = np.full((cfg.batch + len(asked), top.shape[1]), -1)

@@ -40,8 +40,8 @@ def test_training_rows_add_weighted_teacher_rows():
     data = tiny_data()
     teacher = fixed_teacher(data, [35, 36, 37, 38, 39])
     examples = data.train_examples()
-    users, positions, positives, known, weights = _rows(data, examples, teacher, TrainConfig(batch=8, distill=0.25),
-                                                        np.random.default_rng(0))
+    cfg = TrainConfig(batch=8, teacher_rows=4, distill=0.25)
+    users, positions, positives, known, weights = _rows(data, examples, teacher, cfg, np.random.default_rng(0))
     assert len(users) == len(positions) == len(positives) == len(known) == len(weights) == 12
     assert weights.tolist() == [1.0] * 8 + [0.25] * 4
     assert (known[:8, 0] == positives[:8]).all() and (known[:8, 1:] == -1).all()
@@ -61,7 +61,7 @@ def share_in_top(model: RetrievalModel, data, items: list[int], k: int = 5) -> f
 
 def test_distillation_pulls_the_teachers_favourites_into_the_students_top():
     data, favourites = tiny_data(), [35, 36, 37, 38, 39]
-    cfg = TrainConfig(steps=120, batch=16, negatives=16, lr=5e-3, seed=1, distill=2.0)
+    cfg = TrainConfig(steps=120, batch=16, negatives=16, lr=5e-3, seed=1, distill=2.0, teacher_rows=8)
     plain = train(data, "moe", cfg, progress=False)
     distilled = train(data, "moe", cfg, fixed_teacher(data, favourites), progress=False)
     assert share_in_top(distilled, data, favourites) >= 0.6 > 0.3 >= share_in_top(plain, data, favourites)
