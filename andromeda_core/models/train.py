@@ -35,8 +35,8 @@ def default_config(kind: str, seed: int = 0) -> TrainConfig:
     if kind == "ranker":  # the quality ceiling: uniform negatives teach it to rank the full corpus
         return TrainConfig(steps=1000, batch=96, negatives=256, lr=2e-3, seed=seed)
     if kind == "dense":
-        return TrainConfig(steps=800, batch=96, negatives=0, lr=1e-3, seed=seed)
-    return TrainConfig(seed=seed)
+        return TrainConfig(steps=1600, batch=96, negatives=0, lr=1e-3, seed=seed, teacher_rows=96)
+    return TrainConfig(steps=1600, teacher_rows=256, seed=seed)
 
 
 def _rows(data: RecData, examples: np.ndarray, teacher: Teacher | None, cfg: TrainConfig,
