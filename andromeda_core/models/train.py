@@ -21,13 +21,13 @@ from andromeda_core.models.towers import Dims
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 800
+    steps: int = 1600
     batch: int = 256
     negatives: int = 512  # shared uniformly sampled negatives per step
     lr: float = 2e-3
     seed: int = 0
     distill: float = 1.0  # weight of the distillation rows (used only with a teacher)
-    teacher_rows: int = 128  # distillation rows per step (used only with a teacher)
+    teacher_rows: int = 256  # distillation rows per step (used only with a teacher)
 
 
 def default_config(kind: str, seed: int = 0) -> TrainConfig:
@@ -36,7 +36,7 @@ def default_config(kind: str, seed: int = 0) -> TrainConfig:
         return TrainConfig(steps=1000, batch=96, negatives=256, lr=2e-3, seed=seed)
     if kind == "dense":
         return TrainConfig(steps=1600, batch=96, negatives=0, lr=1e-3, seed=seed, teacher_rows=96)
-    return TrainConfig(steps=1600, teacher_rows=256, seed=seed)
+    return TrainConfig(seed=seed)
 
 
 def _rows(data: RecData, examples: np.ndarray, teacher: Teacher | None, cfg: TrainConfig,
