@@ -59,6 +59,14 @@ def _rows(data: RecData, examples: np.ndarray, teacher: Teacher | None, cfg: Tra
             np.concatenate([weights, np.full(len(asked), cfg.distill, np.float32)]))
 
 
+def _accidental_hits(known: np.ndarray, candidates: torch.Tensor, n_items: int) -> torch.Tensor:
+    """(R, C) bool: candidate c is one of row r's known positives (R, K); padding (-1) marks a spare column."""
+    known_t = torch.from_numpy(known)
+    marks = torch.zeros((len(known), n_items + 1), dtype=torch.bool)
+    marks[torch.arange(len(known))[:, None], torch.where(known_t >= 0, known_t, n_items)] = True
+    return marks[:, candidates]
+
+
 def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None,
           progress: bool = True) -> RetrievalModel:
     torch.manual_seed(cfg.seed)
@@ -84,7 +92,7 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
         candidates = torch.from_numpy(candidates)
         logits = model.score(state, stored[candidates], text[candidates])
         rows = torch.arange(len(users))
-        hit = (candidates[None, :, None] == torch.from_numpy(known)[:, None, :]).any(-1)
+        hit = _accidental_hits(known, candidates, n_items)
         hit[rows, rows] = False  # each row's own positive stays
         losses = F.cross_entropy(logits.masked_fill(hit, float("-inf")), rows, reduction="none")
         weights_t = torch.from_numpy(weights)
