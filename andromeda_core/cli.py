@@ -32,11 +32,11 @@ def build_retriever(schema: Schema, events: Path, progress: bool = True, model: 
     settings = load_settings()
     scorer = ModelScorer.load(model, schema) if model else HashedTwoTower()
     index = AdIndex(schema, scorer.dim, capacity=settings.index.initial_capacity, device=settings.device,
-                    embedding_dtype=STORAGE[storage])
+                    embedding_dtype=STORAGE[storage], exact_copy=settings.index.rescore > 0)
     with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", disable=not progress,
               file=sys.stderr, miniters=1 << 20) as bar:
         load_events(index, schema, scorer, read_events(events, on_bytes=bar.update))
-    return Retriever(index, scorer, chunk_size=settings.index.chunk_size)
+    return Retriever(index, scorer, chunk_size=settings.index.chunk_size, rescore=settings.index.rescore)
 
 
 def read_requests(path: Path, k: int | None) -> list[RetrieveRequest]:

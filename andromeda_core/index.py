@@ -2,7 +2,10 @@
 
 Columns (N = capacity slots): ad_id, version, advertiser_id (N,) int64; status (N,) int8 bits
 (kernels.reference.match.LIVE | ACTIVE | SATISFIABLE); start, end (N,) int64 seconds (start <= now < end);
-bid (N,) float32; embedding (N, D); the targeting columns of andromeda_core.targeting.
+bid (N,) float32; embedding (N, D) in the scan's storage format (fp32, fp16 or int8 + per-block
+embedding_scale); when that format is not fp32 and the index keeps an exact copy, embedding_exact
+(N, D) float32, read only for the few rows a request rescores and for user-history lookups; the
+targeting columns of andromeda_core.targeting.
 
 Every operation is idempotent by (ad_id, version): an event whose version is not newer than the
 indexed one (or than the version that deleted or expired the ad) is a no-op. A batch of
@@ -40,9 +43,11 @@ class PreparedAd:
 IndexOp = Union[PreparedAd, DeleteEvent, StatusEvent]
 
 
-def core_columns(dim: int, embedding_dtype: torch.dtype) -> dict[str, ColumnSpec]:
-    scale = {"embedding_scale": ColumnSpec((int8_blocks(dim),), torch.float32, 0)} if embedding_dtype == torch.int8 else {}
-    return {**scale,
+def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool) -> dict[str, ColumnSpec]:
+    extra = {"embedding_scale": ColumnSpec((int8_blocks(dim),), torch.float32, 0)} if embedding_dtype == torch.int8 else {}
+    if exact_copy and embedding_dtype != torch.float32:
+        extra["embedding_exact"] = ColumnSpec((dim,), torch.float32, 0)
+    return {**extra,
         "ad_id": ColumnSpec((), torch.int64, -1),
         "version": ColumnSpec((), torch.int64, -1),
         "advertiser_id": ColumnSpec((), torch.int64, -1),
@@ -56,11 +61,11 @@ def core_columns(dim: int, embedding_dtype: torch.dtype) -> dict[str, ColumnSpec
 
 class AdIndex:
     def __init__(self, schema: Schema, dim: int, capacity: int = 1024, device: str | torch.device = "cpu",
-                 embedding_dtype: torch.dtype = torch.float32):
+                 embedding_dtype: torch.dtype = torch.float32, exact_copy: bool = True):
         if dim < 1 or capacity < 1:
             raise ValueError("dim and capacity must be positive")
         self.schema, self.dim, self.device = schema, dim, torch.device(device)
-        self.specs = {**core_columns(dim, embedding_dtype), **targeting_columns(schema)}
+        self.specs = {**core_columns(dim, embedding_dtype, exact_copy), **targeting_columns(schema)}
         self.columns = {name: self._filled(spec, capacity) for name, spec in self.specs.items()}
         self._slot_of: dict[int, int] = {}
         self._tombstones: dict[int, int] = {}  # ad_id -> version that deleted or expired it
@@ -119,21 +124,36 @@ class AdIndex:
     def slot_of(self, ad_id: int) -> int | None:
         return self._slot_of.get(ad_id)
 
+    @property
+    def keeps_exact(self) -> bool:
+        """Whether the scan's format is lossy and an exact float32 copy is kept for rescoring."""
+        return "embedding_exact" in self.columns
+
     def _vectors(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """Stored embeddings of `rows` as float32, dequantised when stored as int8."""
         scale = self.columns["embedding_scale"][rows] if "embedding_scale" in self.columns else None
         return dequantize(self.columns["embedding"][rows], scale)
 
     def embeddings(self, start: int, stop: int) -> torch.Tensor:
-        """(stop - start, D) float32 stored embeddings of slots [start, stop)."""
+        """(stop - start, D) float32 embeddings of slots [start, stop) as the scan reads them."""
         return self._vectors(slice(start, stop))
 
+    def exact_embeddings(self, ad_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ad_ids (...) int64 -> (full-precision float32 embeddings (..., D), zeros where not indexed;
+        found (...) bool). Rescoring reads these inside `reading()`."""
+        slots = torch.tensor([self._slot_of.get(a, -1) for a in ad_ids.flatten().tolist()], dtype=torch.int64,
+                             device=self.device).reshape(ad_ids.shape)
+        found = slots >= 0
+        rows = slots.clamp(min=0)
+        vectors = self.columns["embedding_exact"][rows] if self.keeps_exact else self._vectors(rows.flatten()).reshape(
+            *rows.shape, self.dim)
+        return vectors * found[..., None], found
+
     def embeddings_of(self, ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n, D) float32 stored embeddings of `ad_ids` (zeros where not indexed) and found (n,) bool."""
-        slots = [self._slot_of.get(a, -1) for a in ad_ids]
-        found = torch.tensor([s >= 0 for s in slots], dtype=torch.bool)
-        vectors = self._vectors(torch.tensor([max(s, 0) for s in slots], dtype=torch.int64, device=self.device)).cpu()
-        return vectors * found[:, None], found
+        """(n, D) float32 embeddings of `ad_ids` for user towers (zeros where not indexed; full precision
+        unless a lossy index keeps no exact copy) and found (n,) bool."""
+        vectors, found = self.exact_embeddings(torch.tensor(list(ad_ids), dtype=torch.int64))
+        return vectors.cpu(), found.cpu()
 
     def get(self, ad_id: int) -> dict:
         """The indexed state of one ad."""
@@ -183,7 +203,8 @@ class AdIndex:
             tensors["tombstones.version"] = torch.tensor(list(self._tombstones.values()), dtype=torch.int64)
             layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
                       "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
-                      "embedding_dtype": str(self.specs["embedding"].dtype).removeprefix("torch.")}
+                      "embedding_dtype": str(self.specs["embedding"].dtype).removeprefix("torch."),
+                      "exact_copy": str(self.keeps_exact)}
             return tensors, layout
 
     @classmethod
@@ -193,7 +214,8 @@ class AdIndex:
             raise ValueError(f"state was written for schema {layout['schema_name']} v{layout['schema_version']}, "
                              f"not {schema.name} v{schema.version}")
         index = cls(schema, int(layout["dim"]), capacity=int(layout["capacity"]), device=device,
-                    embedding_dtype=getattr(torch, layout["embedding_dtype"]))
+                    embedding_dtype=getattr(torch, layout["embedding_dtype"]),
+                    exact_copy=layout.get("exact_copy") == "True")
         n = index.high_water = int(layout["high_water"])
         for name, col in index.columns.items():
             col[:n] = tensors[f"col.{name}"].to(device)
@@ -312,6 +334,8 @@ class AdIndex:
                 values["embedding"][i] = prepared.embedding
                 for name, row in prepared.targeting.rows.items():
                     values[name][i] = row
+            if "embedding_exact" in values:
+                values["embedding_exact"] = values["embedding"].copy()
             if "embedding_scale" in values:
                 q, scale = quantize_int8(torch.from_numpy(values["embedding"]))
                 values["embedding"], values["embedding_scale"] = q.numpy(), scale.numpy()

@@ -1,5 +1,8 @@
 """Reference retrieval pipeline: user towers once per request, then one pass over the ad table in
-chunks: targeting match -> score -> running exact top-k. Deterministic: ties go to the lower ad id."""
+chunks: targeting match -> score -> running exact top-k. Deterministic: ties go to the lower ad id.
+
+With a lossy (fp16/int8) table that keeps an exact copy, the pass keeps the top rescore * k and those
+few are rescored from the float32 copy, so the results carry full-precision scores and order."""
 from __future__ import annotations
 
 import time
@@ -8,15 +11,15 @@ from typing import Sequence
 import torch
 
 from andromeda_core.index import AdIndex
-from andromeda_core.models import Scorer
+from andromeda_core.models import Scorer, score_each
 from andromeda_core.targeting import compile_user, match_inputs
 from andromeda_core.types import RetrieveRequest, RetrieveResponse, ScoredAd
 from kernels.reference.topk import NO_ID, merge_topk, topk_by_score_then_id
 
 
 class Retriever:
-    def __init__(self, index: AdIndex, scorer: Scorer, chunk_size: int = 65536):
-        self.index, self.scorer, self.chunk_size = index, scorer, chunk_size
+    def __init__(self, index: AdIndex, scorer: Scorer, chunk_size: int = 65536, rescore: int = 2):
+        self.index, self.scorer, self.chunk_size, self.rescore = index, scorer, chunk_size, rescore
         self.watermark: str | None = None  # stream id of the newest applied update (set by the consumer)
 
     def retrieve(self, requests: Sequence[RetrieveRequest], now: int | None = None) -> list[RetrieveResponse]:
@@ -28,7 +31,12 @@ class Retriever:
         inputs = match_inputs(self.index.schema, [c[0] for c in compiled], nows, self.index.device)
         with self.index.reading():
             users = self.scorer.encode_users(requests, self.index.embeddings_of, nows)
-            ids, scores, eligible = self.scan(inputs, users, max(r.k for r in requests))
+            k = max(r.k for r in requests)
+            if self.rescore and self.index.keeps_exact:
+                ids, _, eligible = self.scan(inputs, users, self.rescore * k)
+                ids, scores = self.rescored(users, ids, k)
+            else:
+                ids, scores, eligible = self.scan(inputs, users, k)
         took_ms = (time.perf_counter() - started) * 1000
         responses = []
         for b, r in enumerate(requests):
@@ -55,3 +63,10 @@ class Retriever:
         if best_ids.shape[1] < k:
             best_ids, best_scores = topk_by_score_then_id(best_scores, best_ids, best_ids != NO_ID, k)
         return best_ids, best_scores, eligible
+
+    def rescored(self, users, shortlist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """shortlist (B, m) ad ids, -1 padded -> their top-k by full-precision score: (ids (B, k), scores (B, k)).
+        Call inside index.reading()."""
+        vectors, found = self.index.exact_embeddings(shortlist)
+        scores = score_each(self.scorer.score, users, vectors)
+        return topk_by_score_then_id(scores, shortlist, found & (shortlist != NO_ID), k)

@@ -26,7 +26,14 @@ class Scorer(Protocol):
         """(n, D) float32 ad embeddings, as stored in the index."""
 
     def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> Any:
-        """Per-request user state consumed by `score` (run once per request); now (B,) seconds."""
+        """Per-request user state consumed by `score` (run once per request); now (B,) seconds.
+        users[b:b + 1] is the state of request b alone."""
 
     def score(self, users: Any, ads: torch.Tensor) -> torch.Tensor:
         """users for B requests, ads (n, D) -> (B, n) float32 scores."""
+
+
+def score_each(score: Callable[[Any, torch.Tensor], torch.Tensor], users: Any, candidates: torch.Tensor) -> torch.Tensor:
+    """Each request against its own candidates: candidates (B, m, D) -> (B, m) scores."""
+    return torch.cat([score(users[b:b + 1], candidates[b]) for b in range(candidates.shape[0])]) \
+        if candidates.shape[0] else candidates.new_zeros(candidates.shape[:2])

@@ -1,5 +1,8 @@
 """Offline quality: full-corpus ranking per user (history excluded), HR@K, NDCG@10, recall of the
-ranker's and (synthetic) the true top-100 inside a model's top-1000, FLOPs per pair, bytes per ad."""
+ranker's and (synthetic) the true top-100 inside a model's top-1000, FLOPs per pair, bytes per ad.
+
+Lossy storage is ranked as the retriever serves it: scan-only, or with the scan's top rescore * 1000
+rescored from the exact float32 vectors (user towers then also read the exact vectors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
+from andromeda_core.models import score_each
 from andromeda_core.models.recdata import RecData
 from andromeda_core.quantization import int8_blocks, round_trip
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
@@ -17,10 +21,12 @@ from andromeda_core.synth import truth_scores
 TOP = 1000
 
 
-def bytes_per_ad(model: RetrievalModel, dtype: str) -> int:
+def bytes_per_ad(model: RetrievalModel, dtype: str, rescore: int = 0) -> tuple[int, int]:
+    """(bytes the scan reads per ad, bytes the index holds per ad, the exact copy included)."""
     S = model.dims.stored
-    stored = {"fp32": 4 * S, "fp16": 2 * S, "int8": S + 4 * int8_blocks(S)}[dtype]
-    return stored + (2 * 384 if model.kind == "ranker" else 0)  # the ranker also reads the text embedding
+    scanned = {"fp32": 4 * S, "fp16": 2 * S, "int8": S + 4 * int8_blocks(S)}[dtype]
+    scanned += 2 * 384 if model.kind == "ranker" else 0  # the ranker also reads the text embedding
+    return scanned, scanned + (4 * S if rescore else 0)
 
 
 @dataclass
@@ -29,21 +35,32 @@ class Ranking:
     target_rank: np.ndarray  # (U,) 0-based rank of the held-out item (>= TOP: not found)
 
 
+def rescored(model: RetrievalModel, state, scan: torch.Tensor, exact: torch.Tensor, m: int) -> torch.Tensor:
+    """scan (B, N) scores -> (B, N): the scan's top m rescored from exact (N, S) vectors, the rest -inf."""
+    short = scan.topk(min(m, scan.shape[1]), dim=1)
+    scores = score_each(model.score, state, exact[short.indices]).masked_fill(short.values == float("-inf"), float("-inf"))
+    return torch.full_like(scan, float("-inf")).scatter(1, short.indices, scores)
+
+
 @torch.no_grad()
 def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: str = "fp32", split: int = 1,
-               batch: int = 16, chunk: int = 4096, progress: bool = True) -> Ranking:
+               rescore: int = 0, batch: int = 16, chunk: int = 4096, progress: bool = True) -> Ranking:
     """Each user's state at their test (split=1) or validation (split=0) position ranks the full corpus."""
-    stored = round_trip(model.item_vectors(data.items), dtype)
+    exact = model.item_vectors(data.items)
+    stored = round_trip(exact, dtype)
     text = torch.from_numpy(data.items.text).float()
     tops, ranks = [], []
-    for first in tqdm(range(0, len(users), batch), desc=f"rank {model.kind} {dtype}", disable=not progress):
+    label = f"rank {model.kind} {dtype}" + (f" rescore {rescore}x" if rescore else "")
+    for first in tqdm(range(0, len(users), batch), desc=label, disable=not progress):
         us = users[first:first + batch]
         positions = np.array([data.split(u)[split] for u in us])
-        state = model.users(user_inputs(data, stored, us, positions))
+        state = model.users(user_inputs(data, exact if rescore else stored, us, positions))
         scores = torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk])
                             for a in range(0, len(stored), chunk)], 1)
         for i, (u, p) in enumerate(zip(us, positions)):
             scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
+        if rescore:
+            scores = rescored(model, state, scores, exact, rescore * TOP)
         targets = torch.tensor([data.users.items[u][p] for u, p in zip(us, positions)])
         target_scores = scores[torch.arange(len(us)), targets]
         ranks.append((scores > target_scores[:, None]).sum(1).numpy())

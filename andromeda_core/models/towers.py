@@ -72,6 +72,9 @@ class UserState:
     keys: torch.Tensor
     mask: torch.Tensor
 
+    def __getitem__(self, rows: slice) -> "UserState":
+        return UserState(self.experts[rows], self.keys[rows], self.mask[rows])
+
 
 class AdTower(nn.Module):
     def __init__(self, d: Dims):

@@ -1,5 +1,6 @@
-"""A model behind the retriever: results equal a brute-force scoring of the eligible ads, in every
-storage format (fp32, fp16, int8 with per-ad scales)."""
+"""A model behind the retriever: results equal a brute-force scoring of the eligible ads in every
+storage format (fp32, fp16, int8 with per-block scales); lossy formats rescore the scan's shortlist
+from the exact float32 copy."""
 from __future__ import annotations
 
 import pytest
@@ -42,20 +43,62 @@ def request(k=5):
                           "context": {"surface": "feed", "placement": "feed_main", "ts": 3600 * 30}, "k": k})
 
 
-@pytest.mark.parametrize("storage", ["fp32", "fp16", "int8"])
-def test_retrieval_equals_brute_force(default_schema, scorer, events, storage):
-    index = AdIndex(default_schema, scorer.dim, capacity=4, embedding_dtype=STORAGE[storage])
-    index.apply(prepare_ops(default_schema, scorer, events))
-    assert index.columns["embedding"].dtype == STORAGE[storage]
-    response = Retriever(index, scorer, chunk_size=3).retrieve([request()])[0]
-    vectors = round_trip(scorer.encode_ads([e.ad for e in events]), storage)
+def indexed(schema, scorer, events, storage="fp32", exact_copy=True):
+    index = AdIndex(schema, scorer.dim, capacity=4, embedding_dtype=STORAGE[storage], exact_copy=exact_copy)
+    index.apply(prepare_ops(schema, scorer, events))
+    return index
+
+
+ELIGIBLE = [i for i in range(len(TITLES)) if (i + 1) % 3 != 0]  # the user is in CA; every third ad wants US
+
+
+def brute_force(scorer, index, vectors, k, among=ELIGIBLE):
+    """Best k of `among` (event positions) scored against `vectors` (n, D): [(ad id, score)]."""
     users = scorer.encode_users([request()], index.embeddings_of, [3600 * 30])
-    brute = scorer.score(users, vectors)[0]
-    eligible = [i for i in range(len(events)) if (i + 1) % 3 != 0]  # the user is in CA, not US
-    want = sorted(eligible, key=lambda i: (-brute[i].item(), i))[:5]
-    assert [a.ad_id for a in response.ads] == [i + 1 for i in want]
-    assert [a.score for a in response.ads] == pytest.approx([brute[i].item() for i in want], rel=1e-5, abs=1e-6)
-    assert response.eligible == len(eligible)
+    scores = scorer.score(users, vectors)[0]
+    best = sorted(among, key=lambda i: (-scores[i].item(), i))[:k]
+    return [(i + 1, scores[i].item()) for i in best]
+
+
+def served(index, scorer, k, rescore=2):
+    response = Retriever(index, scorer, chunk_size=3, rescore=rescore).retrieve([request(k)])[0]
+    assert response.eligible == len(ELIGIBLE)
+    return [(a.ad_id, a.score) for a in response.ads]
+
+
+def assert_same(got, want):
+    assert [i for i, _ in got] == [i for i, _ in want]
+    assert [s for _, s in got] == pytest.approx([s for _, s in want], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("storage", ["fp32", "fp16", "int8"])
+def test_scan_only_retrieval_equals_brute_force_over_stored_vectors(default_schema, scorer, events, storage):
+    index = indexed(default_schema, scorer, events, storage, exact_copy=False)
+    assert index.columns["embedding"].dtype == STORAGE[storage] and not index.keeps_exact
+    stored = round_trip(scorer.encode_ads([e.ad for e in events]), storage)
+    assert_same(served(index, scorer, 5, rescore=0), brute_force(scorer, index, stored, 5))
+
+
+@pytest.mark.parametrize("storage", ["fp16", "int8"])
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_rescored_retrieval_is_the_exact_top_k_of_the_scan_shortlist(default_schema, scorer, events, storage, k):
+    index = indexed(default_schema, scorer, events, storage)
+    assert index.keeps_exact and index.columns["embedding_exact"].dtype == torch.float32
+    exact = scorer.encode_ads([e.ad for e in events])
+    shortlist = [i - 1 for i, _ in brute_force(scorer, index, round_trip(exact, storage), 2 * k)]
+    want = brute_force(scorer, index, exact, k, among=shortlist)
+    assert_same(served(index, scorer, k), want)
+    # Here the shortlist holds the float32 top-k, so the answer is the float32 table's, scores included.
+    assert_same(want, served(indexed(default_schema, scorer, events), scorer, k))
+
+
+def test_user_towers_read_the_exact_copy(default_schema, scorer, events):
+    exact = scorer.encode_ads([e.ad for e in events])
+    vectors, found = indexed(default_schema, scorer, events, "int8").embeddings_of([1, 404, 5])
+    assert found.tolist() == [True, False, True]
+    assert torch.equal(vectors[[0, 2]], exact[[0, 4]]) and vectors[1].abs().sum() == 0
+    lossy, _ = indexed(default_schema, scorer, events, "int8", exact_copy=False).embeddings_of([1])
+    assert torch.equal(lossy[0], round_trip(exact, "int8")[0])
 
 
 def test_storage_formats_stay_close(default_schema, scorer, events):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from andromeda_core.errors import SnapshotCorrupt
 from andromeda_core.index import AdIndex
@@ -26,6 +27,17 @@ def test_round_trip_restores_content_metadata_and_tombstones(tmp_path, populated
     assert apply_events(restored, scorer, [upsert(99)]) == [True]  # and the table still grows
     assert restored.get(4)["status"] == "paused"
     assert not list(tmp_path.glob(".*tmp*"))  # the temp file was renamed into place
+
+
+@pytest.mark.parametrize("storage,exact_copy", [(torch.int8, True), (torch.int8, False), (torch.float16, True)])
+def test_round_trip_keeps_the_storage_format_and_exact_copy(tmp_path, small_schema, scorer, storage, exact_copy):
+    index = AdIndex(small_schema, scorer.dim, embedding_dtype=storage, exact_copy=exact_copy)
+    apply_events(index, scorer, [upsert(i) for i in range(1, 6)])
+    restored, _ = load_snapshot(save_snapshot(index, tmp_path / "index.snap"), small_schema)
+    assert restored.columns["embedding"].dtype == storage and restored.keeps_exact == exact_copy
+    assert restored.digest() == index.digest()
+    ids = torch.tensor([[1, 5, 404]])
+    assert all(torch.equal(a, b) for a, b in zip(restored.exact_embeddings(ids), index.exact_embeddings(ids)))
 
 
 def test_corrupted_byte_is_detected(tmp_path, populated, small_schema):
