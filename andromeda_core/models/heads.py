@@ -5,7 +5,8 @@
 - DotHead (two-tower): one user vector (learned mix of the experts) . a.
 - DenseHead (the pre-MoE dense interaction retriever): MLP([u, a, u * a]).
 - RankerHead (quality ceiling and distillation teacher, not served): deep MLP over every expert, the
-  full stored vector, the expert-ad products and the ad's text projection.
+  full stored vector, the expert-ad products and the ad's text projection, plus the gated
+  mixture-of-logits term as a wide part (so it can only add to what the retriever can express).
 Every head: score(state, stored (n, S), text (n, 384) or None) -> (B, n) and flops_per_pair().
 """
 from __future__ import annotations
@@ -76,7 +77,8 @@ class DenseHead(nn.Module):
 
 
 class RankerHead(nn.Module):
-    """MLP over [every expert (E*D) | expert-ad products (E*D) | stored vector (S) | text projection (D)].
+    """Wide and deep: the MoE's gated sum of expert-ad similarities plus an MLP over
+    [every expert (E*D) | expert-ad products (E*D) | stored vector (S) | text projection (D)].
 
     The first layer is evaluated in factored form, the same function with fewer FLOPs: the expert
     and ad blocks are projected once per user and once per ad, and the product block
@@ -86,6 +88,7 @@ class RankerHead(nn.Module):
     def __init__(self, d: Dims, hidden: tuple[int, int] = (512, 256)):
         super().__init__()
         self.d, self.hidden = d, hidden
+        self.wide = MoEHead(d)
         self.text = nn.Linear(TEXT_DIM, d.dim)
         self.width = 2 * d.experts * d.dim + d.stored + d.dim
         self.mlp = nn.Sequential(nn.Linear(self.width, hidden[0]), nn.GELU(), nn.Linear(hidden[0], hidden[1]), nn.GELU(),
@@ -103,13 +106,18 @@ class RankerHead(nn.Module):
         pairs = torch.einsum("nd,bdh->bnh", stored[:, :D].float(), pair_weights)
         return pairs + per_user[:, None, :] + (ad @ w_ad.T)[None]
 
-    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+    def deep(self, state: UserState, stored: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """(B, n) output of the MLP."""
         return self.mlp[1:](self.first_layer(state, stored, text)).squeeze(-1)
+
+    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+        return self.deep(state, stored, text) + self.wide.score(state, stored)
 
     def flops_per_pair(self) -> int:
         D = self.d.dim
         h1, h2 = self.hidden
-        return 2 * D * h1 + 2 * h1 + h1 + 2 * h1 * h2 + h2 + 2 * h2  # product block, adds, GELU, layer 2, GELU, out
+        deep = 2 * D * h1 + 2 * h1 + h1 + 2 * h1 * h2 + h2 + 2 * h2  # product block, adds, GELU, layer 2, GELU, out
+        return deep + self.wide.flops_per_pair() + 1
 
 
 HEADS = {"moe": MoEHead, "two_tower": DotHead, "dense": DenseHead, "ranker": RankerHead}

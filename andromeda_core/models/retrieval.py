@@ -14,7 +14,7 @@ from andromeda_core.models.heads import HEADS
 from andromeda_core.models.recdata import Items, RecData
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
-MODEL_VERSION = "1"
+MODEL_VERSION = "2"  # 2: the ranker gained its wide (MoE) term
 HISTORY = 30  # most recent engagements a user tower reads
 CO_ITEMS = 8
 COHORTS = 8

@@ -129,4 +129,7 @@ def test_ranker_factored_first_layer_equals_the_plain_mlp():
     ad = torch.cat([stored, model.head.text(text)], 1)
     pair = torch.cat([experts.flatten(1)[:, None].expand(3, 40, -1), products, ad[None].expand(3, -1, -1)], -1)
     with torch.no_grad():
-        assert torch.allclose(model.score(state, stored, text), model.head.mlp(pair).squeeze(-1), atol=1e-5)
+        assert torch.allclose(model.head.deep(state, stored, text), model.head.mlp(pair).squeeze(-1), atol=1e-5)
+        wide = model.head.wide.score(state, stored)
+        assert wide.abs().sum() > 0 and torch.allclose(model.score(state, stored, text), model.head.mlp(pair).squeeze(-1) + wide,
+                                                       atol=1e-5)
