@@ -69,4 +69,4 @@ class Retriever:
         Call inside index.reading()."""
         vectors, found = self.index.exact_embeddings(shortlist)
         scores = score_each(self.scorer.score, users, vectors)
-        return topk_by_score_then_id(scores, shortlist, found & (shortlist != NO_ID), k)
+        return topk_by_score_then_id(scores, shortlist, found, k)  # found is False for -1 padding
