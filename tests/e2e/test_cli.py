@@ -12,7 +12,7 @@ from andromeda_core.models.retrieval import RetrievalModel
 
 
 def andromeda(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", *args], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "andromeda_cli", *args], capture_output=True, text=True, timeout=300)
     if check and result.returncode:
         raise AssertionError(result.stderr)
     return result
@@ -65,7 +65,7 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
     env = {**os.environ, "ANDROMEDA_CACHE": str(tmp_path / "cache")}
     for args in (["--model", "ranker", "--out", str(ranker)],
                  ["--model", "moe", "--teacher", str(ranker), "--out", str(checkpoint)]):
-        result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "train", "--data", "synthetic",
+        result = subprocess.run([sys.executable, "-m", "andromeda_cli", "train", "--data", "synthetic",
                                  "--world", str(world), "--steps", "3", *args],
                                 capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stderr
