@@ -74,6 +74,8 @@ def cmd_retrieve(args: argparse.Namespace) -> None:
     retriever = build_retriever(schema, args.events, progress=not args.quiet, model=args.model, storage=args.storage)
     for first in range(0, len(requests), REQUEST_BATCH):
         for response in retriever.retrieve(requests[first:first + REQUEST_BATCH], now=args.now):
+            if isinstance(response, AndromedaError):
+                raise response
             print(response.model_dump_json())
 
 

@@ -1,50 +1,148 @@
-"""Reference retrieval pipeline: user towers once per request, then one pass over the ad table in
-chunks: targeting match -> score -> running exact top-k. Deterministic: ties go to the lower ad id.
+"""Reference retrieval pipeline, split the way a sharded service runs it:
 
-With a lossy (fp16/int8) table that keeps an exact copy, the pass keeps the top rescore * k and those
-few are rescored from the float32 copy, so the results carry full-precision scores and order."""
+- `compile_requests`: each request's targeting values and warnings (a bad request is an error of its
+  own, never its batch's);
+- `Scorer.encode_users`: the user towers, once per request (a router runs them once for all shards);
+- `Retriever.search(UserQuery) -> TopK`: ONE pass over this index: targeting match -> score ->
+  running exact top-k, per request its own k. Deterministic: ties go to the lower ad id.
+
+With a lossy (fp16/int8) table that keeps an exact copy, the pass keeps each request's top
+rescore * k and those few are rescored from the float32 copy, so results carry full-precision scores
+and order. `Retriever.retrieve` chains the three steps in one process (the offline CLI, tests).
+"""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Sequence
 
 import torch
 
+from andromeda_core.errors import AndromedaError
 from andromeda_core.index import AdIndex
 from andromeda_core.models import Scorer, score_each
-from andromeda_core.targeting import compile_user, match_inputs
+from andromeda_core.schema import Schema
+from andromeda_core.targeting import UserValues, compile_user, match_inputs
 from andromeda_core.types import RetrieveRequest, RetrieveResponse, ScoredAd
 from kernels.reference.topk import NO_ID, merge_topk, topk_by_score_then_id
+
+
+@dataclass(frozen=True)
+class CompiledRequest:
+    """A request's targeting values (category -> sorted value indices), its time (seconds) and warnings."""
+
+    values: UserValues
+    now: int
+    warnings: list[str]
+
+
+@dataclass(frozen=True)
+class UserQuery:
+    """What a shard needs to answer B requests: the user towers' output (scorer state for B rows),
+    each request's compiled targeting values, time (seconds) and k. Small: no raw features, no candidates."""
+
+    users: Any
+    values: list[UserValues]
+    now: list[int]
+    k: list[int]
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Per-request results: ids (B, K) int64 (-1 = none), scores (B, K) float32 (-inf = none), sorted by
+    score desc then id asc; only the first k[b] entries of row b count; eligible (B,) int64."""
+
+    ids: torch.Tensor
+    scores: torch.Tensor
+    eligible: torch.Tensor
+
+    def row(self, b: int, k: int) -> list[ScoredAd]:
+        ids, scores = self.ids[b, :k].tolist(), self.scores[b, :k].tolist()
+        return [ScoredAd(ad_id=i, score=s) for i, s in zip(ids, scores) if i != NO_ID]
+
+
+def compile_requests(schema: Schema, requests: Sequence[RetrieveRequest],
+                     now: int | None = None) -> list[CompiledRequest | AndromedaError]:
+    """Targeting values of each request; `now` (seconds, default: the clock) where a request has no
+    context.ts. A request with bad input gets its error in its place."""
+    server_now = int(time.time()) if now is None else now
+    out: list[CompiledRequest | AndromedaError] = []
+    for r in requests:
+        try:
+            values, warnings = compile_user(schema, r.user.attributes, r.context.targeting_values())
+            out.append(CompiledRequest(values, server_now if r.context.ts is None else r.context.ts, warnings))
+        except AndromedaError as exc:
+            out.append(exc)
+    return out
+
+
+def concat_users(states: Sequence[Any]) -> Any:
+    """Stack scorer user states of several queries along the batch dimension (a tensor or a dataclass of tensors)."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(states))
+    if is_dataclass(first):
+        return type(first)(*(torch.cat([getattr(s, f.name) for s in states]) for f in fields(first)))
+    raise TypeError(f"cannot concatenate user states of type {type(first).__name__}")
+
+
+def concat_queries(queries: Sequence[UserQuery]) -> UserQuery:
+    """Several queries as one batch (request batching: they share one pass over the table)."""
+    if len(queries) == 1:
+        return queries[0]
+    return UserQuery(concat_users([q.users for q in queries]), [v for q in queries for v in q.values],
+                     [t for q in queries for t in q.now], [k for q in queries for k in q.k])
+
+
+def split_topk(result: TopK, sizes: Sequence[int]) -> list[TopK]:
+    """Inverse of concat_queries for the results: one TopK per query of `sizes` rows."""
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    return [TopK(result.ids[a:b], result.scores[a:b], result.eligible[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 class Retriever:
     def __init__(self, index: AdIndex, scorer: Scorer, chunk_size: int = 65536, rescore: int = 2):
         self.index, self.scorer, self.chunk_size, self.rescore = index, scorer, chunk_size, rescore
-        self.watermark: str | None = None  # stream id of the newest applied update (set by the consumer)
 
-    def retrieve(self, requests: Sequence[RetrieveRequest], now: int | None = None) -> list[RetrieveResponse]:
-        """Answer a batch of requests; `now` (seconds) applies where a request's context has no ts."""
-        started = time.perf_counter()
-        server_now = int(time.time()) if now is None else now
-        compiled = [compile_user(self.index.schema, r.user.attributes, r.context.targeting_values()) for r in requests]
-        nows = [server_now if r.context.ts is None else r.context.ts for r in requests]
-        inputs = match_inputs(self.index.schema, [c[0] for c in compiled], nows, self.index.device)
+    def encode(self, requests: Sequence[RetrieveRequest], now: Sequence[int]) -> Any:
+        """User towers for B requests, reading history vectors from this index."""
+        return self.scorer.encode_users(requests, self.index.embeddings_of, now)
+
+    def search(self, query: UserQuery) -> TopK:
+        """One pass over the table for B requests, each with its own targeting, time and k."""
+        inputs = match_inputs(self.index.schema, query.values, query.now, self.index.device)
+        k = max(query.k)
         with self.index.reading():
-            users = self.scorer.encode_users(requests, self.index.embeddings_of, nows)
-            k = max(r.k for r in requests)
             if self.rescore and self.index.keeps_exact:
-                ids, _, eligible = self.scan(inputs, users, self.rescore * k)
-                ids, scores = self.rescored(users, ids, k)
+                shortlist, _, eligible = self.scan(inputs, query.users, self.rescore * k)
+                for b, kb in enumerate(query.k):  # each request rescores the shortlist it would have alone
+                    shortlist[b, self.rescore * kb:] = NO_ID
+                ids, scores = self.rescored(query.users, shortlist, k)
             else:
-                ids, scores, eligible = self.scan(inputs, users, k)
-        took_ms = (time.perf_counter() - started) * 1000
-        responses = []
-        for b, r in enumerate(requests):
-            row_ids, row_scores = ids[b, : r.k].tolist(), scores[b, : r.k].tolist()
-            ads = [ScoredAd(ad_id=i, score=s) for i, s in zip(row_ids, row_scores) if i != NO_ID]
-            responses.append(RetrieveResponse(ads=ads, eligible=int(eligible[b]), index_watermark=self.watermark,
-                                              took_ms=round(took_ms, 3), warnings=compiled[b][1]))
-        return responses
+                ids, scores, eligible = self.scan(inputs, query.users, k)
+        return TopK(ids.cpu(), scores.cpu(), eligible.cpu())
+
+    def retrieve(self, requests: Sequence[RetrieveRequest], now: int | None = None) -> list[RetrieveResponse | AndromedaError]:
+        """Answer requests in one process; each gets its response, or its own error."""
+        started = time.perf_counter()
+        compiled = compile_requests(self.index.schema, requests, now)
+        good = [b for b, c in enumerate(compiled) if isinstance(c, CompiledRequest)]
+        out: list[RetrieveResponse | AndromedaError] = list(compiled)
+        if not good:
+            return out
+        batch = [requests[b] for b in good]
+        nows = [compiled[b].now for b in good]
+        with self.index.reading():
+            users = self.encode(batch, nows)
+        result = self.search(UserQuery(users, [compiled[b].values for b in good], nows, [r.k for r in batch]))
+        took_ms = round((time.perf_counter() - started) * 1000, 3)
+        for row, (b, r) in enumerate(zip(good, batch)):
+            out[b] = RetrieveResponse(ads=result.row(row, r.k), eligible=int(result.eligible[row]),
+                                      took_ms=took_ms, warnings=compiled[b].warnings)
+        return out
 
     def scan(self, inputs, users, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One pass over the table -> (ids (B, k) -1 padded, scores (B, k), eligible counts (B,)).

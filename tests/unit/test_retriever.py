@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+import pytest
+import torch
+
+from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
-from andromeda_core.retriever import Retriever
+from andromeda_core.quantization import STORAGE
+from andromeda_core.retriever import Retriever, UserQuery, compile_requests, concat_queries, split_topk
 from andromeda_core.types import parse_request
 from tests.conftest import apply_events, upsert
 
@@ -42,3 +47,45 @@ def test_history_pulls_similar_ads_up(small_schema, scorer):
     body = {"user": {"user_id": 1, "history": [{"ad_id": 1, "event": "click", "ts": 5}]}, "context": {"ts": 100}, "k": 2}
     top = Retriever(index, scorer).retrieve([parse_request(body)])[0].ads
     assert [a.ad_id for a in top] == [1, 3]
+
+
+def test_empty_batch_and_a_bad_request_fail_alone(small_schema, scorer):
+    index = AdIndex(small_schema, scorer.dim)
+    apply_events(index, scorer, [upsert(1), upsert(2)])
+    retriever = Retriever(index, scorer)
+    assert retriever.retrieve([]) == []
+    good, bad, also_good = retriever.retrieve([request(k=1), request(shoe_size=3), request(k=2)])
+    assert isinstance(bad, InvalidInput) and bad.field == "user.attributes.shoe_size"
+    assert [a.ad_id for a in good.ads] == [1] and [a.ad_id for a in also_good.ads] == [1, 2]
+
+
+@pytest.mark.parametrize("storage", ["fp16", "int8"])
+def test_each_request_gets_the_answer_it_would_get_alone(small_schema, scorer, storage):
+    """With rescoring, a request's shortlist must not grow with its batch mates' k."""
+    index = AdIndex(small_schema, scorer.dim, embedding_dtype=STORAGE[storage])
+    apply_events(index, scorer, [upsert(i, title=f"word{i % 42} shoes") for i in range(1, 60)])
+    # Ads 4 and 46 look alike to the scan; ad 46's exact vector scores 3x higher, so only a
+    # shortlist longer than one request's rescore * k finds it.
+    exact = index.columns["embedding_exact"]
+    exact[index.slot_of(46)] = 3 * exact[index.slot_of(4)]
+    retriever = Retriever(index, scorer, chunk_size=7, rescore=1)
+    body = {"user": {"user_id": 1, "history": [{"ad_id": 4, "event": "click", "ts": 5}]}, "context": {"ts": 100}}
+    small, large = parse_request({**body, "k": 1}), parse_request({**body, "k": 25})
+    alone = [retriever.retrieve([r])[0] for r in (small, large)]
+    together = retriever.retrieve([small, large])
+    assert [a.ad_id for a in alone[0].ads] == [4] and alone[1].ads[0].ad_id == 46
+    assert [r.ads for r in together] == [r.ads for r in alone] and [r.eligible for r in together] == [59, 59]
+
+
+def test_queries_concatenate_and_results_split_back(small_schema, scorer):
+    index = AdIndex(small_schema, scorer.dim)
+    apply_events(index, scorer, [upsert(i, targeting={"country": {"any_of": ["US" if i % 2 else "CA"]}}) for i in range(1, 9)])
+    retriever = Retriever(index, scorer, chunk_size=3)
+    reqs = [request(k=2, country="US"), request(k=3, country="CA"), request(k=1)]
+    compiled = compile_requests(small_schema, reqs)
+    queries = [UserQuery(retriever.encode([r], [c.now]), [c.values], [c.now], [r.k]) for r, c in zip(reqs, compiled)]
+    merged = split_topk(retriever.search(concat_queries(queries)), [len(q) for q in queries])
+    for query, got in zip(queries, merged):
+        alone = retriever.search(query)
+        assert torch.equal(got.ids[:, : query.k[0]], alone.ids[:, : query.k[0]]) and torch.equal(got.eligible, alone.eligible)
+    assert [a.ad_id for a in merged[0].row(0, 2)] == [1, 3] and merged[2].row(0, 1) == []
