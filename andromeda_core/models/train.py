@@ -29,6 +29,10 @@ class TrainConfig:
     distill: float = 1.0  # weight of the distillation rows (used only with a teacher)
     teacher_rows: int = 256  # distillation rows per step (used only with a teacher)
 
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+
 
 def default_config(kind: str, seed: int = 0) -> TrainConfig:
     """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x B pairs per step."""
@@ -37,6 +41,18 @@ def default_config(kind: str, seed: int = 0) -> TrainConfig:
     if kind == "dense":
         return TrainConfig(steps=1600, batch=96, negatives=0, lr=1e-3, seed=seed, teacher_rows=96)
     return TrainConfig(seed=seed)
+
+
+WARMUP = 0.1  # share of the steps over which the one-cycle schedule warms up
+
+
+def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """One-cycle (warm up over the first 10% of the steps, then cosine decay) when that warm-up spans more
+    than one step. A run of <= 10 steps keeps cfg.lr: there OneCycleLR's warm-up phase ends at or before
+    step 0, so it divides by zero (10 steps) or starts part-way down its decay (1 step: lr / 250,000)."""
+    if cfg.steps * WARMUP > 1:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=WARMUP)
+    return torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0)
 
 
 def _rows(data: RecData, examples: np.ndarray, teacher: Teacher | None, cfg: TrainConfig,
@@ -73,7 +89,7 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
     rng = np.random.default_rng(cfg.seed)
     model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=1e-5)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
+    sched = lr_schedule(opt, cfg)
     examples = data.train_examples()
     text = torch.from_numpy(data.items.text).float()
     n_items = len(data.items.ids)

@@ -10,7 +10,7 @@ from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import Dims, UserState
-from andromeda_core.models.train import TrainConfig, train
+from andromeda_core.models.train import TrainConfig, lr_schedule, train
 
 DIMS = Dims(dim=16, gate=8, semantic=8, interests=2, categories=5)
 
@@ -74,6 +74,36 @@ def test_training_is_deterministic_for_a_seed():
     a, b = train(data, "moe", cfg, progress=False), train(data, "moe", cfg, progress=False)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("steps", [1, 2, 10])
+def test_training_learns_at_the_configured_rate_for_any_step_count(steps):
+    data, cfg = tiny_data(), TrainConfig(steps=steps, batch=8, negatives=4, seed=2)
+    torch.manual_seed(cfg.seed)  # train() draws its initial weights the same way
+    start = RetrievalModel("moe", Dims(categories=len(data.items.categories) + 1))
+    model = train(data, "moe", cfg, progress=False)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    moved = max((b - a).abs().max().item() for a, b in zip(start.parameters(), model.parameters()))
+    assert moved > cfg.lr / 2  # Adam's first step alone moves each parameter with a gradient by ~lr
+
+
+def test_long_runs_keep_the_one_cycle_schedule():
+    cfg = TrainConfig(steps=100, lr=1e-2)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    sched, rates = lr_schedule(opt, cfg), []
+    for _ in range(cfg.steps):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    peak = rates.index(max(rates))
+    assert rates[0] == pytest.approx(cfg.lr / 25) and peak == 9 and rates[peak] == pytest.approx(cfg.lr)
+    assert rates[-1] < cfg.lr / 1000
+
+
+@pytest.mark.parametrize("steps", [0, -3])
+def test_training_needs_at_least_one_step(steps):
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        TrainConfig(steps=steps)
 
 
 def train_hit_rate(model: RetrievalModel, data: RecData, k: int = 3) -> float:
