@@ -1,5 +1,7 @@
 """Retrieval models. A Scorer has an ad tower (`encode_ads`, run at publish time, stored in the
 index), user towers (`encode_users`, once per request) and a pairwise `score` the scan applies.
+It runs on its `device` (that of the ad table it scores): user state is built there, `score` takes
+ads there, and only `encode_ads` returns CPU tensors (the publisher serialises them).
 
 - two_tower.HashedTwoTower: dot product of hashed-content towers (untrained content baseline).
 - serving.ModelScorer: a trained RetrievalModel (MoE or a baseline head) behind this interface.
@@ -21,16 +23,21 @@ EmbeddingLookup = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
 class Scorer(Protocol):
     name: str  # model tag stored with every stream entry and snapshot: embeddings of one model only
     dim: int
+    device: torch.device  # where the model runs; built with device=..., moved with to()
+
+    def to(self, device: str | torch.device) -> "Scorer":
+        """Move the model to `device` in place; returns self."""
 
     def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
-        """(n, D) float32 ad embeddings, as stored in the index."""
+        """(n, D) float32 ad embeddings on the CPU, as stored in the index (the tower runs on the device)."""
 
     def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> Any:
-        """Per-request user state consumed by `score` (run once per request); now (B,) seconds.
-        users[b:b + 1] is the state of request b alone."""
+        """Per-request user state on the device, consumed by `score` (run once per request); now (B,)
+        seconds. users[b:b + 1] is the state of request b alone, users.to(device) moves it, and it
+        pickles (it travels between Ray actors)."""
 
     def score(self, users: Any, ads: torch.Tensor) -> torch.Tensor:
-        """users for B requests, ads (n, D) -> (B, n) float32 scores."""
+        """users for B requests, ads (n, D) on the device -> (B, n) float32 scores on the device."""
 
 
 def score_each(score: Callable[[Any, torch.Tensor], torch.Tensor], users: Any, candidates: torch.Tensor) -> torch.Tensor:

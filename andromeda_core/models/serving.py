@@ -23,27 +23,41 @@ from andromeda_core.types import Ad, RetrieveRequest
 
 
 class ModelScorer:
-    def __init__(self, model: RetrievalModel, categories: Sequence[str], schema: Schema):
+    """The model runs on `device`: encode_users returns its UserState there and score takes ads there;
+    encode_ads returns CPU float32 (what the publisher stores)."""
+
+    def __init__(self, model: RetrievalModel, categories: Sequence[str], schema: Schema,
+                 device: str | torch.device = "cpu"):
         self.model, self.name = model.eval(), f"{model.kind}-v{MODEL_VERSION}"
         self.dim = model.dims.stored
         self.categories = {c: i for i, c in enumerate(categories)}  # unknown -> len(categories)
         self.surface, self.placement = schema.by_name.get("surface"), schema.by_name.get("placement")
+        self.to(device)
 
     @classmethod
-    def load(cls, path: str | Path, schema: Schema) -> "ModelScorer":
+    def load(cls, path: str | Path, schema: Schema, device: str | torch.device = "cpu") -> "ModelScorer":
         model, config = RetrievalModel.load(path)
         if "categories" not in config:
             raise ValueError(f"{path}: checkpoint has no category vocabulary; retrain it with `andromeda train`")
-        return cls(model, config["categories"], schema)
+        return cls(model, config["categories"], schema, device)
+
+    def to(self, device: str | torch.device) -> "ModelScorer":
+        """Move the model to `device` (in place); returns self."""
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        return self
 
     @torch.no_grad()
     def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
+        """-> (n, S) float32 stored vectors on the CPU; the ad tower runs on the device."""
         if not ads:
             return torch.zeros((0, self.dim))
-        text = encode_texts([f"{a.creative.title}. {a.creative.body}" for a in ads])
+        text = torch.from_numpy(encode_texts([f"{a.creative.title}. {a.creative.body}" for a in ads])).to(self.device)
         category = [self.categories.get(a.creative.category, len(self.categories)) for a in ads]
-        return self.model.ad_tower(torch.from_numpy(text), torch.tensor(category), torch.tensor([a.advertiser_id for a in ads]),
-                                   torch.tensor([a.bid for a in ads], dtype=torch.float32))
+        stored = self.model.ad_tower(text, torch.tensor(category, device=self.device),
+                                     torch.tensor([a.advertiser_id for a in ads], device=self.device),
+                                     torch.tensor([a.bid for a in ads], dtype=torch.float32, device=self.device))
+        return stored.cpu()
 
     def _context(self, r: RetrieveRequest, now: int) -> list[int]:
         def index(cat, value) -> int:
@@ -53,6 +67,12 @@ class ModelScorer:
 
     @torch.no_grad()
     def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> UserState:
+        """B requests, now (B,) seconds -> UserState on the device. The inputs are gathered on the CPU
+        (per-request Python work) and moved in one transfer per tensor; the towers run on the device."""
+        return self.model.users(self._inputs(requests, lookup, now).to(self.device))
+
+    def _inputs(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> UserInputs:
+        """The user towers' inputs (CPU) for B requests: history and co-engagements looked up in the index."""
         B, S = len(requests), self.dim
         hist = torch.zeros((B, HISTORY, S))
         hist_event = torch.zeros((B, HISTORY), dtype=torch.int64)
@@ -68,17 +88,17 @@ class ModelScorer:
                 n = len(events)
                 hist[b, :n], hist_mask[b, :n] = vectors, found
                 hist_event[b, :n] = torch.tensor([EVENTS.index(h.event) for h in events])
-                hist_age[b, :n] = torch.tensor([max(0, now[b] - h.ts) / 3600 for h in events]) * found
+                hist_age[b, :n] = torch.tensor([max(0, now[b] - h.ts) / 3600 for h in events])
             engaged = r.user.co_engagement[-CO_ITEMS:]
             if engaged:
                 co[b, : len(engaged)], co_mask[b, : len(engaged)] = lookup([c.ad_id for c in engaged])
             held = r.user.cohorts[-COHORTS:]
             cohorts[b, : len(held)] = torch.tensor(held, dtype=torch.int64)
         context = torch.tensor([self._context(r, t) for r, t in zip(requests, now)], dtype=torch.int64)
-        inputs = UserInputs(hist, hist_event, hist_age, hist_mask, cohorts, cohorts >= 0, co, co_mask,
-                            context.reshape(B, 3))
-        return self.model.users(inputs)
+        return UserInputs(hist, hist_event, hist_age * hist_mask, hist_mask, cohorts, cohorts >= 0, co, co_mask,
+                          context.reshape(B, 3))
 
     @torch.no_grad()
     def score(self, users: UserState, ads: torch.Tensor) -> torch.Tensor:
+        """users on the device (B requests), ads (n, S) on the device -> (B, n) float32 scores."""
         return self.model.score(users, ads)

@@ -15,7 +15,7 @@ u_e * (1 + tanh(W c)), so no per-ad work depends on the context.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,16 @@ class Dims:
         return self.interests + 3
 
 
+class Tensors:
+    """Base of the dataclasses of tensors below: moved to a device as one."""
+
+    def to(self, device: str | torch.device):
+        """The same fields on `device` (no copy of those already there)."""
+        return type(self)(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
 @dataclass
-class UserInputs:
+class UserInputs(Tensors):
     """hist (B, L, S) stored vectors of engaged ads, hist_event (B, L) int64, hist_age (B, L) hours,
     hist_mask (B, L); cohorts (B, C) int64 bucket (mask (B, C)); co (B, M, S) with co_mask (B, M);
     context (B, 3) int64 surface+1, placement+1 (0 = unknown), hour."""
@@ -65,8 +73,9 @@ class UserInputs:
 
 
 @dataclass
-class UserState:
-    """experts (B, E, D), keys (B, E, G), mask (B, E) bool: which experts have input."""
+class UserState(Tensors):
+    """experts (B, E, D), keys (B, E, G), mask (B, E) bool: which experts have input. Picklable (it
+    travels between Ray actors); users[b:b + 1] is request b's state, users.to(device) moves it."""
 
     experts: torch.Tensor
     keys: torch.Tensor

@@ -3,6 +3,8 @@
 Ad tower: sum of token vectors of the creative's title, body and category, L2-normalised.
 User tower: normalised sum of the interest/behaviour tokens the user holds plus the mean stored
 embedding of the ads they engaged with. Token vectors come from a seeded table (trainable later).
+The table lives on `device`: user vectors are built there and score takes ads there; encode_ads
+returns CPU float32 (what the publisher stores).
 """
 from __future__ import annotations
 
@@ -28,24 +30,32 @@ def tokenize(text: str) -> list[str]:
 class HashedTwoTower:
     name = "hashed_two_tower"
 
-    def __init__(self, dim: int = 64, buckets: int = 1 << 16, seed: int = 0):
+    def __init__(self, dim: int = 64, buckets: int = 1 << 16, seed: int = 0, device: str | torch.device = "cpu"):
         generator = torch.Generator().manual_seed(seed)
         self.dim, self.buckets = dim, buckets
-        self.table = torch.randn(buckets, dim, generator=generator) / dim**0.5
+        self.table = torch.randn(buckets, dim, generator=generator) / dim**0.5  # drawn on the CPU: same on every device
+        self.to(device)
+
+    def to(self, device: str | torch.device) -> "HashedTwoTower":
+        """Move the token table to `device` (in place); returns self."""
+        self.device = torch.device(device)
+        self.table = self.table.to(self.device)
+        return self
 
     def _embed(self, token_lists: Sequence[list[str]]) -> torch.Tensor:
-        """(n, D) normalised sum of hashed token vectors (zeros for no tokens)."""
+        """(n, D) normalised sum of hashed token vectors (zeros for no tokens), on the device."""
         ids = [zlib.crc32(t.encode()) % self.buckets for tokens in token_lists for t in tokens]
-        offsets = torch.tensor([0] + [len(t) for t in token_lists[:-1]]).cumsum(0)
-        bags = F.embedding_bag(torch.tensor(ids, dtype=torch.int64), self.table, offsets, mode="sum")
+        offsets = torch.tensor([0] + [len(t) for t in token_lists[:-1]], device=self.device).cumsum(0)
+        bags = F.embedding_bag(torch.tensor(ids, dtype=torch.int64, device=self.device), self.table, offsets, mode="sum")
         return F.normalize(bags, dim=1)
 
     def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
-        return self._embed([tokenize(f"{a.creative.title} {a.creative.body} {a.creative.category}") for a in ads])
+        """-> (n, D) float32 on the CPU."""
+        return self._embed([tokenize(f"{a.creative.title} {a.creative.body} {a.creative.category}") for a in ads]).cpu()
 
     def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup,
                      now: Sequence[int] = ()) -> torch.Tensor:
-        """-> (B, D) user embeddings."""
+        """-> (B, D) user embeddings on the device."""
         texts = []
         for r in requests:
             values = [r.user.attributes.get(c) for c in USER_TEXT_CATEGORIES]
@@ -56,8 +66,9 @@ class HashedTwoTower:
         for b, r in enumerate(requests):
             engaged, found = lookup([h.ad_id for h in r.user.history if h.event in POSITIVE_EVENTS])
             if found.any():
-                history[b] = F.normalize(engaged[found].mean(0), dim=0)
+                history[b] = F.normalize(engaged[found].mean(0), dim=0)  # copied onto the device
         return F.normalize(content + history, dim=1)
 
     def score(self, users: torch.Tensor, ads: torch.Tensor) -> torch.Tensor:
+        """users (B, D), ads (n, D), both on the device -> (B, n) float32 scores."""
         return users @ ads.float().T
