@@ -1,4 +1,5 @@
-"""The `andromeda` command: schema, synth, retrieve, demo (offline), publish (Redis), train, eval."""
+"""The `andromeda` command: schema, synth, retrieve, demo (offline), publish (Redis), train, eval, and the
+service commands of andromeda_cli.service (serve, up, serve-config)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from pydantic import ValidationError
 from tqdm import tqdm
+
+from andromeda_cli.service import add_commands as add_service_commands
 
 from andromeda_core.config import load_settings
 from andromeda_core.errors import AndromedaError
@@ -30,7 +34,7 @@ def build_retriever(schema: Schema, events: Path, progress: bool = True, model: 
     """An in-process index loaded from an events JSONL file, scored by a trained model checkpoint
     (or, without one, the untrained hashed two-tower baseline)."""
     settings = load_settings()
-    scorer = ModelScorer.load(model, schema) if model else HashedTwoTower()
+    scorer = ModelScorer.load(model, schema, settings.device) if model else HashedTwoTower(device=settings.device)
     index = AdIndex(schema, scorer.dim, capacity=settings.index.initial_capacity, device=settings.device,
                     embedding_dtype=STORAGE[storage], exact_copy=settings.index.rescore > 0)
     with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", disable=not progress,
@@ -108,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     data = load_data(args.data, args.world)
     cfg = default_config(args.model, args.seed)
-    if args.steps:
+    if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     teacher = None
     if args.teacher:
@@ -138,7 +142,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
     if not url:
         raise SystemExit("error: no Redis to publish to: pass --redis or set REDIS_URL")
     schema = load_schema(args.schema)
-    scorer = ModelScorer.load(args.model, schema) if args.model else HashedTwoTower()
+    scorer = ModelScorer.load(args.model, schema, settings.device) if args.model else HashedTwoTower(device=settings.device)
     publisher = Publisher(redis.Redis.from_url(url), schema, scorer, shards=args.shards or settings.shards,
                           stream=args.stream or settings.stream)
     with tqdm(unit="event", desc="publish", file=sys.stderr) as bar:
@@ -210,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--show", type=int, default=3, help="requests to print")
     add_model_flags(s)
     s.set_defaults(func=cmd_demo)
+    add_service_commands(sub)
     return p
 
 
@@ -222,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.func(args)
     except AndromedaError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        print(f"error: config {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:
         print(f"error: {exc.filename}: no such file", file=sys.stderr)

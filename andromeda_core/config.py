@@ -53,6 +53,8 @@ class Settings:
     """Derived data kept between runs: text embeddings, benchmark worlds (ANDROMEDA_CACHE)."""
     movielens_dir: Path = REPO_ROOT.parent / "shared" / "data" / "ml-latest-small"
     """MovieLens ml-latest-small CSVs (ANDROMEDA_MOVIELENS)."""
+    write_token: str | None = field(default=None, repr=False)
+    """Bearer token that POST /v1/ad-events requires (ANDROMEDA_WRITE_TOKEN); unset: writes are refused."""
 
 
 def load_settings() -> Settings:
@@ -70,4 +72,5 @@ def load_settings() -> Settings:
         shards=_env_int("ANDROMEDA_SHARDS", 1, 1, 4096),
         cache_dir=Path(os.environ.get("ANDROMEDA_CACHE", ".cache")),
         movielens_dir=Path(os.environ.get("ANDROMEDA_MOVIELENS", Settings.movielens_dir)),
+        write_token=os.environ.get("ANDROMEDA_WRITE_TOKEN") or None,
     )

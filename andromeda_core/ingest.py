@@ -32,16 +32,19 @@ def read_events(path: str | Path, batch_size: int = 10000,
         yield batch
 
 
-def prepare_ops(schema: Schema, scorer: Scorer, events: Sequence[AdEventModel]) -> list[IndexOp]:
-    """Compile targeting and run the ad tower (batched) for the upserts; raises InvalidInput naming the ad."""
-    upserts = [e.ad for e in events if isinstance(e, UpsertEvent)]
+def prepare_ops(schema: Schema, scorer: Scorer, events: Sequence[AdEventModel],
+                where: Sequence[str] | None = None) -> list[IndexOp]:
+    """Compile targeting and run the ad tower (batched) for the upserts; raises InvalidInput naming the
+    ad, and the event's place (`where[i]`, e.g. "[3]") when given. Nothing is changed on error."""
+    upserts = [(i, e.ad) for i, e in enumerate(events) if isinstance(e, UpsertEvent)]
     compiled = {}
-    for ad in upserts:
+    for i, ad in upserts:
+        field = f"{where[i]}.ad.targeting" if where else "ad.targeting"
         try:
-            compiled[id(ad)] = compile_targeting(schema, ad.targeting, "ad.targeting")
+            compiled[id(ad)] = compile_targeting(schema, ad.targeting, field)
         except InvalidInput as exc:
             raise InvalidInput(f"{exc.message} (ad {ad.ad_id})", exc.field) from None
-    embeddings = scorer.encode_ads(upserts).numpy() if upserts else None
+    embeddings = scorer.encode_ads([ad for _, ad in upserts]).numpy() if upserts else None
     ops: list[IndexOp] = []
     row = 0
     for event in events:

@@ -98,6 +98,8 @@ class RetrieveRequest(_Strict):
     user: User
     context: Context = Field(default_factory=Context)
     k: int = Field(default=100, ge=1, le=10000)
+    allow_partial: bool = False
+    """Service only: answer from the shards that respond instead of failing when one does not."""
 
 
 class ScoredAd(_Strict):
@@ -109,6 +111,11 @@ class RetrieveResponse(_Strict):
     ads: list[ScoredAd]
     eligible: int
     index_watermark: str | None = None
+    """Stream id up to which every shard had applied its updates (None: some shard has applied none)."""
+    shard_watermarks: list[str | None] = Field(default_factory=list)
+    """Service only: each shard's newest applied stream id."""
+    missing_shards: list[int] = Field(default_factory=list)
+    """Service only, with allow_partial: shards that did not answer (their ads are missing)."""
     took_ms: float
     warnings: list[str] = Field(default_factory=list)
 
@@ -117,12 +124,21 @@ T = TypeVar("T")
 _EVENT = TypeAdapter(AdEvent)
 
 
-def _field_path(loc: tuple[Any, ...]) -> str:
+def field_path(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location -> the field path users see: `user.history[3].ts` (event op tags dropped)."""
     parts = [str(p) for p in loc if p not in ("upsert", "delete", "pause", "resume")]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
     return out or "body"
+
+
+def error_field(loc: tuple[Any, ...], kind: str) -> str:
+    """The field path of one pydantic error; a missing or unknown event op names `op`."""
+    field = field_path(loc)
+    if kind.startswith("union_tag"):
+        return f"{field}.op" if field != "body" else "op"
+    return field
 
 
 def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "") -> T:
@@ -133,9 +149,7 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "") -> T:
         return ta.validate_json(data if isinstance(data, (str, bytes)) else json.dumps(data, allow_nan=False))
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = _field_path(err["loc"])
-        if err["type"].startswith("union_tag"):
-            field = f"{field}.op" if field != "body" else "op"
+        field = error_field(err["loc"], err["type"])
         raise InvalidInput(err["msg"], f"{where}{'.' if where and field else ''}{field}") from None
     except (TypeError, ValueError) as exc:
         raise InvalidInput(str(exc), where or "body") from None

@@ -1,0 +1,210 @@
+"""`andromeda serve`, `andromeda up` and `andromeda serve-config`: the service on a local Ray."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+from andromeda_core.config import load_settings
+from andromeda_core.schema import load_schema
+from andromeda_core.synth import WorldConfig, synthesize
+from deployments.config import APP_NAME, ServiceConfig
+
+DEMO_USERS = 400
+DEMO_TRAIN_STEPS = 400
+
+
+def service_config(args: argparse.Namespace, redis_url: str) -> ServiceConfig:
+    """The config file (--config) when given, with the command-line flags applied over it."""
+    base = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    flags = {"host": args.host, "port": args.port, "shards": args.shards, "replicas": args.replicas,
+             "model": str(args.model) if args.model else None, "storage": args.storage}
+    return ServiceConfig.model_validate({"redis_url": redis_url, **base, **{k: v for k, v in flags.items() if v is not None}})
+
+
+def streams_empty(config: ServiceConfig) -> bool:
+    import redis
+
+    from index_updater.records import shard_stream
+
+    client = redis.Redis.from_url(config.redis_url)
+    return all(client.xlen(shard_stream(config.stream, s)) == 0 for s in range(config.shards))
+
+
+def demo_world(ads: int) -> Path:
+    """A synthetic world of `ads` ads (cached under var/): events, requests, engagements."""
+    world = Path("var") / f"demo-{ads}"
+    if not (world / "truth.npz").exists():
+        print(f"synthesising a demo world of {ads} ads and {DEMO_USERS} users in {world}")
+        synthesize(WorldConfig(ads=ads, users=DEMO_USERS, seed=0), world, load_schema())
+    return world
+
+
+def publish_demo(config: ServiceConfig, world: Path) -> None:
+    import redis
+
+    from deployments.engine import load_schema_of, load_scorer
+    from index_updater.publisher import Publisher
+
+    schema = load_schema_of(config)
+    publisher = Publisher(redis.Redis.from_url(config.redis_url), schema, load_scorer(config, schema),
+                          shards=config.shards, stream=config.stream)
+    events = world / "events.jsonl"
+    with tqdm(total=sum(1 for _ in events.open("rb")), unit="event", desc="publish demo ads", file=sys.stderr) as bar:
+        publisher.publish_file(events, on_batch=bar.update)
+
+
+def wait_ready(url: str, timeout_s: float = 600) -> None:
+    """Poll /readyz until every shard has caught up."""
+    deadline = time.monotonic() + timeout_s
+    with tqdm(desc="waiting for /readyz", unit="poll", file=sys.stderr) as bar:
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{url}/readyz", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            bar.update()
+            time.sleep(0.5)
+    raise SystemExit(f"error: the service at {url} did not become ready within {timeout_s:.0f} s")
+
+
+def example_request(world: Path | None) -> str:
+    if world is not None:
+        first = json.loads((world / "requests.jsonl").read_text().splitlines()[0])
+        return json.dumps({**first, "k": 5})
+    return json.dumps({"user": {"user_id": 1, "attributes": {"country": "US", "age": 30}}, "k": 5})
+
+
+def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> None:
+    """Start Ray and the application, wait for readiness, print how to use it, stay up until Ctrl-C."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False)
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        print(f"starting {config.shards} shard(s) x {config.replicas} replica(s) on Ray Serve ...", file=sys.stderr)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        url = f"http://{config.host}:{config.port}"
+        wait_ready(url)
+        print(f"\nAndromeda is serving at {url}   (API docs: {url}/docs, metrics: {url}/metrics)\n"
+              f"{token_note}\nTry:\n  curl -s {url}/v1/retrieve -H 'Content-Type: application/json' "
+              f"-d '{example_request(world)}'\n\nCtrl-C stops it.", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        print("stopping ...", file=sys.stderr)
+        serve.shutdown()
+        ray.shutdown()
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    settings = load_settings()
+    if not settings.redis_url:
+        raise SystemExit("error: REDIS_URL is not set (`andromeda up` starts a local redis-server for you)")
+    config = service_config(args, settings.redis_url)
+    world = demo_world(args.demo_ads) if args.demo_ads else None
+    if world is not None and streams_empty(config):
+        publish_demo(config, world)
+    note = "writes: POST /v1/ad-events with Authorization: Bearer $ANDROMEDA_WRITE_TOKEN" if settings.write_token \
+        else "writes are disabled (set ANDROMEDA_WRITE_TOKEN to enable POST /v1/ad-events)"
+    run_service(config, world, note)
+
+
+def demo_model(world: Path) -> Path:
+    """A small MoE trained on the demo world's engagements (cached)."""
+    from andromeda_core.models.quality import checkpoint_meta
+    from andromeda_core.models.recdata import load_synthetic
+    from andromeda_core.models.train import TrainConfig, train
+
+    path = world / "moe.safetensors"
+    if not path.exists():
+        data = load_synthetic(world)
+        print(f"training the demo MoE on {world} ({DEMO_TRAIN_STEPS} steps)", file=sys.stderr)
+        model = train(data, "moe", TrainConfig(steps=DEMO_TRAIN_STEPS))
+        model.save(path, checkpoint_meta(data, 0))
+    return path
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    from index_updater.local_redis import LocalRedis
+
+    settings = load_settings()
+    world = demo_world(args.demo_ads)
+    model = args.model or demo_model(world)
+    token = settings.write_token or secrets.token_urlsafe(16)
+    os.environ["ANDROMEDA_WRITE_TOKEN"] = token  # Ray workers inherit it; never written to a config
+    server = None
+    redis_url = settings.redis_url
+    if not redis_url:
+        server = LocalRedis(Path("var") / "redis").start()
+        redis_url = server.url
+        print(f"started redis-server at {redis_url} (data in var/redis)", file=sys.stderr)
+    try:
+        args.model = model
+        config = service_config(args, redis_url)
+        if streams_empty(config):
+            publish_demo(config, world)
+        run_service(config, world, f"write token (for POST /v1/ad-events): {token}")
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def cmd_serve_config(args: argparse.Namespace) -> None:
+    settings = load_settings()
+    config = service_config(args, args.redis or settings.redis_url or "redis://127.0.0.1:6379/0")
+    text = yaml.safe_dump(config.to_serve_config(), sort_keys=False)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(text, end="")
+
+
+def add_service_flags(s: argparse.ArgumentParser) -> None:
+    from andromeda_core.quantization import STORAGE
+
+    s.add_argument("--config", type=Path, default=None, help="ServiceConfig YAML; flags override it")
+    s.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    s.add_argument("--shards", type=int, default=None, help="index shards (default 1)")
+    s.add_argument("--replicas", type=int, default=None, help="replicas per shard (default 1)")
+    s.add_argument("--model", type=Path, default=None, help="trained checkpoint")
+    s.add_argument("--storage", choices=sorted(STORAGE), default=None, help="ad vector storage (default fp32)")
+
+
+def add_commands(sub) -> None:
+    s = sub.add_parser("serve", help="run the Ray Serve service in the foreground against REDIS_URL")
+    add_service_flags(s)
+    s.add_argument("--demo-ads", type=int, default=0, help="synthesise and publish N demo ads when the streams are empty")
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("up", help="everything local: redis-server, a trained demo model, demo ads, the service")
+    add_service_flags(s)
+    s.add_argument("--demo-ads", type=int, default=20000, help="demo corpus size")
+    s.set_defaults(func=cmd_up)
+
+    s = sub.add_parser("serve-config", help="write the Ray Serve config YAML (serve run / serve deploy / KubeRay)")
+    add_service_flags(s)
+    s.add_argument("--redis", default=None, help="Redis URL to put in the config (default: REDIS_URL)")
+    s.add_argument("--out", type=Path, default=None, help="file to write (default: stdout)")
+    s.set_defaults(func=cmd_serve_config)

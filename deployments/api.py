@@ -1,0 +1,100 @@
+"""HTTP concerns of the ingress: the FastAPI app, the wire models only HTTP has (error body, batch
+and publish results), write-token auth, and the one place errors map to HTTP status codes."""
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials
+from pydantic import BaseModel
+
+from andromeda_core.errors import AndromedaError, ErrorCategory
+from andromeda_core.types import RetrieveResponse, error_field
+
+log = logging.getLogger(__name__)
+
+STATUS = {ErrorCategory.INVALID_INPUT: 422, ErrorCategory.NOT_FOUND: 404, ErrorCategory.UNAVAILABLE: 503,
+          ErrorCategory.CORRUPT: 500}
+
+
+class ErrorDetail(BaseModel):
+    category: str
+    field: str | None = None
+    message: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class BatchResponse(BaseModel):
+    responses: list[RetrieveResponse]
+
+
+class PublishResponse(BaseModel):
+    ids: list[str]
+    """Stream ids of the appended events, in request order."""
+
+
+class Health(BaseModel):
+    status: str
+    shards: list[dict] = []
+
+
+class Unauthorized(AndromedaError):
+    """A write without a valid bearer token."""
+
+
+ERRORS = {status: {"model": ErrorBody} for status in (404, 422, 503)}
+WRITE_ERRORS = {**ERRORS, 401: {"model": ErrorBody}}
+
+
+def error_response(status: int, category: str, message: str, field: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = ErrorBody(error=ErrorDetail(category=category, field=field, message=message))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def http_error(exc: AndromedaError) -> JSONResponse:
+    if isinstance(exc, Unauthorized):
+        return error_response(401, "unauthorized", exc.message, exc.field, {"WWW-Authenticate": "Bearer"})
+    status = STATUS.get(exc.category, 500)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return error_response(status, exc.category.value, exc.message, exc.field, headers)
+
+
+def check_write_token(expected: str | None, credentials: HTTPAuthorizationCredentials | None) -> None:
+    """Raise Unauthorized unless the bearer token equals `expected` (compared in constant time)."""
+    if not expected:
+        raise Unauthorized("writes are disabled: the service has no ANDROMEDA_WRITE_TOKEN", "Authorization")
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise Unauthorized("send Authorization: Bearer <token>", "Authorization")
+    if not hmac.compare_digest(credentials.credentials.encode(), expected.encode()):
+        raise Unauthorized("invalid token", "Authorization")
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="Andromeda", version="0.1.0",
+                  description="Ads retrieval: targeting match, MoE scoring and top-k over sharded, live-updated indexes.")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = tuple(err.get("loc", ()))
+        field = "body" if err.get("type") == "json_invalid" else error_field(loc[1:] if loc[:1] == ("body",) else loc,
+                                                                            err.get("type", ""))
+        return error_response(422, ErrorCategory.INVALID_INPUT.value, err.get("msg", "invalid"), field)
+
+    @app.exception_handler(AndromedaError)
+    async def andromeda_error(request: Request, exc: AndromedaError) -> JSONResponse:
+        return http_error(exc)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal", f"{type(exc).__name__}: internal error")
+
+    return app

@@ -1,0 +1,19 @@
+"""What both deployments build from a ServiceConfig: the schema and the scorer (one model per service)."""
+from __future__ import annotations
+
+from andromeda_core.models import Scorer
+from andromeda_core.models.serving import ModelScorer
+from andromeda_core.models.two_tower import HashedTwoTower
+from andromeda_core.schema import Schema, load_schema
+from deployments.config import ServiceConfig
+
+
+def load_schema_of(config: ServiceConfig) -> Schema:
+    return load_schema(config.schema_path) if config.schema_path else load_schema()
+
+
+def load_scorer(config: ServiceConfig, schema: Schema, device: str = "cpu") -> Scorer:
+    """The configured checkpoint, or the untrained hashed two-tower when none is set."""
+    if config.model:
+        return ModelScorer.load(config.model, schema, device=device)
+    return HashedTwoTower(device=device)

@@ -1,0 +1,241 @@
+"""Router: the FastAPI ingress deployment. Per request it compiles the targeting values, runs the user
+towers once (history ad vectors are fetched from the shards that own those ads), sends the compact
+UserQuery to one replica of every shard concurrently, and merges their partial top-k exactly
+(score desc, ad id asc). A shard that misses its deadline is asked once more (Serve routes the retry
+again, away from a dead replica); if it fails again the request gets 503 naming the shard, or, when
+the request allows it, a partial answer that lists the missing shard."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any, Sequence
+
+import redis
+import torch
+from fastapi import Depends, Path, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import Field
+from ray import serve
+
+from andromeda_core.config import load_settings
+from andromeda_core.errors import AndromedaError, InvalidInput
+from andromeda_core.ingest import prepare_ops
+from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests
+from andromeda_core.sharding import shard_of
+from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse
+from deployments.api import (ERRORS, WRITE_ERRORS, BatchResponse, Health, PublishResponse, check_write_token,
+                             create_app)
+from deployments.config import ServiceConfig
+from deployments.engine import load_schema_of, load_scorer
+from deployments.metrics import ServiceMetrics
+from deployments.shard import ShardAnswer
+from index_updater.publisher import Publisher
+from kernels.reference.topk import NO_ID, topk_by_score_then_id
+
+app = create_app()
+bearer = HTTPBearer(auto_error=False)
+AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
+
+
+class ShardUnavailable(AndromedaError):
+    """A shard did not answer within its deadline, twice."""
+
+
+@serve.deployment
+@serve.ingress(app)
+class Router:
+    def __init__(self, config: dict, *shards):
+        self.config = ServiceConfig.model_validate(config)
+        self.shards = list(shards)
+        self.schema = load_schema_of(self.config)
+        self.scorer = load_scorer(self.config, self.schema)
+        self.publisher = Publisher(redis.Redis.from_url(self.config.redis_url), self.schema, self.scorer,
+                                   shards=self.config.shards, stream=self.config.stream)
+        self.write_token = load_settings().write_token
+        self.metrics = ServiceMetrics()
+
+    # -- retrieval -------------------------------------------------------------------------------
+
+    @app.post("/v1/retrieve", response_model=RetrieveResponse, responses=ERRORS)
+    async def retrieve(self, request: RetrieveRequest) -> RetrieveResponse:
+        """Top-k eligible ads for one request."""
+        return (await self.answer([request], "retrieve", ""))[0]
+
+    @app.post("/v1/retrieve:batch", response_model=BatchResponse, responses=ERRORS)
+    async def retrieve_batch(self, requests: Annotated[list[RetrieveRequest], Field(min_length=1, max_length=256)]) -> BatchResponse:
+        """Several requests in one call; they share one pass over each shard."""
+        return BatchResponse(responses=await self.answer(requests, "retrieve_batch", "[{}]."))
+
+    async def answer(self, requests: Sequence[RetrieveRequest], endpoint: str, where: str) -> list[RetrieveResponse]:
+        started = time.perf_counter()
+        try:
+            compiled = self.compiled(requests, where)
+            t0 = time.perf_counter()
+            lookup = await self.history_lookup(requests)
+            t1 = time.perf_counter()
+            nows = [c.now for c in compiled]
+            users = await asyncio.to_thread(self.scorer.encode_users, requests, lookup, nows)
+            t2 = time.perf_counter()
+            query = UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests])
+            allow_partial = all(r.allow_partial for r in requests)
+            answers = await asyncio.gather(*(self.ask_shard(s, query, allow_partial) for s in range(len(self.shards))))
+            t3 = time.perf_counter()
+            responses = self.merge(requests, compiled, answers, started)
+        except AndromedaError as exc:
+            self.metrics.errors.labels(exc.category.value).inc()
+            raise
+        done = time.perf_counter()
+        for stage, seconds in (("compile", t0 - started), ("history", t1 - t0), ("user_towers", t2 - t1),
+                               ("shards", t3 - t2), ("merge", done - t3), ("total", done - started)):
+            self.metrics.stage(endpoint, stage, seconds)
+        self.metrics.requests.labels(endpoint).inc()
+        return responses
+
+    def compiled(self, requests: Sequence[RetrieveRequest], where: str) -> list[CompiledRequest]:
+        """Targeting values of each request; the first bad one fails the call naming its field."""
+        compiled = compile_requests(self.schema, requests)
+        for i, c in enumerate(compiled):
+            if isinstance(c, AndromedaError):
+                raise InvalidInput(c.message, f"{where.format(i)}{c.field}")
+        return compiled
+
+    async def history_lookup(self, requests: Sequence[RetrieveRequest]):
+        """Fetch the stored vectors of every history and co-engagement ad of the batch from the shards
+        that own them (one concurrent call per shard) -> lookup(ad ids) for the user towers."""
+        wanted = sorted({h.ad_id for r in requests for h in r.user.history} |
+                        {c.ad_id for r in requests for c in r.user.co_engagement})
+        by_shard: dict[int, list[int]] = {}
+        for ad_id in wanted:
+            by_shard.setdefault(shard_of(ad_id, len(self.shards)), []).append(ad_id)
+        replies = await asyncio.gather(*(self.call(s, "vectors", ids) for s, ids in by_shard.items()))
+        found: dict[int, torch.Tensor] = {}
+        for ids, (vectors, ok) in zip(by_shard.values(), replies):
+            found.update((i, v) for i, v, hit in zip(ids, vectors, ok.tolist()) if hit)
+        zero = torch.zeros(self.scorer.dim)
+
+        def lookup(ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            if not ad_ids:
+                return torch.zeros((0, self.scorer.dim)), torch.zeros(0, dtype=torch.bool)
+            return (torch.stack([found.get(i, zero) for i in ad_ids]),
+                    torch.tensor([i in found for i in ad_ids], dtype=torch.bool))
+
+        return lookup
+
+    async def ask_shard(self, shard: int, query: UserQuery, allow_partial: bool) -> ShardAnswer | None:
+        try:
+            return await self.call(shard, "search", query)
+        except ShardUnavailable:
+            if allow_partial:
+                return None
+            raise
+
+    async def call(self, shard: int, method: str, *args: Any) -> Any:
+        """Call a shard with the deadline, retrying once; raises ShardUnavailable naming the shard."""
+        error: BaseException | None = None
+        for _ in range(2):
+            response = getattr(self.shards[shard], method).remote(*args)
+            try:
+                return await asyncio.wait_for(_awaited(response), self.config.shard_timeout_s)
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+            except Exception as exc:  # timeout, dead replica, replica error: try once more
+                response.cancel()
+                error = exc
+        raise ShardUnavailable(f"shard {shard} did not answer ({type(error).__name__}); retry later", f"shard {shard}")
+
+    def merge(self, requests: Sequence[RetrieveRequest], compiled: Sequence[CompiledRequest],
+              answers: Sequence[ShardAnswer | None], started: float) -> list[RetrieveResponse]:
+        """Exact merge of the shards' partial top-k; eligible counts add up."""
+        present = [a for a in answers if a is not None]
+        missing = [s for s, a in enumerate(answers) if a is None]
+        if not present:
+            raise ShardUnavailable("no shard answered", "shard")
+        k = max(r.k for r in requests)
+        ids = torch.cat([a.topk.ids for a in present], 1)
+        scores = torch.cat([a.topk.scores for a in present], 1)
+        ids, scores = topk_by_score_then_id(scores, ids, ids != NO_ID, k)
+        eligible = sum(a.topk.eligible for a in present)
+        for a, s in zip(present, (s for s, a in enumerate(answers) if a is not None)):
+            self.metrics.shard_latency.labels(str(s)).observe(a.search_ms / 1000)
+        self.metrics.eligible.inc(int(eligible.sum()))
+        self.metrics.scanned.inc(len(requests) * sum(a.scanned for a in present))
+        watermarks = [a.watermark if a is not None else None for a in answers]
+        took_ms = round((time.perf_counter() - started) * 1000, 3)
+        out = []
+        for b, (r, c) in enumerate(zip(requests, compiled)):
+            row_ids, row_scores = ids[b, : r.k].tolist(), scores[b, : r.k].tolist()
+            out.append(RetrieveResponse(
+                ads=[{"ad_id": i, "score": s} for i, s in zip(row_ids, row_scores) if i != NO_ID],
+                eligible=int(eligible[b]), index_watermark=oldest(watermarks), shard_watermarks=watermarks,
+                missing_shards=missing, took_ms=took_ms, warnings=c.warnings))
+        return out
+
+    # -- ads -------------------------------------------------------------------------------------
+
+    @app.post("/v1/ad-events", response_model=PublishResponse, responses=WRITE_ERRORS)
+    async def publish(self, events: Annotated[list[AdEvent], Field(min_length=1)],
+                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> PublishResponse:
+        """Validate, compile and append ad events (all or nothing); needs `Authorization: Bearer <token>`."""
+        try:
+            check_write_token(self.write_token, credentials)
+            if len(events) > self.config.max_events_per_request:
+                raise InvalidInput(f"at most {self.config.max_events_per_request} events per request, got {len(events)}", "body")
+            ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, [f"[{i}]" for i in range(len(events))])
+            ids = await asyncio.to_thread(self.publisher.publish_ops, ops)
+        except AndromedaError as exc:
+            self.metrics.errors.labels(exc.category.value).inc()
+            raise
+        self.metrics.published.inc(len(ids))
+        return PublishResponse(ids=ids)
+
+    @app.get("/v1/ads/{ad_id}", responses=ERRORS)
+    async def get_ad(self, ad_id: AD_ID) -> dict:
+        """The indexed state of one ad: version, status, shard, satisfiable, servable now."""
+        shard = shard_of(ad_id, len(self.shards))
+        return await self.call(shard, "get_ad", ad_id, int(time.time()))
+
+    # -- operations ------------------------------------------------------------------------------
+
+    async def shard_status(self) -> list[dict | None]:
+        async def one(shard: int) -> dict | None:
+            try:
+                return await self.call(shard, "status")
+            except ShardUnavailable:
+                return None
+        return list(await asyncio.gather(*(one(s) for s in range(len(self.shards)))))
+
+    @app.get("/healthz", response_model=Health)
+    async def healthz(self) -> Health:
+        """The router is up (Serve restarts unhealthy shard replicas by their own check_health)."""
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Health, responses={503: {"model": Health}})
+    async def readyz(self):
+        """200 once every shard answers and has caught up with its stream."""
+        status = await self.shard_status()
+        ready = all(s is not None and s["ready"] for s in status)
+        shards = [s if s is not None else {"shard": i, "ready": False, "reason": "unreachable"} for i, s in enumerate(status)]
+        body = Health(status="ready" if ready else "not ready", shards=shards)
+        return body if ready else error_json(503, body)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics(self) -> Response:
+        """Prometheus text format: latency by stage, counts, per-shard index size, lag, dead letters."""
+        return Response(self.metrics.render(await self.shard_status()), media_type="text/plain; version=0.0.4")
+
+
+def oldest(watermarks: Sequence[str | None]) -> str | None:
+    """The stream id up to which every shard has applied its updates (None if any shard has none)."""
+    if any(w is None for w in watermarks) or not watermarks:
+        return None
+    return min(watermarks, key=lambda w: tuple(int(p) for p in w.split("-")))
+
+
+def error_json(status: int, body: Health) -> Response:
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+
+
+async def _awaited(response):
+    return await response
+

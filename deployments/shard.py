@@ -1,0 +1,101 @@
+"""ShardReplica: one copy of one index shard. It holds the shard's device-resident AdIndex and the
+retrieval pipeline, and runs its own stream consumer: at start it loads the newest snapshot and
+replays its shard's stream (Serve routes no request to it before that), then follows the stream in
+a background thread. Concurrent queries share one pass over the table (@serve.batch)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import redis
+import torch
+from ray import serve
+
+from andromeda_core.index import AdIndex
+from andromeda_core.quantization import STORAGE
+from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries, split_topk
+from deployments.config import ServiceConfig
+from deployments.engine import load_schema_of, load_scorer
+from index_updater.consumer import ShardConsumer
+from index_updater.snapshots import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardAnswer:
+    """A shard's partial top-k for one query, the stream id its index reflects, and its scan time."""
+
+    topk: TopK
+    watermark: str | None
+    search_ms: float
+    scanned: int
+
+
+@serve.deployment
+class ShardReplica:
+    def __init__(self, config: dict, shard: int):
+        self.config, self.shard = ServiceConfig.model_validate(config), shard
+        cfg = self.config
+        device = cfg.resolved_device()
+        schema = load_schema_of(cfg)
+        scorer = load_scorer(cfg, schema, device)
+        index = AdIndex(schema, scorer.dim, capacity=cfg.initial_capacity, device=device,
+                        embedding_dtype=STORAGE[cfg.storage], exact_copy=cfg.rescore > 0)
+        self.retriever = Retriever(index, scorer, chunk_size=cfg.chunk_size, rescore=cfg.rescore)
+        snapshots = SnapshotStore(Path(cfg.snapshot_dir) / f"shard-{shard}")
+        self.consumer = ShardConsumer(redis.Redis.from_url(cfg.redis_url), index, scorer.name, shard, cfg.shards,
+                                      stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s)
+        self.consumer.recover()
+        self.consumer.catch_up()  # readiness only after catch-up: Serve waits for __init__
+        self.consumer.start()
+        self.search.set_max_batch_size(cfg.max_batch_size)
+        self.search.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
+        log.info("shard %d ready: %d ads at %s", shard, len(index), self.consumer.stats.last_id)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def search(self, queries: list[UserQuery]) -> list[ShardAnswer]:
+        """Queries from concurrent requests share one pass over the table; each gets its own rows back."""
+        started = time.perf_counter()
+        watermark = self.consumer.stats.last_id
+        scanned = self.retriever.index.high_water
+        result = await asyncio.to_thread(self.retriever.search, concat_queries(queries))
+        took = (time.perf_counter() - started) * 1000
+        return [ShardAnswer(part, watermark, took, scanned) for part in split_topk(result, [len(q) for q in queries])]
+
+    def vectors(self, ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored vectors (n, D) float32 on the CPU (zeros where not indexed) and found (n,) bool: the
+        router's user towers read the history ads that live on this shard."""
+        with self.retriever.index.reading():
+            return self.retriever.index.embeddings_of(ad_ids)
+
+    def get_ad(self, ad_id: int, now: int) -> dict:
+        """Indexed state of one ad and whether a request at `now` could be served it. Raises NotFound."""
+        state = self.retriever.index.get(ad_id)
+        in_window = (state["start_time"] is None or state["start_time"] <= now) and (
+            state["end_time"] is None or now < state["end_time"])
+        return {**state, "shard": self.shard, "servable_now": state["status"] == "active" and state["satisfiable"] and in_window}
+
+    def status(self) -> dict:
+        """Readiness and the consumer's metrics (read by the router's /readyz and /metrics)."""
+        stats = self.consumer.stats
+        healthy, reason = self.consumer.health(self.config.max_lag_s)
+        return {"shard": self.shard, "ready": self.consumer.caught_up and healthy, "healthy": healthy, "reason": reason,
+                "index_size": len(self.retriever.index), "lag_seconds": stats.lag_seconds(), "applied": stats.applied,
+                "stale": stats.stale, "dead_letters": stats.dead_letters, "errors": stats.errors,
+                "last_id": stats.last_id, "capacity": self.retriever.index.capacity}
+
+    def check_health(self) -> None:
+        healthy, reason = self.consumer.health(self.config.max_lag_s)
+        if not healthy:
+            raise RuntimeError(f"shard {self.shard}: {reason}")
+
+    def __del__(self) -> None:
+        consumer = getattr(self, "consumer", None)
+        if consumer is not None:
+            consumer.stop()
+
