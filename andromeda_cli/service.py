@@ -21,8 +21,8 @@ from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from deployments.config import APP_NAME, ServiceConfig
 
-DEMO_USERS = 400
-DEMO_TRAIN_STEPS = 400
+DEMO_USERS = 1000
+DEMO_TRAIN_STEPS = 150
 
 
 def service_config(args: argparse.Namespace, redis_url: str) -> ServiceConfig:
@@ -200,7 +200,7 @@ def add_commands(sub) -> None:
 
     s = sub.add_parser("up", help="everything local: redis-server, a trained demo model, demo ads, the service")
     add_service_flags(s)
-    s.add_argument("--demo-ads", type=int, default=20000, help="demo corpus size")
+    s.add_argument("--demo-ads", type=int, default=10000, help="demo corpus size")
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("serve-config", help="write the Ray Serve config YAML (serve run / serve deploy / KubeRay)")

