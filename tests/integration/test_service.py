@@ -1,0 +1,238 @@
+"""The service over HTTP: a real local Ray Serve (2 CPUs) and a real redis-server, started once per
+session. Two applications run side by side over the same corpus: one shard (/one) and two (/two)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import ray
+import redis
+import requests
+import schemathesis
+from hypothesis import HealthCheck, settings
+from ray import serve
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                               status_code_conformance)
+
+from andromeda_core.index import AdIndex
+from andromeda_core.ingest import load_events, read_events
+from andromeda_core.models.quality import checkpoint_meta
+from andromeda_core.models.recdata import load_synthetic
+from andromeda_core.models.serving import ModelScorer
+from andromeda_core.models.train import TrainConfig, train
+from andromeda_core.retriever import Retriever
+from andromeda_core.schema import load_schema
+from andromeda_core.sharding import shard_of
+from andromeda_core.synth import WorldConfig, synthesize
+from andromeda_core.types import parse_request
+from deployments.app import build_app
+from deployments.config import ServiceConfig
+from index_updater.local_redis import LocalRedis, free_port
+from index_updater.publisher import Publisher
+from tests.conftest import upsert
+
+TOKEN = "test-write-token"
+NOW = 1_767_000_000
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """Redis, a tiny trained MoE over a 600-ad synthetic world, and Ray Serve running two applications
+    over that corpus: /one with one shard and /two with two."""
+    tmp = tmp_path_factory.mktemp("service")
+    server = None if os.environ.get("REDIS_URL") else LocalRedis(tmp / "redis").start()
+    url = os.environ.get("REDIS_URL") or server.url
+    world = tmp / "world"
+    synthesize(WorldConfig(ads=600, users=12, seed=3), world, load_schema())
+    data = load_synthetic(world)
+    model = tmp / "moe.safetensors"
+    train(data, "moe", TrainConfig(steps=3, batch=16, negatives=16), progress=False).save(model, checkpoint_meta(data, 0))
+    os.environ["ANDROMEDA_WRITE_TOKEN"] = TOKEN  # the router's workers inherit it
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    schema = load_schema()
+    for name, shards in (("one", 1), ("two", 2)):
+        config = ServiceConfig(redis_url=url, stream=f"test-{name}", shards=shards, model=str(model),
+                               snapshot_dir=str(tmp / name), shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=3)
+        Publisher(redis.Redis.from_url(url), schema, ModelScorer.load(model, schema), shards=shards,
+                  stream=config.stream).publish_file(world / "events.jsonl")
+        serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", world=world, model=model)
+    serve.shutdown()
+    ray.shutdown()
+    if server is not None:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(service):
+    """The same corpus in one process, answered by the offline retriever (what `andromeda retrieve` runs)."""
+    schema = load_schema()
+    scorer = ModelScorer.load(service.model, schema)
+    index = AdIndex(schema, scorer.dim)
+    load_events(index, schema, scorer, read_events(service.world / "events.jsonl"))
+    return Retriever(index, scorer)
+
+
+def world_requests(service, k: int = 20) -> list[dict]:
+    lines = (service.world / "requests.jsonl").read_text().splitlines()
+    return [{**json.loads(line), "k": k} for line in lines]
+
+
+def post(url: str, body, token: str | None = None, **kwargs) -> requests.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return requests.post(url, data=json.dumps(body), headers={"Content-Type": "application/json", **headers},
+                         timeout=30, **kwargs)
+
+
+def answer(response) -> list[tuple[int, float]]:
+    return [(a.ad_id, a.score) for a in response.ads] if hasattr(response, "ads") else \
+        [(a["ad_id"], a["score"]) for a in response["ads"]]
+
+
+def test_http_answers_exactly_what_offline_retrieve_answers(service, offline):
+    bodies = world_requests(service)
+    for body in bodies:
+        got = post(f"{service.url}/one/v1/retrieve", body)
+        assert got.status_code == 200, got.text
+        want = offline.retrieve([parse_request(body)])[0]
+        assert answer(got.json()) == answer(want) and got.json()["eligible"] == want.eligible
+        assert got.json()["index_watermark"] is not None
+    assert any(answer(offline.retrieve([parse_request(b)])[0]) for b in bodies)  # not all empty
+
+
+def test_two_shards_merge_to_the_single_shard_answer(service):
+    bodies = world_requests(service, k=50)
+    one = post(f"{service.url}/one/v1/retrieve:batch", bodies).json()["responses"]
+    two = post(f"{service.url}/two/v1/retrieve:batch", bodies).json()["responses"]
+    assert [answer(r) for r in one] == [answer(r) for r in two]
+    assert [r["eligible"] for r in one] == [r["eligible"] for r in two]
+    assert all(len(r["shard_watermarks"]) == 2 for r in two)
+
+
+def retrieved(service, app: str, ad_id: int, attributes: dict) -> bool:
+    body = {"user": {"user_id": 1, "attributes": attributes}, "context": {"ts": NOW}, "k": 10000}
+    return ad_id in [a["ad_id"] for a in post(f"{service.url}/{app}/v1/retrieve", body).json()["ads"]]
+
+
+def eventually(condition, timeout_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_published_ads_are_servable_and_removable_within_two_seconds(service):
+    ad_id, who = 900_001, {"country": "IS", "age": 40}
+    event = upsert(ad_id, 1, {"country": {"any_of": ["IS"]}}, title="Glacier hiking tours")
+    assert post(f"{service.url}/two/v1/ad-events", [event]).status_code == 401
+    assert post(f"{service.url}/two/v1/ad-events", [event], token="wrong").status_code == 401
+    published = post(f"{service.url}/two/v1/ad-events", [event], token=TOKEN)
+    assert published.status_code == 200 and len(published.json()["ids"]) == 1
+    assert eventually(lambda: retrieved(service, "two", ad_id, who))
+    state = requests.get(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).json()
+    assert state["version"] == 1 and state["shard"] == shard_of(ad_id, 2) and state["servable_now"] is True
+    post(f"{service.url}/two/v1/ad-events", [{"op": "pause", "ad_id": ad_id, "version": 2}], token=TOKEN)
+    assert eventually(lambda: not retrieved(service, "two", ad_id, who))
+    assert requests.get(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).json()["servable_now"] is False
+    post(f"{service.url}/two/v1/ad-events", [{"op": "resume", "ad_id": ad_id, "version": 3}], token=TOKEN)
+    assert eventually(lambda: retrieved(service, "two", ad_id, who))
+    post(f"{service.url}/two/v1/ad-events", [{"op": "delete", "ad_id": ad_id, "version": 4}], token=TOKEN)
+    assert eventually(lambda: not retrieved(service, "two", ad_id, who))
+    assert requests.get(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/retrieve", {"user": {"user_id": -1}}, "user.user_id"),
+    ("/v1/retrieve", {"user": {"user_id": 1, "attributes": {"shoe_size": 42}}}, "user.attributes.shoe_size"),
+    ("/v1/retrieve", {"user": {"user_id": 1}, "k": 0}, "k"),
+    ("/v1/retrieve", {"user": {"user_id": 1, "history": [{"ad_id": 1, "event": "poke", "ts": 1}]}}, "user.history[0].event"),
+    ("/v1/retrieve", [], "body"),
+    ("/v1/retrieve:batch", [{"user": {"user_id": 1}}, {"user": {"user_id": 2, "attributes": {"age": "old"}}}],
+     "[1].user.attributes.age"),
+    ("/v1/retrieve:batch", [], "body"),
+])
+def test_malformed_requests_get_422_naming_the_field(service, path, body, field):
+    got = post(f"{service.url}/two{path}", body)
+    assert got.status_code == 422, got.text
+    assert got.json()["error"]["field"] == field
+
+
+def test_bad_events_get_422_naming_index_and_field_and_publish_nothing(service):
+    events = [upsert(900_100, 1), upsert(900_101, 1, {"country": {"any_of": ["XX"]}}), upsert(900_102, 1)]
+    got = post(f"{service.url}/two/v1/ad-events", events, token=TOKEN)
+    assert got.status_code == 422 and got.json()["error"]["field"] == "[1].ad.targeting.country.any_of[0]"
+    bad_bid = [upsert(900_103, 1), {**upsert(900_104, 1), "ad": {**upsert(900_104, 1)["ad"], "bid": -1}}]
+    got = post(f"{service.url}/two/v1/ad-events", bad_bid, token=TOKEN)
+    assert got.status_code == 422 and got.json()["error"]["field"] == "[1].ad.bid"
+    got = post(f"{service.url}/two/v1/ad-events", [{"op": "explode", "ad_id": 1}], token=TOKEN)
+    assert got.status_code == 422 and got.json()["error"]["field"] == "[0].op"
+    time.sleep(0.5)
+    for ad_id in (900_100, 900_102, 900_103):
+        assert requests.get(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).status_code == 404
+
+
+def test_raw_garbage_is_a_422_not_a_500(service):
+    for body in (b"{", b"\xff\xfe", b"null", b"[1, 2]", b'{"user": null}'):
+        got = requests.post(f"{service.url}/two/v1/retrieve", data=body, headers={"Content-Type": "application/json"},
+                            timeout=10)
+        assert got.status_code == 422, (body, got.status_code, got.text)
+    assert requests.get(f"{service.url}/two/v1/ads/abc", timeout=10).status_code == 422
+    assert requests.get(f"{service.url}/two/v1/ads/-5", timeout=10).status_code == 422
+
+
+def test_health_readiness_and_metrics(service):
+    assert requests.get(f"{service.url}/two/healthz", timeout=10).status_code == 200
+    ready = requests.get(f"{service.url}/two/readyz", timeout=10)
+    assert ready.status_code == 200 and [s["shard"] for s in ready.json()["shards"]] == [0, 1]
+    post(f"{service.url}/two/v1/retrieve", world_requests(service)[0])
+    text = requests.get(f"{service.url}/two/metrics", timeout=10).text
+    for name in ('andromeda_request_seconds_bucket{endpoint="retrieve",stage="user_towers"',
+                 'andromeda_shard_index_size{shard="1"}', 'andromeda_shard_lag_seconds{shard="0"}',
+                 'andromeda_shard_dead_letters{shard="0"}', "andromeda_eligible_ads_total"):
+        assert name in text, name
+
+
+def test_killed_replica_is_replaced_and_catches_up(service):
+    bodies = world_requests(service, k=30)
+    before = [answer(r) for r in post(f"{service.url}/one/v1/retrieve:batch", bodies).json()["responses"]]
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::one#shard-0#"))
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    statuses = [post(f"{service.url}/one/v1/retrieve:batch", bodies).status_code for _ in range(5)]
+    assert set(statuses) <= {200, 503}
+    assert eventually(lambda: post(f"{service.url}/one/v1/retrieve:batch", bodies).status_code == 200, 120)
+    after = [answer(r) for r in post(f"{service.url}/one/v1/retrieve:batch", bodies).json()["responses"]]
+    assert after == before
+
+
+def test_openapi_is_served(service):
+    spec = requests.get(f"{service.url}/two/openapi.json", timeout=10).json()
+    assert {"/v1/retrieve", "/v1/retrieve:batch", "/v1/ad-events", "/v1/ads/{ad_id}", "/healthz", "/readyz",
+            "/metrics"} <= set(spec["paths"])
+    assert serve.status().applications["two"].status == "RUNNING"
+
+
+# -- fuzzing (runs last: it publishes random ads to /two) --------------------------------------------
+
+api = schemathesis.pytest.from_fixture("api_schema")
+FUZZ_CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+@pytest.fixture(scope="module")
+def api_schema(service):
+    return schemathesis.openapi.from_url(f"{service.url}/two/openapi.json")
+
+
+@api.parametrize()
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_fuzzed_requests_get_no_5xx_and_responses_match_the_schema(case, service):
+    case.call_and_validate(base_url=f"{service.url}/two", headers={"Authorization": f"Bearer {TOKEN}"},
+                           checks=FUZZ_CHECKS, timeout=30)
