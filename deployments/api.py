@@ -39,6 +39,23 @@ class PublishResponse(BaseModel):
     """Stream ids of the appended events, in request order."""
 
 
+class AdState(BaseModel):
+    """GET /v1/ads/{ad_id}: the ad as its shard has indexed it."""
+
+    ad_id: int
+    version: int
+    advertiser_id: int
+    status: str
+    satisfiable: bool
+    start_time: int | None
+    end_time: int | None
+    bid: float
+    slot: int
+    shard: int
+    servable_now: bool
+    """Active, satisfiable and inside its time window now (targeting still decides per request)."""
+
+
 class Health(BaseModel):
     status: str
     shards: list[dict] = []

@@ -23,7 +23,7 @@ from andromeda_core.ingest import prepare_ops
 from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse
-from deployments.api import (ERRORS, WRITE_ERRORS, BatchResponse, Health, PublishResponse, check_write_token,
+from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, Health, PublishResponse, check_write_token,
                              create_app)
 from deployments.config import ServiceConfig
 from deployments.engine import load_schema_of, load_scorer
@@ -139,6 +139,8 @@ class Router:
             except asyncio.CancelledError:
                 response.cancel()
                 raise
+            except AndromedaError as exc:  # the shard's answer (e.g. NotFound), not a failure to answer
+                raise getattr(exc, "cause", exc) from None
             except Exception as exc:  # timeout, dead replica, replica error: try once more
                 response.cancel()
                 error = exc
@@ -189,11 +191,11 @@ class Router:
         self.metrics.published.inc(len(ids))
         return PublishResponse(ids=ids)
 
-    @app.get("/v1/ads/{ad_id}", responses=ERRORS)
-    async def get_ad(self, ad_id: AD_ID) -> dict:
+    @app.get("/v1/ads/{ad_id}", response_model=AdState, responses=ERRORS)
+    async def get_ad(self, ad_id: AD_ID) -> AdState:
         """The indexed state of one ad: version, status, shard, satisfiable, servable now."""
         shard = shard_of(ad_id, len(self.shards))
-        return await self.call(shard, "get_ad", ad_id, int(time.time()))
+        return AdState(**await self.call(shard, "get_ad", ad_id, int(time.time())))
 
     # -- operations ------------------------------------------------------------------------------
 
