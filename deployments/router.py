@@ -4,7 +4,6 @@ UserQuery to one replica of every shard concurrently, and merges their partial t
 (score desc, ad id asc). A shard that misses its deadline is asked once more (Serve routes the retry
 again, away from a dead replica); if it fails again the request gets 503 naming the shard, or, when
 the request allows it, a partial answer that lists the missing shard."""
-from __future__ import annotations
 
 import asyncio
 import time
@@ -39,6 +38,21 @@ AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
 
 class ShardUnavailable(AndromedaError):
     """A shard did not answer within its deadline, twice."""
+
+
+def oldest(watermarks: Sequence[str | None]) -> str | None:
+    """The stream id up to which every shard has applied its updates (None if any shard has none)."""
+    if any(w is None for w in watermarks) or not watermarks:
+        return None
+    return min(watermarks, key=lambda w: tuple(int(p) for p in w.split("-")))
+
+
+def error_json(status: int, body: Health) -> Response:
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+
+
+async def _awaited(response):
+    return await response
 
 
 @serve.deployment
@@ -225,19 +239,4 @@ class Router:
     async def metrics(self) -> Response:
         """Prometheus text format: latency by stage, counts, per-shard index size, lag, dead letters."""
         return Response(self.metrics.render(await self.shard_status()), media_type="text/plain; version=0.0.4")
-
-
-def oldest(watermarks: Sequence[str | None]) -> str | None:
-    """The stream id up to which every shard has applied its updates (None if any shard has none)."""
-    if any(w is None for w in watermarks) or not watermarks:
-        return None
-    return min(watermarks, key=lambda w: tuple(int(p) for p in w.split("-")))
-
-
-def error_json(status: int, body: Health) -> Response:
-    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
-
-
-async def _awaited(response):
-    return await response
 

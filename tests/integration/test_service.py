@@ -12,7 +12,7 @@ import ray
 import redis
 import requests
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from ray import serve
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
@@ -58,7 +58,7 @@ def service(tmp_path_factory):
     schema = load_schema()
     for name, shards in (("one", 1), ("two", 2)):
         config = ServiceConfig(redis_url=url, stream=f"test-{name}", shards=shards, model=str(model),
-                               snapshot_dir=str(tmp / name), shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=3)
+                               snapshot_dir=str(tmp / name), snapshot_every_s=1, shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=3)
         Publisher(redis.Redis.from_url(url), schema, ModelScorer.load(model, schema), shards=shards,
                   stream=config.stream).publish_file(world / "events.jsonl")
         serve.run(build_app(config), name=name, route_prefix=f"/{name}")
@@ -95,13 +95,19 @@ def answer(response) -> list[tuple[int, float]]:
         [(a["ad_id"], a["score"]) for a in response["ads"]]
 
 
+def same_answer(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> bool:
+    """The same ads in the same order with the same scores up to float32 rounding (the service's
+    workers run torch with another thread count than this process, so sums may round differently)."""
+    return [i for i, _ in got] == [i for i, _ in want] and [s for _, s in got] == pytest.approx([s for _, s in want], rel=1e-5)
+
+
 def test_http_answers_exactly_what_offline_retrieve_answers(service, offline):
     bodies = world_requests(service)
     for body in bodies:
         got = post(f"{service.url}/one/v1/retrieve", body)
         assert got.status_code == 200, got.text
         want = offline.retrieve([parse_request(body)])[0]
-        assert answer(got.json()) == answer(want) and got.json()["eligible"] == want.eligible
+        assert same_answer(answer(got.json()), answer(want)) and got.json()["eligible"] == want.eligible
         assert got.json()["index_watermark"] is not None
     assert any(answer(offline.retrieve([parse_request(b)])[0]) for b in bodies)  # not all empty
 
@@ -110,7 +116,7 @@ def test_two_shards_merge_to_the_single_shard_answer(service):
     bodies = world_requests(service, k=50)
     one = post(f"{service.url}/one/v1/retrieve:batch", bodies).json()["responses"]
     two = post(f"{service.url}/two/v1/retrieve:batch", bodies).json()["responses"]
-    assert [answer(r) for r in one] == [answer(r) for r in two]
+    assert all(same_answer(answer(a), answer(b)) for a, b in zip(one, two, strict=True))
     assert [r["eligible"] for r in one] == [r["eligible"] for r in two]
     assert all(len(r["shard_watermarks"]) == 2 for r in two)
 
@@ -155,7 +161,7 @@ def test_published_ads_are_servable_and_removable_within_two_seconds(service):
     ("/v1/retrieve", {"user": {"user_id": 1}, "k": 0}, "k"),
     ("/v1/retrieve", {"user": {"user_id": 1, "history": [{"ad_id": 1, "event": "poke", "ts": 1}]}}, "user.history[0].event"),
     ("/v1/retrieve", [], "body"),
-    ("/v1/retrieve:batch", [{"user": {"user_id": 1}}, {"user": {"user_id": 2, "attributes": {"age": "old"}}}],
+    ("/v1/retrieve:batch", [{"user": {"user_id": 1}}, {"user": {"user_id": 2, "attributes": {"age": [20, 30]}}}],
      "[1].user.attributes.age"),
     ("/v1/retrieve:batch", [], "body"),
 ])
@@ -194,7 +200,7 @@ def test_health_readiness_and_metrics(service):
     assert ready.status_code == 200 and [s["shard"] for s in ready.json()["shards"]] == [0, 1]
     post(f"{service.url}/two/v1/retrieve", world_requests(service)[0])
     text = requests.get(f"{service.url}/two/metrics", timeout=10).text
-    for name in ('andromeda_request_seconds_bucket{endpoint="retrieve",stage="user_towers"',
+    for name in ('andromeda_request_seconds_count{endpoint="retrieve",stage="user_towers"}',
                  'andromeda_shard_index_size{shard="1"}', 'andromeda_shard_lag_seconds{shard="0"}',
                  'andromeda_shard_dead_letters{shard="0"}', "andromeda_eligible_ads_total"):
         assert name in text, name
@@ -210,7 +216,7 @@ def test_killed_replica_is_replaced_and_catches_up(service):
     assert set(statuses) <= {200, 503}
     assert eventually(lambda: post(f"{service.url}/one/v1/retrieve:batch", bodies).status_code == 200, 120)
     after = [answer(r) for r in post(f"{service.url}/one/v1/retrieve:batch", bodies).json()["responses"]]
-    assert after == before
+    assert all(same_answer(a, b) for a, b in zip(after, before, strict=True))
 
 
 def test_openapi_is_served(service):
@@ -222,17 +228,23 @@ def test_openapi_is_served(service):
 
 # -- fuzzing (runs last: it publishes random ads to /two) --------------------------------------------
 
-api = schemathesis.pytest.from_fixture("api_schema")
 FUZZ_CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CASES_PER_OPERATION = 30
 
 
-@pytest.fixture(scope="module")
-def api_schema(service):
-    return schemathesis.openapi.from_url(f"{service.url}/two/openapi.json")
+def test_fuzzed_requests_get_no_5xx_and_responses_match_the_schema(service):
+    """schemathesis generates requests from the running service's OpenAPI (a bounded number per
+    operation, with the write token so event publishing is fuzzed too) and checks every response."""
+    schema = schemathesis.openapi.from_url(f"{service.url}/two/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 7
 
+    for operation in operations:
+        @given(case=operation.as_strategy())
+        @settings(max_examples=CASES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck),
+                  derandomize=True, database=None)
+        def fuzz(case):
+            case.call_and_validate(base_url=f"{service.url}/two", headers={"Authorization": f"Bearer {TOKEN}"},
+                                   checks=FUZZ_CHECKS, timeout=30)
 
-@api.parametrize()
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-def test_fuzzed_requests_get_no_5xx_and_responses_match_the_schema(case, service):
-    case.call_and_validate(base_url=f"{service.url}/two", headers={"Authorization": f"Bearer {TOKEN}"},
-                           checks=FUZZ_CHECKS, timeout=30)
+        fuzz()
