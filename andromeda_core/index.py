@@ -8,8 +8,13 @@ embedding_scale); when that format is not fp32 and the index keeps an exact copy
 targeting columns of andromeda_core.targeting.
 
 Every operation is idempotent by (ad_id, version): an event whose version is not newer than the
-indexed one (or than the version that deleted or expired the ad) is a no-op. A batch of
-operations is applied under the table lock, so a scan sees all of a batch or none of it.
+indexed one (or than the version that deleted or expired the ad) is a no-op.
+
+A batch is all or nothing: its rows are checked and converted to device tensors, and its effect on the
+slot bookkeeping is planned on an overlay, before the first column is written; the bookkeeping takes
+the plan only once every write is made. Scans share the read side of a writer-preferring read/write
+lock and a batch is written under its write side, so any number of scans run together and none sees
+part of a batch.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from typing import Iterator, Sequence, Union
 import numpy as np
 import torch
 
-from andromeda_core.errors import NotFound
+from andromeda_core.errors import InvalidInput, NotFound
 from andromeda_core.quantization import dequantize, int8_blocks, quantize_int8
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import ColumnSpec, CompiledTargeting, MatchInputs, targeting_columns
@@ -29,6 +34,9 @@ from andromeda_core.types import Ad, DeleteEvent, StatusEvent
 from kernels.reference.match import ACTIVE, LIVE, SATISFIABLE, targeting_match
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UPSERT, DELETE, PAUSE, RESUME = 0, 1, 2, 3
+OP_CODES = {"upsert": UPSERT, "delete": DELETE, "pause": PAUSE, "resume": RESUME}
+CORE_ROW_COLUMNS = ("ad_id", "advertiser_id", "start", "end", "bid", "status", "embedding")  # in every upsert row
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,80 @@ class PreparedAd:
 
 
 IndexOp = Union[PreparedAd, DeleteEvent, StatusEvent]
+
+
+@dataclass(frozen=True)
+class OpBatch:
+    """n ops in columns, applied in order.
+
+    op (n,) int8 (UPSERT, DELETE, PAUSE, RESUME); ad_id, version (n,) int64; row (n,) int64: an upsert's
+    row in `rows`, -1 for the other ops. rows: the u upserts' slot contents by column name: ad_id,
+    advertiser_id, start, end (u,) int64; bid (u,) float32; status (u,) int8; embedding (u, D) float32;
+    any targeting column (u, *shape) int32 (one left out holds its fill value in every row).
+    """
+
+    op: np.ndarray
+    ad_id: np.ndarray
+    version: np.ndarray
+    row: np.ndarray
+    rows: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.op)
+
+    @classmethod
+    def build(cls, ops: Sequence[Ad | DeleteEvent | StatusEvent], satisfiable: np.ndarray, embedding: np.ndarray,
+              targeting: dict[str, np.ndarray]) -> "OpBatch":
+        """ops in order, an Ad standing for its upsert; satisfiable (u,) bool, embedding (u, D) float32 and
+        the targeting columns (u, *shape) are the rows of the u Ads in the order they appear."""
+        ads = [op for op in ops if isinstance(op, Ad)]
+        code = np.array([UPSERT if isinstance(op, Ad) else OP_CODES[op.op] for op in ops], dtype=np.int8)
+        row = np.full(len(ops), -1, dtype=np.int64)
+        row[code == UPSERT] = np.arange(len(ads))
+        active = np.array([ad.status == "active" for ad in ads], dtype=bool)
+        rows = {
+            "ad_id": np.array([ad.ad_id for ad in ads], dtype=np.int64),
+            "advertiser_id": np.array([ad.advertiser_id for ad in ads], dtype=np.int64),
+            "start": np.array([INT64_MIN if ad.start_time is None else ad.start_time for ad in ads], dtype=np.int64),
+            "end": np.array([INT64_MAX if ad.end_time is None else ad.end_time for ad in ads], dtype=np.int64),
+            "bid": np.array([ad.bid for ad in ads], dtype=np.float32),
+            "status": (LIVE | np.where(active, ACTIVE, 0) | np.where(satisfiable, SATISFIABLE, 0)).astype(np.int8),
+            "embedding": np.asarray(embedding, dtype=np.float32),
+            **targeting,
+        }
+        return cls(code, np.array([op.ad_id for op in ops], dtype=np.int64),
+                   np.array([op.version for op in ops], dtype=np.int64), row, rows)
+
+    @classmethod
+    def from_ops(cls, ops: Sequence[IndexOp], dim: int, targeting_specs: dict[str, ColumnSpec]) -> "OpBatch":
+        """Stack prepared ops (embeddings (D,) = (dim,)); `targeting_specs` gives each targeting column's row
+        shape and fill value."""
+        prepared = [op for op in ops if isinstance(op, PreparedAd)]
+        targeting: dict[str, np.ndarray] = {}
+        for i, p in enumerate(prepared):
+            for name, row in p.targeting.rows.items():
+                if name not in targeting:
+                    spec = targeting_specs.get(name)
+                    if spec is None:
+                        raise InvalidInput(f"no targeting column {name} in this index", f"ad {p.ad.ad_id}.targeting")
+                    targeting[name] = np.full((len(prepared), *spec.shape), spec.fill, dtype=np.int32)
+                if np.shape(row) != targeting[name].shape[1:]:
+                    raise InvalidInput(f"row of shape {np.shape(row)}, the column holds {targeting[name].shape[1:]}",
+                                       f"ad {p.ad.ad_id}.targeting.{name}")
+                targeting[name][i] = row
+        satisfiable = np.array([p.targeting.satisfiable for p in prepared], dtype=bool)
+        embedding = np.array([p.embedding for p in prepared], dtype=np.float32).reshape(len(prepared), dim)
+        return cls.build([p.ad if isinstance(p, PreparedAd) else p for p in ops], satisfiable, embedding, targeting)
+
+    def take(self, positions: Sequence[int]) -> "OpBatch":
+        """The ops at `positions`, in that order, with their rows."""
+        pos = np.asarray(positions, dtype=np.int64)
+        row = self.row[pos]
+        kept = row[row >= 0]
+        renumbered = np.full(len(pos), -1, dtype=np.int64)
+        renumbered[row >= 0] = np.arange(len(kept))
+        return OpBatch(self.op[pos], self.ad_id[pos], self.version[pos], renumbered,
+                       {name: values[kept] for name, values in self.rows.items()})
 
 
 def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool) -> dict[str, ColumnSpec]:
@@ -59,21 +141,150 @@ def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool) -> di
     }
 
 
+class ReadWriteLock:
+    """Any number of readers or one writer. Writer-preferring: once a writer waits, arriving readers wait
+    behind it, so back-to-back scans cannot starve updates. A thread that already reads may read again
+    (a nested read would otherwise deadlock behind a waiting writer); a reader may not start writing."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+        self._depth = threading.local()  # this thread's nested reads
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        depth = getattr(self._depth, "n", 0)
+        if not depth:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
+                self._readers += 1
+        self._depth.n = depth + 1
+        try:
+            yield
+        finally:
+            self._depth.n = depth
+            if not depth:
+                with self._cond:
+                    self._readers -= 1
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        if getattr(self._depth, "n", 0):
+            raise RuntimeError("cannot write while this thread holds a read (it would wait for itself)")
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._writing and not self._readers)
+            finally:
+                self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+class SlotBook:
+    """Host-side bookkeeping of a table, read without touching the device: live ad -> slot, the newest
+    version seen of every ad (live, or deleted / expired: a tombstone), free slots, high-water mark."""
+
+    def __init__(self, capacity: int) -> None:
+        self.slot_of: dict[int, int] = {}
+        self.version: dict[int, int] = {}
+        self.free: list[int] = list(range(capacity - 1, -1, -1))  # popped from the end: lowest slot first
+        self.high_water = 0  # slots >= high_water have never held an ad; scans stop there
+
+    def tombstones(self) -> dict[int, int]:
+        """ad_id -> the version that deleted or expired it."""
+        return {ad: v for ad, v in self.version.items() if ad not in self.slot_of}
+
+
+class _Plan:
+    """One batch's effect, worked out on an overlay of a SlotBook that stays untouched until `commit`."""
+
+    def __init__(self, book: SlotBook, capacity: int) -> None:
+        self.book, self.capacity = book, capacity
+        self.slot_of: dict[int, int | None] = {}  # ad -> slot after the batch, None when released
+        self.version: dict[int, int] = {}  # ad -> newest version after the batch
+        self.row_at: dict[int, int] = {}  # slot -> the batch row written there
+        self.active: dict[int, bool] = {}  # slot -> ACTIVE bit set by a pause / resume after its row, if any
+        self.ad_at: dict[int, int] = {}  # slot -> ad, for every slot whose status and version are rewritten
+        self.freed: list[int] = []
+        self.taken = 0  # new slots: from the end of the free list, then past the capacity
+
+    @property
+    def capacity_needed(self) -> int:
+        return self.capacity + max(0, self.taken - len(self.book.free))
+
+    def op(self, code: int, ad: int, version: int, row: int) -> bool:
+        """Plan one op; False when it is a no-op (stale, or a pause / resume of an ad not indexed)."""
+        slot = self.slot_of[ad] if ad in self.slot_of else self.book.slot_of.get(ad)
+        if version <= self.version.get(ad, self.book.version.get(ad, -1)) or (slot is None and code in (PAUSE, RESUME)):
+            return False
+        if code == DELETE:
+            if slot is not None:
+                self.release(ad, slot, version)
+            self.version[ad] = version  # kept when not indexed too: a late, older upsert must not resurrect it
+            return True
+        if code == UPSERT:
+            slot = self._take() if slot is None else slot
+            self.row_at[slot] = row
+            self.active.pop(slot, None)
+        else:
+            self.active[slot] = code == RESUME
+        self.slot_of[ad], self.ad_at[slot], self.version[ad] = slot, ad, version
+        return True
+
+    def release(self, ad: int, slot: int, version: int) -> None:
+        self.slot_of[ad], self.version[ad] = None, version
+        for pending in (self.row_at, self.active, self.ad_at):
+            pending.pop(slot, None)
+        self.freed.append(slot)
+
+    def _take(self) -> int:
+        i, free = self.taken, self.book.free
+        self.taken += 1
+        return free[-1 - i] if i < len(free) else self.capacity + i - len(free)
+
+    def commit(self, capacity: int) -> None:
+        """Apply the plan to the book, the table now holding `capacity` slots."""
+        book = self.book
+        for ad, slot in self.slot_of.items():
+            if slot is None:
+                book.slot_of.pop(ad, None)
+            else:
+                book.slot_of[ad] = slot
+        book.version.update(self.version)
+        book.free[:0] = range(capacity - 1, self.capacity - 1, -1)  # grown slots come after the old free ones
+        if self.taken:
+            book.high_water = max(book.high_water, max(book.free[-self.taken:]) + 1)
+            del book.free[-self.taken:]
+        book.free.extend(reversed(self.freed))
+
+
 class AdIndex:
     def __init__(self, schema: Schema, dim: int, capacity: int = 1024, device: str | torch.device = "cpu",
                  embedding_dtype: torch.dtype = torch.float32, exact_copy: bool = True):
         if dim < 1 or capacity < 1:
             raise ValueError("dim and capacity must be positive")
         self.schema, self.dim, self.device = schema, dim, torch.device(device)
-        self.specs = {**core_columns(dim, embedding_dtype, exact_copy), **targeting_columns(schema)}
+        self._targeting = targeting_columns(schema)
+        self.specs = {**core_columns(dim, embedding_dtype, exact_copy), **self._targeting}
+        # what an upsert row of each column must look like, whatever the storage format
+        self._row_specs = {**{name: self.specs[name] for name in CORE_ROW_COLUMNS},
+                           "embedding": ColumnSpec((dim,), torch.float32, 0), **self._targeting}
         self.columns = {name: self._filled(spec, capacity) for name, spec in self.specs.items()}
-        self._slot_of: dict[int, int] = {}
-        self._tombstones: dict[int, int] = {}  # ad_id -> version that deleted or expired it
-        self._free: list[int] = list(range(capacity - 1, -1, -1))  # popped from the end: lowest slot first
-        self.high_water = 0  # slots >= high_water have never held an ad; scans stop there
-        self._lock = threading.Lock()
+        self._book = SlotBook(capacity)
+        self._lock = ReadWriteLock()
         self._bitset_names = [c.name for c in schema.bitset_categories]
         self._list_names = [c.name for c in schema.list_categories]
+        # value indices a list column may hold: -1 (padding) up to the category's size (exclusive)
+        self._list_sizes = {f"{c.name}.{side}": c.size for c in schema.list_categories for side in ("pos", "neg")}
 
     def _filled(self, spec: ColumnSpec, n: int) -> torch.Tensor:
         return torch.full((n, *spec.shape), spec.fill, dtype=spec.dtype, device=self.device)
@@ -84,16 +295,21 @@ class AdIndex:
     def capacity(self) -> int:
         return self.columns["ad_id"].shape[0]
 
+    @property
+    def high_water(self) -> int:
+        """Slots >= high_water have never held an ad; scans stop there."""
+        return self._book.high_water
+
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._book.slot_of)
 
     def __contains__(self, ad_id: int) -> bool:
-        return ad_id in self._slot_of
+        return ad_id in self._book.slot_of
 
     @contextmanager
     def reading(self) -> Iterator[None]:
-        """Hold the table still (no batch is applied) for the duration of a scan."""
-        with self._lock:
+        """Hold the table still for a scan: no batch is written meanwhile, other scans run alongside."""
+        with self._lock.shared():
             yield
 
     def match(self, inputs: MatchInputs, start: int, stop: int) -> torch.Tensor:
@@ -119,10 +335,11 @@ class AdIndex:
 
     def ad_ids(self) -> list[int]:
         """Ids of the live ads."""
-        return list(self._slot_of)
+        with self.reading():
+            return list(self._book.slot_of)
 
     def slot_of(self, ad_id: int) -> int | None:
-        return self._slot_of.get(ad_id)
+        return self._book.slot_of.get(ad_id)
 
     @property
     def keeps_exact(self) -> bool:
@@ -141,7 +358,8 @@ class AdIndex:
     def exact_embeddings(self, ad_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ad_ids (...) int64 -> (full-precision float32 embeddings (..., D), zeros where not indexed;
         found (...) bool). Rescoring reads these inside `reading()`."""
-        slots = torch.tensor([self._slot_of.get(a, -1) for a in ad_ids.flatten().tolist()], dtype=torch.int64,
+        slot_of = self._book.slot_of
+        slots = torch.tensor([slot_of.get(a, -1) for a in ad_ids.flatten().tolist()], dtype=torch.int64,
                              device=self.device).reshape(ad_ids.shape)
         found = slots >= 0
         rows = slots.clamp(min=0)
@@ -157,10 +375,10 @@ class AdIndex:
 
     def get(self, ad_id: int) -> dict:
         """The indexed state of one ad."""
-        slot = self._slot_of.get(ad_id)
-        if slot is None:
-            raise NotFound(f"ad {ad_id} is not in the index", "ad_id")
-        with self._lock:
+        with self.reading():
+            slot = self._book.slot_of.get(ad_id)
+            if slot is None:
+                raise NotFound(f"ad {ad_id} is not in the index", "ad_id")
             c = {name: col[slot] for name, col in self.columns.items() if col.dim() == 1}
             status = int(c["status"])
             return {
@@ -173,12 +391,11 @@ class AdIndex:
 
     def version_of(self, ad_id: int) -> int | None:
         """Newest version applied for `ad_id` (live, deleted or expired), or None if never seen."""
-        slot = self._slot_of.get(ad_id)
-        return int(self.columns["version"][slot]) if slot is not None else self._tombstones.get(ad_id)
+        return self._book.version.get(ad_id)
 
     def digest(self) -> str:
         """Order-independent hash of the live content (every column of every live slot)."""
-        with self._lock:
+        with self.reading():
             live = (self.columns["status"][: self.high_water].to(torch.int32) & LIVE) != 0
             total = torch.zeros((), dtype=torch.int64)
             for i, name in enumerate(sorted(self.columns)):
@@ -195,12 +412,13 @@ class AdIndex:
     # -- state (for snapshots) -------------------------------------------------------------------
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """(CPU tensors, layout metadata) that `from_state` restores; consistent under the lock."""
-        with self._lock:
+        """(CPU tensors, layout metadata) that `from_state` restores; consistent (no batch is half written)."""
+        with self.reading():
             n = self.high_water
             tensors = {f"col.{name}": col[:n].cpu().contiguous() for name, col in self.columns.items()}
-            tensors["tombstones.ad_id"] = torch.tensor(list(self._tombstones), dtype=torch.int64)
-            tensors["tombstones.version"] = torch.tensor(list(self._tombstones.values()), dtype=torch.int64)
+            tombstones = self._book.tombstones()
+            tensors["tombstones.ad_id"] = torch.tensor(list(tombstones), dtype=torch.int64)
+            tensors["tombstones.version"] = torch.tensor(list(tombstones.values()), dtype=torch.int64)
             layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
                       "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
                       "embedding_dtype": str(self.specs["embedding"].dtype).removeprefix("torch."),
@@ -216,151 +434,127 @@ class AdIndex:
         index = cls(schema, int(layout["dim"]), capacity=int(layout["capacity"]), device=device,
                     embedding_dtype=getattr(torch, layout["embedding_dtype"]),
                     exact_copy=layout.get("exact_copy") == "True")
-        n = index.high_water = int(layout["high_water"])
+        book = index._book
+        n = book.high_water = int(layout["high_water"])
         for name, col in index.columns.items():
             col[:n] = tensors[f"col.{name}"].to(device)
         live = torch.nonzero((index.columns["status"][:n].to(torch.int32) & LIVE) != 0).flatten().tolist()
-        index._slot_of = dict(zip(index.columns["ad_id"][live].tolist(), live))
+        ad_ids = index.columns["ad_id"][live].tolist()
+        book.slot_of = dict(zip(ad_ids, live))
+        book.version = dict(zip(tensors["tombstones.ad_id"].tolist(), tensors["tombstones.version"].tolist()))
+        book.version.update(zip(ad_ids, index.columns["version"][live].tolist()))
         used = set(live)
-        index._free = [s for s in range(index.capacity - 1, -1, -1) if s not in used]
-        index._tombstones = dict(zip(tensors["tombstones.ad_id"].tolist(), tensors["tombstones.version"].tolist()))
+        book.free = [s for s in range(index.capacity - 1, -1, -1) if s not in used]
         return index
 
     def adopt(self, other: "AdIndex") -> None:
         """Take over `other`'s content (e.g. a restored snapshot) in one step that scans see whole."""
         if other.schema != self.schema or other.dim != self.dim:
             raise ValueError("can only adopt an index with the same schema and embedding width")
-        with self._lock:
-            self.specs, self.columns = other.specs, other.columns
-            self._slot_of, self._tombstones, self._free = other._slot_of, other._tombstones, other._free
-            self.high_water = other.high_water
+        with self._lock.exclusive():
+            self.specs, self.columns, self._book = other.specs, other.columns, other._book
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def apply(self, ops: Sequence[IndexOp]) -> list[bool]:
-        """Apply a batch atomically; returns, per op, whether it changed the index (False = stale no-op)."""
-        with self._lock:
-            batch = _Batch()
-            applied = [self._plan(op, batch) for op in ops]
-            self._write(batch)
-            self._free.extend(reversed(batch.freed))
+    def apply(self, ops: Sequence[IndexOp] | OpBatch) -> list[bool]:
+        """Apply a batch atomically; returns, per op, whether it changed the index (False = stale no-op).
+        All or nothing: should anything fail (InvalidInput for rows that do not fit), the index is unchanged."""
+        batch = ops if isinstance(ops, OpBatch) else OpBatch.from_ops(ops, self.dim, self._targeting)
+        specs = self.specs
+        staged = self._stage(batch.rows)  # before the lock: scans go on while rows are checked and converted
+        with self._lock.exclusive():
+            if specs is not self.specs:  # adopt() changed the layout meanwhile
+                staged = self._stage(batch.rows)
+            plan = _Plan(self._book, self.capacity)
+            applied = [plan.op(*op) for op in zip(batch.op.tolist(), batch.ad_id.tolist(), batch.version.tolist(),
+                                                  batch.row.tolist())]
+            self._commit(plan, staged)
             return applied
 
     def sweep_expired(self, now: int) -> int:
         """Free the slots of ads whose end_time <= now (they already stopped matching). Returns how many."""
-        with self._lock:
-            end = self.columns["end"][: self.high_water]
-            live = (self.columns["status"][: self.high_water].to(torch.int32) & LIVE) != 0
-            slots = torch.nonzero(live & (end <= now)).flatten().tolist()
-            batch = _Batch()
-            for slot in slots:
-                ad_id = int(self.columns["ad_id"][slot])
-                self._release(ad_id, slot, int(self.columns["version"][slot]), batch)
-            self._write(batch)
-            self._free.extend(reversed(batch.freed))
+        with self._lock.exclusive():
+            n = self.high_water
+            live = (self.columns["status"][:n].to(torch.int32) & LIVE) != 0
+            slots = torch.nonzero(live & (self.columns["end"][:n] <= now)).flatten().tolist()
+            plan = _Plan(self._book, self.capacity)
+            for ad, slot in zip(self.columns["ad_id"][slots].tolist(), slots):
+                plan.release(ad, slot, self._book.version[ad])
+            self._commit(plan, {})
             return len(slots)
 
-    def _current(self, ad_id: int, batch: "_Batch") -> tuple[int | None, int]:
-        """(slot or None, newest version or -1) as of the ops planned so far in `batch`."""
-        slot = self._slot_of.get(ad_id)
-        if slot is None:
-            return None, self._tombstones.get(ad_id, -1)
-        if slot in batch.status:
-            return slot, batch.status[slot][1]
-        return slot, int(self.columns["version"][slot])
-
-    def _plan(self, op: IndexOp, batch: "_Batch") -> bool:
-        ad_id = op.ad.ad_id if isinstance(op, PreparedAd) else op.ad_id
-        version = op.ad.version if isinstance(op, PreparedAd) else op.version
-        slot, current = self._current(ad_id, batch)
-        if version <= current:
-            return False
-        if isinstance(op, PreparedAd):
-            if slot is None:
-                slot = self._take_slot()
-                self._slot_of[ad_id] = slot
-                self._tombstones.pop(ad_id, None)
-            status = LIVE | (ACTIVE if op.ad.status == "active" else 0) | (SATISFIABLE if op.targeting.satisfiable else 0)
-            batch.rows[slot] = op
-            batch.status[slot] = (status, version)
-        elif isinstance(op, DeleteEvent):
-            if slot is None:
-                self._tombstones[ad_id] = version  # a late, older upsert must not resurrect it
-            else:
-                self._release(ad_id, slot, version, batch)
+    def _stage(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Upsert rows -> device tensors in the columns' dtypes (the embedding in the storage format, with its
+        scale and exact copy where kept). Raises InvalidInput for rows that do not fit the table."""
+        u = len(rows["ad_id"])
+        for name, values in rows.items():
+            spec = self._row_specs.get(name)
+            if spec is None:
+                raise InvalidInput(f"no row column {name} in this index", name)
+            if values.shape != (u, *spec.shape) or (values.dtype.kind == "f") != spec.dtype.is_floating_point:
+                raise InvalidInput(f"{values.dtype} rows of shape {values.shape}; the column takes "
+                                   f"{'float' if spec.dtype.is_floating_point else 'integer'} rows of shape {spec.shape}", name)
+            size = self._list_sizes.get(name)
+            if size is not None and ((values < -1) | (values >= size)).any():
+                raise InvalidInput(f"value indices outside [-1, {size})", name)
+        if not np.isfinite(rows["embedding"]).all():
+            raise InvalidInput("embeddings must be finite", "embedding")
+        staged = {name: torch.from_numpy(np.ascontiguousarray(values)).to(self.device, self.specs[name].dtype)
+                  for name, values in rows.items() if name != "embedding"}
+        exact = torch.from_numpy(np.ascontiguousarray(rows["embedding"])).to(self.device, torch.float32)
+        if "embedding_scale" in self.specs:
+            staged["embedding"], staged["embedding_scale"] = quantize_int8(exact)
         else:
-            if slot is None:
-                return False  # nothing to pause or resume
-            bits = batch.status[slot][0] if slot in batch.status else int(self.columns["status"][slot])
-            bits = bits | ACTIVE if op.op == "resume" else bits & ~ACTIVE
-            batch.status[slot] = (bits, version)
-        return True
+            staged["embedding"] = exact.to(self.specs["embedding"].dtype)
+        if "embedding_exact" in self.specs:
+            staged["embedding_exact"] = exact
+        return staged
 
-    def _release(self, ad_id: int, slot: int, version: int, batch: "_Batch") -> None:
-        del self._slot_of[ad_id]
-        self._tombstones[ad_id] = version
-        batch.rows.pop(slot, None)
-        batch.status.pop(slot, None)
-        batch.freed.append(slot)
+    def _commit(self, plan: _Plan, staged: dict[str, torch.Tensor]) -> None:
+        """Make the plan's writes (into grown copies when the batch needs more slots), then commit its bookkeeping."""
+        columns = self._grown(plan.capacity_needed)
+        for name, slots, values in self._writes(plan, staged, columns):  # computed in full: nothing fails midway
+            columns[name][slots] = values
+        self.columns = columns
+        plan.commit(self.capacity)
 
-    def _take_slot(self) -> int:
-        if not self._free:
-            self._grow(2 * self.capacity)
-        slot = self._free.pop()
-        self.high_water = max(self.high_water, slot + 1)
-        return slot
-
-    def _grow(self, capacity: int) -> None:
-        old = self.capacity
+    def _grown(self, needed: int) -> dict[str, torch.Tensor]:
+        """The columns themselves when `needed` slots fit, else copies doubled in capacity until they do."""
+        capacity = self.capacity
+        if needed <= capacity:
+            return self.columns
+        while capacity < needed:
+            capacity *= 2
+        grown = {}
         for name, spec in self.specs.items():
-            grown = self._filled(spec, capacity)
-            grown[:old] = self.columns[name]
-            self.columns[name] = grown
-        self._free = list(range(capacity - 1, old - 1, -1)) + self._free
+            grown[name] = self._filled(spec, capacity)
+            grown[name][: self.capacity] = self.columns[name]
+        return grown
 
-    def _write(self, batch: "_Batch") -> None:
-        """Write whole rows, then status/version; freed slots are reset to the fill values."""
-        n = len(batch.rows)
-        if n:
-            values: dict[str, np.ndarray] = {
-                name: np.full((n, *spec.shape), spec.fill, dtype=np.float32 if name == "embedding" else _numpy_dtype(spec.dtype))
-                for name, spec in self.specs.items() if name not in ("status", "version")
-            }
-            for i, prepared in enumerate(batch.rows.values()):
-                ad = prepared.ad
-                values["ad_id"][i], values["advertiser_id"][i], values["bid"][i] = ad.ad_id, ad.advertiser_id, ad.bid
-                values["start"][i] = INT64_MIN if ad.start_time is None else ad.start_time
-                values["end"][i] = INT64_MAX if ad.end_time is None else ad.end_time
-                values["embedding"][i] = prepared.embedding
-                for name, row in prepared.targeting.rows.items():
-                    values[name][i] = row
-            if "embedding_exact" in values:
-                values["embedding_exact"] = values["embedding"].copy()
-            if "embedding_scale" in values:
-                q, scale = quantize_int8(torch.from_numpy(values["embedding"]))
-                values["embedding"], values["embedding_scale"] = q.numpy(), scale.numpy()
-            slots = torch.tensor(list(batch.rows), dtype=torch.int64, device=self.device)
-            for name, array in values.items():
-                self.columns[name][slots] = torch.from_numpy(array).to(self.device, self.specs[name].dtype)
-        if batch.freed:
-            slots = torch.tensor(batch.freed, dtype=torch.int64, device=self.device)
-            for name, spec in self.specs.items():
-                self.columns[name][slots] = spec.fill
-        if batch.status:
-            slots = torch.tensor(list(batch.status), dtype=torch.int64, device=self.device)
-            bits, versions = zip(*batch.status.values())
-            self.columns["status"][slots] = torch.tensor(bits, dtype=torch.int8, device=self.device)
-            self.columns["version"][slots] = torch.tensor(versions, dtype=torch.int64, device=self.device)
+    def _writes(self, plan: _Plan, staged: dict[str, torch.Tensor],
+                columns: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.Tensor | int]]:
+        """(column, slots, values) for whole rows, freed slots (reset to fill), then status and version."""
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-
-class _Batch:
-    """Writes planned for one atomic batch: full rows, status/version per slot, freed slots."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, PreparedAd] = {}
-        self.status: dict[int, tuple[int, int]] = {}
-        self.freed: list[int] = []
-
-
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return torch.empty(0, dtype=dtype).numpy().dtype
+        writes: list[tuple[str, torch.Tensor, torch.Tensor | int]] = []
+        if plan.row_at:
+            slots, rows = index(list(plan.row_at)), index(list(plan.row_at.values()))
+            writes += [(name, slots, staged[name][rows] if name in staged else spec.fill)
+                       for name, spec in self.specs.items() if name not in ("status", "version")]
+        if plan.freed:
+            slots = index(plan.freed)
+            writes += [(name, slots, spec.fill) for name, spec in self.specs.items()]
+        if plan.ad_at:
+            touched = list(plan.ad_at)
+            status = columns["status"][index(touched)]
+            with_row = [j for j, slot in enumerate(touched) if slot in plan.row_at]
+            if with_row:
+                status[index(with_row)] = staged["status"][index([plan.row_at[touched[j]] for j in with_row])]
+            flipped = [j for j, slot in enumerate(touched) if slot in plan.active]
+            if flipped:
+                bits = index([ACTIVE if plan.active[touched[j]] else 0 for j in flipped]).to(torch.int8)
+                status[index(flipped)] = (status[index(flipped)] & ~ACTIVE) | bits
+            versions = index([plan.version[plan.ad_at[slot]] for slot in touched])
+            writes += [("status", index(touched), status), ("version", index(touched), versions)]
+        return writes

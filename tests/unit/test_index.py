@@ -1,13 +1,17 @@
-"""AdIndex operations: versioned idempotency, growth, expiry, digest, atomic batches."""
+"""AdIndex operations: versioned idempotency, growth, expiry, digest, atomic batches, concurrent scans."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
+import torch
 
+from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex, PreparedAd
-from andromeda_core.targeting import compile_targeting, compile_user, match_inputs
+from andromeda_core.ingest import prepare_ops
+from andromeda_core.targeting import CompiledTargeting, compile_targeting, compile_user, match_inputs
 from andromeda_core.types import parse_event
 from tests.conftest import apply_events, make_ad, upsert
 
@@ -168,3 +172,131 @@ def test_get_reports_indexed_state(index, scorer):
     apply_events(index, scorer, [{"op": "upsert", "ad": make_ad(5, 3, bid=2.5, start_time=1, end_time=9)}])
     state = index.get(5)
     assert (state["version"], state["bid"], state["start_time"], state["end_time"], state["status"]) == (3, 2.5, 1, 9, "active")
+
+
+def malformed(index: AdIndex, scorer, ad_id: int) -> PreparedAd:
+    """An upsert whose country row has the wrong shape (the index must reject it)."""
+    (good,) = prepare_ops(index.schema, scorer, [parse_event(upsert(ad_id))])
+    return PreparedAd(good.ad, CompiledTargeting({"country.pos": np.zeros((3, 7), np.int32)}, True), good.embedding)
+
+
+def test_a_batch_that_fails_changes_nothing(index, scorer):
+    apply_events(index, scorer, [upsert(1), upsert(2)])
+    before = index.digest()
+    (delete,) = prepare_ops(index.schema, scorer, [parse_event({"op": "delete", "ad_id": 1, "version": 2})])
+    with pytest.raises(InvalidInput, match="country.pos"):
+        index.apply([delete, malformed(index, scorer, 3)])
+    assert index.digest() == before and 1 in index and len(index) == 2 and eligible(index) == [1, 2]
+    assert index.apply([delete]) == [True]  # the retried delete is not taken for stale
+    assert eligible(index) == [2] and 1 not in index
+
+
+def test_a_failing_batch_that_needed_more_slots_leaves_the_capacity_alone(index, scorer):
+    apply_events(index, scorer, [upsert(i) for i in range(1, 5)])
+    before, capacity, high_water = index.digest(), index.capacity, index.high_water
+    (fifth,) = prepare_ops(index.schema, scorer, [parse_event(upsert(5))])
+    with pytest.raises(InvalidInput):
+        index.apply([fifth, malformed(index, scorer, 6)])
+    assert (index.digest(), index.capacity, index.high_water, len(index)) == (before, capacity, high_water, 4)
+    assert index.apply([fifth]) == [True] and eligible(index) == [1, 2, 3, 4, 5]
+
+
+def test_a_sweep_whose_write_fails_changes_nothing(index, scorer, monkeypatch):
+    apply_events(index, scorer, [upsert(1, end_time=NOW), upsert(2)])
+    before = index.digest()
+
+    def device_failure(*args):
+        raise RuntimeError("device write failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "__setitem__", device_failure)
+        with pytest.raises(RuntimeError, match="device write failed"):
+            index.sweep_expired(NOW)
+    assert index.digest() == before and 1 in index and len(index) == 2
+    assert index.sweep_expired(NOW) == 1 and 1 not in index and eligible(index, now=NOW - 1) == [2]
+
+
+def test_a_value_index_outside_its_category_is_rejected(index, scorer):
+    (good,) = prepare_ops(index.schema, scorer, [parse_event(upsert(1, targeting={"city": {"any_of": ["c1"]}}))])
+    rows = {**good.targeting.rows, "city.pos": np.full_like(good.targeting.rows["city.pos"], 300)}
+    with pytest.raises(InvalidInput, match="city.pos"):  # a scan would index past the user's value table
+        index.apply([PreparedAd(good.ad, CompiledTargeting(rows, True), good.embedding)])
+    assert len(index) == 0
+
+
+def wait_until(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return condition()
+
+
+def hold_reading(index: AdIndex, inside: threading.Event, release: threading.Event) -> threading.Thread:
+    def scan():
+        with index.reading():
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=scan, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_scans_run_together_and_a_batch_waits_until_they_leave(index, scorer):
+    apply_events(index, scorer, [upsert(1)])
+    (op,) = prepare_ops(index.schema, scorer, [parse_event(upsert(2))])
+    inside, release, written = [threading.Event(), threading.Event()], threading.Event(), threading.Event()
+    try:
+        readers = [hold_reading(index, event, release) for event in inside]
+        assert inside[0].wait(5) and inside[1].wait(5)  # both scans are inside at once
+        writer = threading.Thread(target=lambda: (index.apply([op]), written.set()), daemon=True)
+        writer.start()
+        assert not written.wait(0.2) and 2 not in index  # the batch waits while scans run
+    finally:
+        release.set()
+    assert written.wait(5) and 2 in index
+    for thread in [*readers, writer]:
+        thread.join(5)
+
+
+def test_a_scan_arriving_while_a_batch_waits_goes_after_the_batch(index, scorer):
+    (op,) = prepare_ops(index.schema, scorer, [parse_event(upsert(2))])
+    first_in, release, second_in, seen = threading.Event(), threading.Event(), threading.Event(), []
+
+    def second_scan():
+        with index.reading():
+            seen.append(2 in index)
+            second_in.set()
+
+    try:
+        first = hold_reading(index, first_in, release)
+        assert first_in.wait(5)
+        writer = threading.Thread(target=index.apply, args=([op],), daemon=True)
+        writer.start()
+        assert wait_until(lambda: index._lock._writers_waiting == 1)  # the batch now waits for the first scan
+        second = threading.Thread(target=second_scan, daemon=True)
+        second.start()
+        assert not second_in.wait(0.2)  # writer-preferring: the new scan queues behind the waiting batch
+    finally:
+        release.set()
+    assert second_in.wait(5) and seen == [True]  # it saw the whole batch
+    for thread in (first, writer, second):
+        thread.join(5)
+
+
+def test_a_thread_cannot_write_inside_its_own_scan(index, scorer):
+    (op,) = prepare_ops(index.schema, scorer, [parse_event(upsert(1))])
+    outcome: list[str] = []
+
+    def nested():
+        with index.reading(), index.reading():  # a nested scan does not wait for itself
+            try:
+                index.apply([op])
+            except RuntimeError as exc:
+                outcome.append(str(exc))
+
+    thread = threading.Thread(target=nested, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert len(outcome) == 1 and "holds a read" in outcome[0]
+    assert index.apply([op]) == [True]
