@@ -1,5 +1,5 @@
-"""Per-replica stream consumer: XREAD (no consumer group: every replica sees every entry) from the
-last applied id, apply this shard's entries to the index one atomic batch per read, idempotently.
+"""Per-replica stream consumer: XREAD its shard's stream (no consumer group: every replica of the
+shard sees every entry) from the last applied id, apply each read as one atomic batch, idempotently.
 
 Invalid entries go to the dead-letter stream with the reason and never stop the consumer. Transient
 Redis errors are retried with backoff. If the stream was trimmed past the last applied id (a gap),
@@ -18,9 +18,10 @@ import redis
 
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
+from andromeda_core.sharding import shard_of
 from andromeda_core.targeting import targeting_columns
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
-from index_updater.records import InvalidRecord, decode, header
+from index_updater.records import InvalidRecord, dead_letter_stream, decode, header, shard_stream
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class ConsumerStats:
     stale: int = 0  # entries that were no-ops (not newer than the indexed version)
     dead_letters: int = 0
     newest_published_ms: int = 0  # publish time of the newest applied entry of this shard
-    last_id: str = "0-0"
+    last_id: str = "0-0"  # in the shard's stream
     index_size: int = 0
     recoveries: int = 0
     apply_latency_ms: deque = field(default_factory=lambda: deque(maxlen=100_000))  # published -> servable, ms
@@ -57,7 +58,7 @@ class ShardConsumer:
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards})")
         self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
-        self.stream, self.dead_letter_stream = stream, f"{stream}:dead-letters"
+        self.stream, self.source, self.dead_letter_stream = stream, shard_stream(stream, shard), dead_letter_stream(stream)
         self.snapshots, self.count, self.block_ms = snapshots, count, block_ms
         self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
         self.on_applied = on_applied
@@ -80,8 +81,10 @@ class ShardConsumer:
         if found is None:
             return False
         restored, meta = found
-        if meta.get("model") != self.model:
-            log.error("newest snapshot holds %s embeddings, this replica serves %s; ignoring it", meta.get("model"), self.model)
+        wanted = {"model": self.model, "shard": self.shard, "shards": self.shards, "stream": self.source}
+        foreign = {key: meta.get(key) for key, value in wanted.items() if meta.get(key) != value}
+        if foreign:
+            log.error("newest snapshot has %s, this replica wants %s; ignoring it", foreign, wanted)
             return False
         self.index.adopt(restored)
         self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
@@ -94,7 +97,7 @@ class ShardConsumer:
         Conservative: when anything was trimmed and the oldest remaining entry is newer than the last
         applied id, it is a gap (at worst a needless reload from a snapshot, never a lost update)."""
         try:
-            info = self.client.xinfo_stream(self.stream)
+            info = self.client.xinfo_stream(self.source)
         except redis.ResponseError:  # no stream yet
             return
         if info["entries-added"] <= info["length"]:
@@ -109,19 +112,21 @@ class ShardConsumer:
     # -- consuming -------------------------------------------------------------------------------
 
     def poll(self, block_ms: int | None = None) -> int:
-        """Read and apply one batch; returns how many entries were read (all shards)."""
+        """Read and apply one batch of the shard's stream; returns how many entries were read."""
         block = self.block_ms if block_ms is None else block_ms
-        reply = self.client.xread({self.stream: self.stats.last_id}, count=self.count, block=block or None)
+        reply = self.client.xread({self.source: self.stats.last_id}, count=self.count, block=block or None)
         if not reply:
             return 0
         entries = reply[0][1]
         ops, published, sources, dead = [], [], [], []
         for entry_id, fields in entries:
             try:
-                shard, published_ms = header(fields)
-                if shard != self.shard:
-                    continue
-                ops.append(decode(fields, self.schema, self.model, self.index.dim, self._columns))
+                _, published_ms = header(fields)
+                op = decode(fields, self.schema, self.model, self.index.dim, self._columns)
+                ad_id = op.ad.ad_id if hasattr(op, "ad") else op.ad_id
+                if shard_of(ad_id, self.shards) != self.shard:  # e.g. published with another shard count
+                    raise InvalidRecord(f"ad {ad_id} belongs to shard {shard_of(ad_id, self.shards)} of {self.shards}", "ad_id")
+                ops.append(op)
                 published.append(published_ms)
                 sources.append((entry_id, fields))
             except InvalidRecord as exc:
@@ -162,7 +167,7 @@ class ShardConsumer:
 
     def _dead_letter(self, entry_id, fields: dict, exc: InvalidRecord) -> None:
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        record = {"source_id": entry_id, "stream": self.stream, "reason": exc.message, "field": exc.field or "",
+        record = {"source_id": entry_id, "stream": self.source, "reason": exc.message, "field": exc.field or "",
                   "shard": self.shard, "event": fields.get(b"event", b"")}
         retry(lambda: self.client.xadd(self.dead_letter_stream, record))
         self.stats.dead_letters += 1
@@ -177,10 +182,11 @@ class ShardConsumer:
     def snapshot(self) -> None:
         if self.snapshots is None:
             return
-        self.snapshots.write(self.index, self.stats.last_id, {"shard": self.shard, "shards": self.shards, "model": self.model})
+        self.snapshots.write(self.index, self.stats.last_id,
+                             {"shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source})
         oldest = self.snapshots.oldest_stream_id()
-        if self.trim and oldest:
-            retry(lambda: self.client.xtrim(self.stream, minid=oldest, approximate=False))
+        if self.trim and oldest:  # the shard's own stream, up to what its oldest kept snapshot covers
+            retry(lambda: self.client.xtrim(self.source, minid=oldest, approximate=False))
 
     # -- background loop -------------------------------------------------------------------------
 

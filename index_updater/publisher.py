@@ -1,13 +1,16 @@
-"""Publisher: validate, compile and embed ad events, then XADD them to the updates stream.
+"""Publisher: validate, compile and embed ad events, then XADD each to the stream of its shard.
 
 A batch is validated and compiled in full before anything is written, so a bad event changes
-nothing. The batch goes to Redis in one MULTI/EXEC transaction; on a connection error it is sent
-again (with backoff) until acknowledged. A resend after a lost reply can duplicate entries, which
-is harmless: consumers apply events idempotently by (ad_id, version).
+nothing. Each shard's part of the batch goes to its stream in one MULTI/EXEC transaction (one key per
+transaction, so the shard streams may live on different Redis Cluster nodes); on a connection error
+that part is sent again (with backoff) until acknowledged. A resend after a lost reply can duplicate
+entries, which is harmless: consumers apply events idempotently by (ad_id, version). A batch that
+spans shards is not atomic across them; each shard's part is.
 """
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -18,7 +21,7 @@ from andromeda_core.ingest import prepare_ops, read_events
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.types import parse_event
-from index_updater.records import encode
+from index_updater.records import encode, shard_stream
 
 DEFAULT_STREAM = Settings.stream
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -50,19 +53,25 @@ class Publisher:
         return self.publish_ops(prepare_ops(self.schema, self.scorer, parsed))
 
     def publish_ops(self, ops: Sequence) -> list[str]:
-        """Append already prepared ops (one transaction, retried until acknowledged)."""
-        if not ops:
-            return []
+        """Append already prepared ops: one transaction per shard stream, each retried until acknowledged.
+        Returns the stream ids in the order of `ops`."""
         now_ms = int(time.time() * 1000)
         entries = [encode(op, self.shards, self.schema, self.scorer.name, self.scorer.dim, now_ms) for op in ops]
+        by_stream: dict[str, list[int]] = {}
+        for i, fields in enumerate(entries):
+            by_stream.setdefault(shard_stream(self.stream, fields["shard"]), []).append(i)
+        ids = [""] * len(entries)
+        for stream, positions in by_stream.items():
+            sent = retry(partial(self._append, stream, [entries[i] for i in positions]))
+            for i, entry_id in zip(positions, sent):
+                ids[i] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        return ids
 
-        def send() -> list[bytes]:
-            pipe = self.client.pipeline(transaction=True)
-            for fields in entries:
-                pipe.xadd(self.stream, fields)
-            return pipe.execute()
-
-        return [i.decode() if isinstance(i, bytes) else i for i in retry(send)]
+    def _append(self, stream: str, entries: list[dict]) -> list:
+        pipe = self.client.pipeline(transaction=True)
+        for fields in entries:
+            pipe.xadd(stream, fields)
+        return pipe.execute()
 
     def publish_file(self, path: str | Path, batch_size: int = 1000,
                      on_batch: Callable[[int], None] | None = None) -> int:

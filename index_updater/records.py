@@ -1,4 +1,7 @@
-"""Stream records: one compiled ad event per Redis stream entry.
+"""Stream records: one compiled ad event per Redis stream entry, in the stream of the ad's shard.
+
+Streams: shard s of a stream `base` is `shard_stream(base, s)`; poison entries go to
+`dead_letter_stream(base)`. One stream per shard lets shards live on different Redis Cluster nodes.
 
 Fields (bytes): op, ad_id, version, shard, published_ms, schema (name:version), model (the ad tower's
 tag), dim, event (the
@@ -28,6 +31,16 @@ class InvalidRecord(InvalidInput):
 
 
 DTYPES = {"i4": np.dtype("<i4"), "i2": np.dtype("<i2"), "u1": np.dtype("u1"), "f4": np.dtype("<f4")}
+
+
+def shard_stream(base: str, shard: int) -> str:
+    """The stream that carries the entries of shard `shard` (the one place that names it)."""
+    return f"{base}:{shard}"
+
+
+def dead_letter_stream(base: str) -> str:
+    """Where consumers of every shard of `base` put the entries they cannot apply."""
+    return f"{base}:dead-letters"
 
 
 def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:

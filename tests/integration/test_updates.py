@@ -1,4 +1,4 @@
-"""Index updates through a real redis-server: publisher -> stream -> per-replica consumers."""
+"""Index updates through a real redis-server: publisher -> one stream per shard -> per-replica consumers."""
 from __future__ import annotations
 
 import threading
@@ -10,14 +10,18 @@ import redis
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
+from andromeda_core.ingest import prepare_ops
 from andromeda_core.sharding import shard_of
 from andromeda_core.targeting import compile_user, match_inputs
-from index_updater.consumer import ShardConsumer
+from andromeda_core.types import parse_event
+from index_updater.consumer import ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
+from index_updater.records import encode, shard_stream
 from index_updater.snapshots import SnapshotStore
 from tests.conftest import upsert
 
 NOW = 1_000_000
+SHARD0 = shard_stream(DEFAULT_STREAM, 0)
 
 
 def eligible(index: AdIndex, attributes: dict | None = None, now: int = NOW) -> list[int]:
@@ -84,12 +88,12 @@ def test_poison_entry_goes_to_dead_letters_and_the_next_good_one_applies(setup):
     client, publisher, make = setup
     c = make()
     publisher.publish([upsert(1)])
-    client.xadd(DEFAULT_STREAM, {"op": "upsert", "shard": 0, "published_ms": 1, "schema": "small-test:1",
-                                 "model": "hashed_two_tower", "dim": 16, "event": '{"op": "upsert", "ad": {"ad_id": "bad"}}'})
-    client.xadd(DEFAULT_STREAM, {"shard": 0, "published_ms": 1, "schema": "other:9", "dim": 16, "event": "{}"})
-    client.xadd(DEFAULT_STREAM, {"garbage": b"\xff\xfe"})
-    client.xadd(DEFAULT_STREAM, {"shard": 0, "published_ms": 1, "schema": "small-test:1", "model": "moe-v9", "dim": 16,
-                                 "event": "{}"})
+    client.xadd(SHARD0, {"op": "upsert", "shard": 0, "published_ms": 1, "schema": "small-test:1",
+                         "model": "hashed_two_tower", "dim": 16, "event": '{"op": "upsert", "ad": {"ad_id": "bad"}}'})
+    client.xadd(SHARD0, {"shard": 0, "published_ms": 1, "schema": "other:9", "dim": 16, "event": "{}"})
+    client.xadd(SHARD0, {"garbage": b"\xff\xfe"})
+    client.xadd(SHARD0, {"shard": 0, "published_ms": 1, "schema": "small-test:1", "model": "moe-v9", "dim": 16,
+                         "event": "{}"})
     publisher.publish([upsert(2)])
     c.catch_up()
     assert sorted([1, 2]) == eligible(c.index)
@@ -105,14 +109,17 @@ def test_bad_event_is_rejected_at_publish_and_writes_nothing(setup):
     with pytest.raises(InvalidInput) as err:
         publisher.publish([upsert(1), upsert(2, targeting={"country": {"any_of": ["Atlantis"]}})])
     assert err.value.field == "ad.targeting.country.any_of[0]" and "ad 2" in err.value.message
-    assert client.xlen(DEFAULT_STREAM) == 0
+    assert client.dbsize() == 0
 
 
-def test_shards_split_the_stream_and_two_replicas_agree(setup):
-    _, publisher, make = setup
+def test_each_shard_has_its_stream_and_two_replicas_agree(setup):
+    client, publisher, make = setup
     publisher.shards = 3
     publisher.publish([upsert(i, targeting={"age": {"min": 13 + i % 5}}) for i in range(1, 61)])
     publisher.publish([{"op": "pause", "ad_id": i, "version": 2} for i in range(1, 61, 7)])
+    for shard in range(3):
+        assert {shard_of(int(f[b"ad_id"]), 3) for _, f in client.xrange(shard_stream(DEFAULT_STREAM, shard))} == {shard}
+    assert sum(client.xlen(shard_stream(DEFAULT_STREAM, shard)) for shard in range(3)) == 60 + 9
     replicas = [[make(shard, 3) for _ in range(2)] for shard in range(3)]
     for pair in replicas:
         for c in pair:
@@ -149,10 +156,10 @@ def test_trim_keeps_what_the_oldest_snapshot_needs_and_gaps_reload(setup, tmp_pa
     lagging = make(snapshots=store)
     leader.catch_up()
     leader.snapshot()
-    assert client.xlen(DEFAULT_STREAM) <= 1  # trimmed behind the snapshot
+    assert client.xlen(SHARD0) <= 1  # trimmed behind the snapshot
     publisher.publish([upsert(11)])
     leader.catch_up()
-    with pytest.raises(Exception, match="trimmed"):
+    with pytest.raises(StreamGap, match="trimmed"):
         lagging.catch_up()
     assert lagging.recover()
     lagging.catch_up()
@@ -208,14 +215,16 @@ def test_publish_cli_appends_a_file(redis_server, tmp_path):
     url = server.url if server else os.environ["REDIS_URL"]
     events = tmp_path / "events.jsonl"
     events.write_text("\n".join(json.dumps(upsert(i)) for i in range(1, 6)) + "\n")
-    result = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "publish", str(events), "--redis", url, "--shards", "2"],
+    result = subprocess.run([sys.executable, "-m", "andromeda_cli", "publish", str(events), "--redis", url, "--shards", "2"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert client.xlen(DEFAULT_STREAM) == 5 and "published 5 events" in result.stdout
+    streams = [shard_stream(DEFAULT_STREAM, shard) for shard in range(2)]
+    assert [client.xlen(s) for s in streams] == [sum(shard_of(i, 2) == s for i in range(1, 6)) for s in range(2)]
+    assert "published 5 events" in result.stdout
     events.write_text(json.dumps(upsert(9, targeting={"planet": {"any_of": ["mars"]}})) + "\n")
-    bad = subprocess.run([sys.executable, "-m", "andromeda_core.cli", "publish", str(events), "--redis", url],
+    bad = subprocess.run([sys.executable, "-m", "andromeda_cli", "publish", str(events), "--redis", url],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "ad.targeting.planet" in bad.stderr and client.xlen(DEFAULT_STREAM) == 5
+    assert bad.returncode == 2 and "ad.targeting.planet" in bad.stderr and sum(map(client.xlen, streams)) == 5
 
 
 def test_an_entry_the_index_cannot_take_is_dead_lettered_not_fatal(setup, monkeypatch):
@@ -241,8 +250,8 @@ def test_an_entry_the_index_cannot_take_is_dead_lettered_not_fatal(setup, monkey
 def test_malformed_payloads_are_dead_lettered(setup, payload):
     client, publisher, make = setup
     publisher.publish([upsert(1)])
-    (_, fields), = client.xrange(DEFAULT_STREAM)
-    client.xadd(DEFAULT_STREAM, {**{k.decode(): v for k, v in fields.items()}, "payload": payload})
+    (_, fields), = client.xrange(SHARD0)
+    client.xadd(SHARD0, {**{k.decode(): v for k, v in fields.items()}, "payload": payload})
     c = make()
     c.catch_up()
     assert eligible(c.index) == [1] and c.stats.dead_letters == 1
@@ -258,3 +267,36 @@ def test_a_snapshot_of_another_model_is_not_loaded(setup, tmp_path, small_schema
     other = ShardConsumer(client, AdIndex(small_schema, scorer.dim), "moe-v9", snapshots=store)
     assert not other.recover() and len(other.index) == 0
     assert make(snapshots=store).recover()
+
+
+def test_publish_returns_ids_in_input_order_across_shard_streams(setup):
+    client, publisher, _ = setup
+    publisher.shards = 3
+    ids = publisher.publish([upsert(ad_id) for ad_id in range(1, 21)])
+    for ad_id, entry_id in zip(range(1, 21), ids):
+        (_, fields), = client.xrange(shard_stream(DEFAULT_STREAM, shard_of(ad_id, 3)), entry_id, entry_id)
+        assert int(fields[b"ad_id"]) == ad_id
+
+
+def test_an_entry_in_the_wrong_shard_stream_is_dead_lettered(setup, small_schema, scorer):
+    client, publisher, make = setup
+    stranger = next(ad_id for ad_id in range(1, 100) if shard_of(ad_id, 2) == 1)
+    (op,) = prepare_ops(small_schema, scorer, [parse_event(upsert(stranger))])
+    client.xadd(shard_stream(DEFAULT_STREAM, 0), encode(op, 2, small_schema, scorer.name, scorer.dim))
+    c = make(0, 2)
+    c.catch_up()
+    assert len(c.index) == 0 and c.stats.dead_letters == 1
+    (_, fields), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
+    assert fields[b"reason"].decode() == f"ad {stranger} belongs to shard 1 of 2"
+
+
+def test_a_snapshot_of_another_shard_is_not_loaded(setup, tmp_path):
+    _, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    publisher.shards = 2
+    publisher.publish([upsert(i) for i in range(1, 9)])
+    writer = make(0, 2, snapshots=store)
+    writer.catch_up()
+    writer.snapshot()
+    assert not make(1, 2, snapshots=store).recover() and not make(0, 1, snapshots=store).recover()
+    assert make(0, 2, snapshots=store).recover()
