@@ -43,11 +43,15 @@ def streams_empty(config: ServiceConfig) -> bool:
 
 
 def demo_world(ads: int) -> Path:
-    """A synthetic world of `ads` ads (cached under var/): events, requests, engagements."""
+    """A synthetic world of `ads` ads (cached under var/) whose time starts today (UTC), so its ads'
+    windows are open now: events, requests, engagements, and an example request for curl."""
     world = Path("var") / f"demo-{ads}"
     if not (world / "truth.npz").exists():
-        print(f"synthesising a demo world of {ads} ads and {DEMO_USERS} users in {world}")
-        synthesize(WorldConfig(ads=ads, users=DEMO_USERS, seed=0), world, load_schema())
+        print(f"synthesising a demo world of {ads} ads and {DEMO_USERS} users in {world}", file=sys.stderr)
+        today = int(time.time()) // 86400 * 86400
+        synthesize(WorldConfig(ads=ads, users=DEMO_USERS, seed=0, base_time=today), world, load_schema())
+        first = json.loads((world / "requests.jsonl").read_text().splitlines()[0])
+        (world / "example.json").write_text(json.dumps({**first, "k": 5}, indent=1))
     return world
 
 
@@ -81,11 +85,11 @@ def wait_ready(url: str, timeout_s: float = 600) -> None:
     raise SystemExit(f"error: the service at {url} did not become ready within {timeout_s:.0f} s")
 
 
-def example_request(world: Path | None) -> str:
+def example_body(world: Path | None) -> str:
+    """curl's -d argument: the demo world's example request, or a small inline one."""
     if world is not None:
-        first = json.loads((world / "requests.jsonl").read_text().splitlines()[0])
-        return json.dumps({**first, "k": 5})
-    return json.dumps({"user": {"user_id": 1, "attributes": {"country": "US", "age": 30}}, "k": 5})
+        return f"@{world / 'example.json'}"
+    return "'" + json.dumps({"user": {"user_id": 1, "attributes": {"country": "US", "age": 30}}, "k": 5}) + "'"
 
 
 def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> None:
@@ -105,7 +109,7 @@ def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> N
         wait_ready(url)
         print(f"\nAndromeda is serving at {url}   (API docs: {url}/docs, metrics: {url}/metrics)\n"
               f"{token_note}\nTry:\n  curl -s {url}/v1/retrieve -H 'Content-Type: application/json' "
-              f"-d '{example_request(world)}'\n\nCtrl-C stops it.", flush=True)
+              f"-d {example_body(world)}\n\nCtrl-C stops it.", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -130,14 +134,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def demo_model(world: Path) -> Path:
-    """A small MoE trained on the demo world's engagements (cached)."""
+    """A small MoE trained on the demo world's engagements (cached). Loading the world's data also
+    keeps its ads' text embeddings in memory, so publishing the demo ads needs no second MiniLM pass."""
     from andromeda_core.models.quality import checkpoint_meta
     from andromeda_core.models.recdata import load_synthetic
     from andromeda_core.models.train import TrainConfig, train
 
     path = world / "moe.safetensors"
+    data = load_synthetic(world)
     if not path.exists():
-        data = load_synthetic(world)
         print(f"training the demo MoE on {world} ({DEMO_TRAIN_STEPS} steps)", file=sys.stderr)
         model = train(data, "moe", TrainConfig(steps=DEMO_TRAIN_STEPS))
         model.save(path, checkpoint_meta(data, 0))
@@ -155,7 +160,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     server = None
     redis_url = settings.redis_url
     if not redis_url:
-        server = LocalRedis(Path("var") / "redis").start()
+        server = LocalRedis((Path("var") / "redis").resolve()).start()  # redis-server resolves paths after chdir
         redis_url = server.url
         print(f"started redis-server at {redis_url} (data in var/redis)", file=sys.stderr)
     try:
