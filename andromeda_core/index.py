@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence, Union
+from typing import Iterator, NamedTuple, Sequence, Union
 
 import numpy as np
 import torch
@@ -51,6 +51,33 @@ class PreparedAd:
 IndexOp = Union[PreparedAd, DeleteEvent, StatusEvent]
 
 
+class OpRow(NamedTuple):
+    """One op's scalars (code UPSERT, DELETE, PAUSE or RESUME); an upsert's row carries the ad's columns too.
+    Kept instead of the validated event so that a batch of thousands holds no object graphs."""
+
+    code: int
+    ad_id: int
+    version: int
+    advertiser_id: int = -1
+    active: bool = False
+    start: int = INT64_MIN
+    end: int = INT64_MAX
+    bid: float = 0.0
+
+    @classmethod
+    def of(cls, op: Ad | DeleteEvent | StatusEvent) -> "OpRow":
+        """An Ad stands for its upsert."""
+        if not isinstance(op, Ad):
+            return cls(OP_CODES[op.op], op.ad_id, op.version)
+        return cls(UPSERT, op.ad_id, op.version, op.advertiser_id, op.status == "active",
+                   INT64_MIN if op.start_time is None else op.start_time,
+                   INT64_MAX if op.end_time is None else op.end_time, op.bid)
+
+
+_OP_ROW = np.dtype([("code", np.int8), ("ad_id", np.int64), ("version", np.int64), ("advertiser_id", np.int64),
+                    ("active", bool), ("start", np.int64), ("end", np.int64), ("bid", np.float64)])
+
+
 @dataclass(frozen=True)
 class OpBatch:
     """n ops in columns, applied in order.
@@ -71,27 +98,20 @@ class OpBatch:
         return len(self.op)
 
     @classmethod
-    def build(cls, ops: Sequence[Ad | DeleteEvent | StatusEvent], satisfiable: np.ndarray, embedding: np.ndarray,
+    def build(cls, ops: Sequence[OpRow], satisfiable: np.ndarray, embedding: np.ndarray,
               targeting: dict[str, np.ndarray]) -> "OpBatch":
-        """ops in order, an Ad standing for its upsert; satisfiable (u,) bool, embedding (u, D) float32 and
-        the targeting columns (u, *shape) are the rows of the u Ads in the order they appear."""
-        ads = [op for op in ops if isinstance(op, Ad)]
-        code = np.array([UPSERT if isinstance(op, Ad) else OP_CODES[op.op] for op in ops], dtype=np.int8)
+        """ops in order; satisfiable (u,) bool, embedding (u, D) float32 and the targeting columns
+        (u, *shape) are the rows of its u upserts in the order they appear."""
+        table = np.array(ops, dtype=_OP_ROW).reshape(len(ops))
+        upsert = table["code"] == UPSERT
         row = np.full(len(ops), -1, dtype=np.int64)
-        row[code == UPSERT] = np.arange(len(ads))
-        active = np.array([ad.status == "active" for ad in ads], dtype=bool)
-        rows = {
-            "ad_id": np.array([ad.ad_id for ad in ads], dtype=np.int64),
-            "advertiser_id": np.array([ad.advertiser_id for ad in ads], dtype=np.int64),
-            "start": np.array([INT64_MIN if ad.start_time is None else ad.start_time for ad in ads], dtype=np.int64),
-            "end": np.array([INT64_MAX if ad.end_time is None else ad.end_time for ad in ads], dtype=np.int64),
-            "bid": np.array([ad.bid for ad in ads], dtype=np.float32),
-            "status": (LIVE | np.where(active, ACTIVE, 0) | np.where(satisfiable, SATISFIABLE, 0)).astype(np.int8),
-            "embedding": np.asarray(embedding, dtype=np.float32),
-            **targeting,
-        }
-        return cls(code, np.array([op.ad_id for op in ops], dtype=np.int64),
-                   np.array([op.version for op in ops], dtype=np.int64), row, rows)
+        row[upsert] = np.arange(int(upsert.sum()))
+        ads = table[upsert]
+        status = LIVE | np.where(ads["active"], ACTIVE, 0) | np.where(satisfiable, SATISFIABLE, 0)
+        rows = {**{name: ads[name].copy() for name in ("ad_id", "advertiser_id", "start", "end")},  # own, packed memory
+                "bid": ads["bid"].astype(np.float32), "status": status.astype(np.int8),
+                "embedding": np.asarray(embedding, dtype=np.float32), **targeting}
+        return cls(table["code"].copy(), table["ad_id"].copy(), table["version"].copy(), row, rows)
 
     @classmethod
     def from_ops(cls, ops: Sequence[IndexOp], dim: int, targeting_specs: dict[str, ColumnSpec]) -> "OpBatch":
@@ -112,7 +132,8 @@ class OpBatch:
                 targeting[name][i] = row
         satisfiable = np.array([p.targeting.satisfiable for p in prepared], dtype=bool)
         embedding = np.array([p.embedding for p in prepared], dtype=np.float32).reshape(len(prepared), dim)
-        return cls.build([p.ad if isinstance(p, PreparedAd) else p for p in ops], satisfiable, embedding, targeting)
+        return cls.build([OpRow.of(p.ad if isinstance(p, PreparedAd) else p) for p in ops], satisfiable, embedding,
+                         targeting)
 
     def take(self, positions: Sequence[int]) -> "OpBatch":
         """The ops at `positions`, in that order, with their rows."""

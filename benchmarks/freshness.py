@@ -1,9 +1,13 @@
-"""Update freshness under load: publish ad edits at a fixed rate through a real redis-server (AOF,
-fsync always) while a replica's consumer applies them and a query thread retrieves concurrently.
+"""Update throughput and freshness under load, through a real redis-server (AOF, fsync always): a
+publisher process writes ad edits to the per-shard streams while a replica's consumer applies them and a
+query thread retrieves concurrently.
 
-Latency = time the consumer made an entry servable (its batch applied under the table lock, so the
-next query sees it) minus the entry's publish timestamp (taken just before XADD). Writes its table
-to docs/benchmarks.md.
+- Apply rate: a backlog of edits waits in the stream; the time the consumer takes to apply all of it
+  (once with no queries, once while queries are served).
+- With --shards S the publisher splits the edits over S shard streams and the replica serves shard 0.
+- Freshness: edits published at a fixed rate; latency = the time the consumer made an entry servable (its
+  batch applied under the table's write lock, so the next query sees it) minus the entry's publish
+  timestamp (taken just before XADD). Writes its table to docs/benchmarks.md.
 
     python -m benchmarks.freshness --rates 2000 5000 10000 --seconds 15
 """
@@ -25,6 +29,7 @@ from andromeda_core.ingest import prepare_ops, read_events
 from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.retriever import Retriever
 from andromeda_core.schema import load_schema
+from andromeda_core.sharding import shard_of
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import parse_request
 from benchmarks.common import machine, write_section
@@ -33,80 +38,170 @@ from index_updater.local_redis import LocalRedis
 from index_updater.publisher import Publisher
 
 
-def edits(upserts: list, version: int) -> list:
-    """The same ads again with a new version and bid (a stream of advertiser edits)."""
-    return [type(op)(op.ad.model_copy(update={"version": version, "bid": op.ad.bid + 0.01}), op.targeting, op.embedding)
-            for op in upserts]
-
-
 def load_corpus(world: Path, schema, scorer) -> list:
+    """The world's ads as prepared upserts (version 1)."""
     return [op for batch in read_events(world / "events.jsonl") for op in prepare_ops(schema, scorer, batch)
             if hasattr(op, "ad") and op.ad.version == 1]
 
 
-def publisher_process(world: Path, url: str, rate: int, seconds: float, ready, go) -> None:
-    """A separate publisher service: prepare the edits, then send a transaction every 10 ms at `rate`."""
+def edits(corpus: list, version: int) -> list:
+    """The same ads again with a new version and bid (a stream of advertiser edits)."""
+    return [type(op)(op.ad.model_copy(update={"version": version, "bid": op.ad.bid + 0.01}), op.targeting, op.embedding)
+            for op in corpus]
+
+
+TICK = 0.01  # seconds between the rate-limited publisher's transactions
+
+
+def publisher_process(world: Path, url: str, shards: int, commands, done) -> None:
+    """A separate publisher service. Commands: ("seed",) the corpus; ("backlog", n) n edits at once;
+    ("rate", events_per_s, seconds) edits, one batch every TICK; None stops. Answers each with (seconds
+    taken, how many of the events belong to shard 0)."""
     torch.set_num_threads(1)
     schema, scorer = load_schema(), HashedTwoTower()
     corpus = load_corpus(world, schema, scorer)
-    total, tick = int(rate * seconds), 0.01
-    planned = [op for v in range(2, 2 + total // len(corpus) + 1) for op in edits(corpus, v)][:total]
-    publisher = Publisher(redis.Redis.from_url(url), schema, scorer)
-    per_tick = max(1, int(rate * tick))
-    ready.set()
-    go.wait()
-    sent, next_tick = 0, time.perf_counter()
-    while sent < total:
-        publisher.publish_ops(planned[sent:sent + per_tick])
-        sent += per_tick
-        next_tick += tick
-        time.sleep(max(0.0, next_tick - time.perf_counter()))
+    publisher = Publisher(redis.Redis.from_url(url), schema, scorer, shards=shards)
+    version = 1
+
+    def planned(n: int) -> list:
+        nonlocal version
+        out: list = []
+        while len(out) < n:
+            version += 1
+            out += edits(corpus, version)
+        return out[:n]
+
+    def send(ops: list, per_batch: int, tick: float | None) -> tuple[float, int]:
+        started = next_tick = time.perf_counter()
+        for i in range(0, len(ops), per_batch):
+            publisher.publish_ops(ops[i:i + per_batch])
+            if tick:
+                next_tick += tick
+                time.sleep(max(0.0, next_tick - time.perf_counter()))
+        return time.perf_counter() - started, sum(shard_of(op.ad.ad_id, shards) == 0 for op in ops)
+
+    done.put(len(corpus))
+    for kind, *args in iter(commands.get, None):
+        if kind == "seed":
+            done.put(send(corpus, 1000, None))
+        elif kind == "backlog":
+            done.put(send(planned(args[0]), 1000, None))
+        else:
+            rate, seconds = args
+            done.put(send(planned(int(rate * seconds)), max(1, int(rate * TICK)), TICK))
 
 
-def run(rate: int, seconds: float, qps: float, world: Path, corpus: list, request, server, schema, scorer) -> dict:
-    client = redis.Redis.from_url(server.url)
-    client.flushdb()
-    index = AdIndex(schema, scorer.dim, capacity=len(corpus) * 2)
-    consumer = ShardConsumer(client, index, scorer.name, block_ms=5)
-    Publisher(client, schema, scorer).publish_ops(corpus)
-    consumer.catch_up()
-    consumer.stats.apply_latency_ms.clear()
-    retriever = Retriever(index, scorer)
-    ctx = mp.get_context("spawn")
-    ready, go = ctx.Event(), ctx.Event()
-    publisher = ctx.Process(target=publisher_process, args=(world, server.url, rate, seconds, ready, go))
-    publisher.start()
-    ready.wait()
-    stop, queries = threading.Event(), [0]
+class QueryLoad:
+    """A thread sending one retrieval every 1/qps seconds (open loop), however long each takes."""
 
-    def query_loop():  # open loop: one request every 1/qps seconds, however long each takes
+    def __init__(self, retriever: Retriever, request, qps: float):
+        self.retriever, self.request, self.qps, self.count = retriever, request, qps, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
         next_at = time.perf_counter()
-        while not stop.is_set():
-            retriever.retrieve([request])
-            queries[0] += 1
-            next_at += 1 / qps
+        while not self._stop.is_set():
+            self.retriever.retrieve([self.request])
+            self.count += 1
+            next_at += 1 / self.qps
             time.sleep(max(0.0, next_at - time.perf_counter()))
 
-    consumer.start()
-    querier = threading.Thread(target=query_loop)
-    querier.start()
-    started = time.perf_counter()
-    go.set()
-    publisher.join()
-    publish_seconds = time.perf_counter() - started
-    target = len(corpus) + int(rate * seconds)
-    deadline = time.monotonic() + 30
-    while consumer.stats.applied + consumer.stats.stale < target and time.monotonic() < deadline:
+    def __enter__(self) -> "QueryLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def apply_rate(consumer: ShardConsumer, commands, done, backlog: int, load: QueryLoad | None) -> dict:
+    """Events/s the consumer applies from a backlog of `backlog` edits (queries served meanwhile if `load`)."""
+    commands.put(("backlog", backlog))
+    done.get()  # all of it is in the stream before the clock starts
+    before, started = consumer.stats.applied, time.perf_counter()
+    queries = load.count if load else 0
+    consumer.catch_up()
+    seconds = time.perf_counter() - started
+    return {"events": consumer.stats.applied - before, "rate": (consumer.stats.applied - before) / seconds,
+            "qps": ((load.count - queries) / seconds) if load else 0.0}
+
+
+def freshness(consumer: ShardConsumer, commands, done, rate: int, seconds: float, load: QueryLoad) -> dict:
+    """XADD -> servable latency of edits published at `rate` events/s for `seconds`, queries served meanwhile."""
+    consumer.stats.apply_latency_ms.clear()
+    before, queries, started = consumer.stats.applied, load.count, time.perf_counter()
+    commands.put(("rate", rate, seconds))
+    publish_seconds, mine = done.get()
+    published = time.perf_counter()
+    deadline = time.monotonic() + 60
+    while consumer.stats.applied - before < mine and time.monotonic() < deadline:
         time.sleep(0.01)
-    drained = time.perf_counter() - started
-    stop.set()
-    querier.join()
-    consumer.stop()
+    window = publish_seconds + time.perf_counter() - published  # publishing, then draining what was left
     latencies = np.array(consumer.stats.apply_latency_ms)
     return {"rate": rate, "publish_rate": int(rate * seconds) / publish_seconds,
-            "applied_rate": (consumer.stats.applied - len(corpus)) / drained,
+            "applied_rate": (consumer.stats.applied - before) / window,
             "p50": float(np.percentile(latencies, 50)), "p99": float(np.percentile(latencies, 99)),
-            "max": float(latencies.max()), "qps": queries[0] / drained, "ads": len(index)}
+            "max": float(latencies.max()), "qps": (load.count - queries) / (time.perf_counter() - started)}
+
+
+def run(args, world: Path, url: str) -> tuple[list[dict], list[dict], int]:
+    """(apply-rate rows, freshness rows, ads in the index) for one replica of shard 0 of args.shards."""
+    schema, scorer = load_schema(), HashedTwoTower()
+    client = redis.Redis.from_url(url)
+    ctx = mp.get_context("spawn")
+    commands, done = ctx.Queue(), ctx.Queue()
+    publisher = ctx.Process(target=publisher_process, args=(world, url, args.shards, commands, done))
+    publisher.start()
+    try:
+        index = AdIndex(schema, scorer.dim, capacity=2 * done.get())
+        consumer = ShardConsumer(client, index, scorer.name, shard=0, shards=args.shards, block_ms=5)
+        commands.put(("seed",))
+        done.get()
+        consumer.catch_up()
+        retriever = Retriever(index, scorer)
+        request = parse_request((world / "requests.jsonl").read_text().splitlines()[0])
+        rates = [apply_rate(consumer, commands, done, args.backlog, None)]
+        with QueryLoad(retriever, request, args.qps) as load:
+            rates.append(apply_rate(consumer, commands, done, args.backlog, load))
+            consumer.start()
+            try:
+                rows = [freshness(consumer, commands, done, rate, args.seconds, load) for rate in args.rates]
+            finally:
+                consumer.stop()
+        return rates, rows, len(index)
+    finally:
+        commands.put(None)
+        publisher.join()
+
+
+def report(args, rates: list[dict], rows: list[dict], ads: int) -> str:
+    idle, busy = rates
+    table = ["| target events/s | published events/s | applied events/s | p50 ms | p99 ms | max ms | queries/s meanwhile |",
+             "|---|---|---|---|---|---|---|"]
+    table += [f"| {r['rate']:,} | {r['publish_rate']:,.0f} | {r['applied_rate']:,.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
+              f"{r['max']:.1f} | {r['qps']:.1f} |" for r in rows]
+    return f"""## Update apply rate and freshness (XADD -> servable) under concurrent retrieval
+
+`python -m benchmarks.freshness --rates {' '.join(map(str, args.rates))} --seconds {args.seconds:g} --ads {args.ads} --backlog {args.backlog} --shards {args.shards}`
+
+Machine: {machine()}. On this machine at once: one redis-server (AOF, appendfsync always); a publisher
+process writing ad edits to the per-shard streams; the replica process with its consumer of shard 0 of
+{args.shards} (XREAD of its shard's stream, each read decoded at once and applied as one atomic batch) and a
+query thread sending {args.qps:g} retrievals/s (open loop) over its {ads:,}-ad index (reference pipeline,
+1 torch thread).
+
+Apply rate, a backlog of {args.backlog:,} edits published (those of shard 0 wait in its stream):
+{idle['rate']:,.0f} events/s applied with no queries; {busy['rate']:,.0f} events/s while serving {busy['qps']:.1f} queries/s.
+
+Freshness: edits published at a fixed rate (all shards together), one transaction per shard stream every
+10 ms; "applied" counts shard 0's events. Latency per entry
+= servable time (its batch applied under the table's write lock, so the next query sees it) - publish
+timestamp (taken just before XADD).
+
+{chr(10).join(table)}
+"""
 
 
 def main() -> None:
@@ -114,43 +209,20 @@ def main() -> None:
     p.add_argument("--rates", type=int, nargs="+", default=[2000, 5000, 10000])
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--ads", type=int, default=50000)
+    p.add_argument("--backlog", type=int, default=100000, help="edits waiting in the stream for the apply-rate runs")
+    p.add_argument("--shards", type=int, default=1, help="the publisher splits edits over this many shard streams")
     p.add_argument("--qps", type=float, default=20.0, help="retrieval requests per second meanwhile (open loop)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)  # the query thread shares the 2 cores with publisher, consumer and redis
-    schema, scorer = load_schema(), HashedTwoTower()
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        world = synthesize(WorldConfig(ads=args.ads, users=4, seed=21), Path(tmp) / "world", schema)
-        corpus = load_corpus(world, schema, scorer)
-        request = parse_request((world / "requests.jsonl").read_text().splitlines()[0])
+        world = synthesize(WorldConfig(ads=args.ads, users=4, seed=21), Path(tmp) / "world", load_schema())
         server = LocalRedis(Path(tmp) / "redis", aof=True).start()
         try:
-            for rate in args.rates:
-                row = run(rate, args.seconds, args.qps, world, corpus, request, server, schema, scorer)
-                rows.append(row)
-                print(f"target {rate:>6}/s: published {row['publish_rate']:8.0f}/s applied {row['applied_rate']:8.0f}/s "
-                      f"XADD->servable p50 {row['p50']:7.1f} ms p99 {row['p99']:7.1f} ms max {row['max']:7.1f} ms "
-                      f"while serving {row['qps']:.1f} queries/s over {row['ads']} ads")
+            rates, rows, ads = run(args, world, server.url)
         finally:
             server.stop()
-    table = ["| target events/s | published events/s | applied events/s | p50 ms | p99 ms | max ms | queries/s meanwhile |",
-             "|---|---|---|---|---|---|---|"]
-    table += [f"| {r['rate']:,} | {r['publish_rate']:,.0f} | {r['applied_rate']:,.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
-              f"{r['max']:.1f} | {r['qps']:.1f} |" for r in rows]
-    body = f"""## Update freshness (XADD -> servable) under concurrent retrieval
-
-`python -m benchmarks.freshness --rates {' '.join(map(str, args.rates))} --seconds {args.seconds:g} --ads {args.ads}`
-
-Machine: {machine()}. On this machine at once: one redis-server (AOF, appendfsync always); a publisher
-process sending one transaction of ad edits every 10 ms; the replica process with its shard consumer
-(XREAD, each read applied as one atomic batch) and a query thread sending {args.qps:g} retrievals/s
-(open loop) over the {args.ads:,}-ad index (reference pipeline, 1 torch thread). Latency per entry =
-servable time (its batch applied under the table lock, so the next query sees it) - publish timestamp
-(taken just before XADD).
-
-{chr(10).join(table)}
-"""
+    body = report(args, rates, rows, ads)
     print(body)
     if not args.no_write:
         write_section("freshness", body)

@@ -18,10 +18,8 @@ import redis
 
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
-from andromeda_core.sharding import shard_of
-from andromeda_core.targeting import targeting_columns
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
-from index_updater.records import InvalidRecord, dead_letter_stream, decode, header, shard_stream
+from index_updater.records import DecodedRead, Entry, EntryDecoder, InvalidRecord, dead_letter_stream, shard_stream
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
@@ -63,7 +61,7 @@ class ShardConsumer:
         self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
         self.on_applied = on_applied
         self.stats = ConsumerStats(index_size=len(index))
-        self._columns = targeting_columns(index.schema)
+        self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -112,60 +110,49 @@ class ShardConsumer:
     # -- consuming -------------------------------------------------------------------------------
 
     def poll(self, block_ms: int | None = None) -> int:
-        """Read and apply one batch of the shard's stream; returns how many entries were read."""
+        """Read one batch of the shard's stream and apply it; returns how many entries were read."""
         block = self.block_ms if block_ms is None else block_ms
         reply = self.client.xread({self.source: self.stats.last_id}, count=self.count, block=block or None)
         if not reply:
             return 0
         entries = reply[0][1]
-        ops, published, sources, dead = [], [], [], []
-        for entry_id, fields in entries:
-            try:
-                _, published_ms = header(fields)
-                op = decode(fields, self.schema, self.model, self.index.dim, self._columns)
-                ad_id = op.ad.ad_id if hasattr(op, "ad") else op.ad_id
-                if shard_of(ad_id, self.shards) != self.shard:  # e.g. published with another shard count
-                    raise InvalidRecord(f"ad {ad_id} belongs to shard {shard_of(ad_id, self.shards)} of {self.shards}", "ad_id")
-                ops.append(op)
-                published.append(published_ms)
-                sources.append((entry_id, fields))
-            except InvalidRecord as exc:
-                dead.append((entry_id, fields, exc))
-            except Exception as exc:  # any other malformed content is a poison entry too
-                dead.append((entry_id, fields, InvalidRecord(f"{type(exc).__name__}: {exc}", "entry")))
-        for entry_id, fields, exc in dead:
-            self._dead_letter(entry_id, fields, exc)
-        results = self._apply(ops, sources)
+        read = self._decoder.decode(entries)
+        for position, exc in read.dead:
+            self._dead_letter(entries[position], exc)
+        results = self._apply(read, entries)
         servable_ms = time.time() * 1000
         last = entries[-1][0]
         self.stats.last_id = last.decode() if isinstance(last, bytes) else last
         self.stats.applied += sum(results)
         self.stats.stale += len(results) - sum(results)
         self.stats.index_size = len(self.index)
-        if published:
-            self.stats.newest_published_ms = max(self.stats.newest_published_ms, max(published))
-            self.stats.apply_latency_ms.extend(servable_ms - p for p in published)
+        if read.published_ms:
+            self.stats.newest_published_ms = max(self.stats.newest_published_ms, max(read.published_ms))
+            self.stats.apply_latency_ms.extend(servable_ms - p for p in read.published_ms)
         if self.on_applied:
             self.on_applied(self.stats.last_id)
         return len(entries)
 
-    def _apply(self, ops: list, sources: list) -> list[bool]:
-        """Apply the batch atomically; should it fail, apply entry by entry and dead-letter the failures."""
-        if not ops:
+    def _apply(self, read: DecodedRead, entries: list) -> list[bool]:
+        """Apply the read as one atomic batch; should the index reject it, apply its entries one by one and
+        dead-letter those it rejects (a rejected op changes nothing)."""
+        if not len(read.batch):
             return []
         try:
-            return self.index.apply(ops)
+            return self.index.apply(read.batch)
         except Exception:  # a decoded entry the index still cannot take must not stop the consumer
             log.exception("batch apply failed; applying its entries one by one")
         results = []
-        for op, (entry_id, fields) in zip(ops, sources):
+        for i, position in enumerate(read.positions):
             try:
-                results.extend(self.index.apply([op]))
+                results.extend(self.index.apply(read.batch.take([i])))
             except Exception as exc:
-                self._dead_letter(entry_id, fields, InvalidRecord(f"index rejected it: {type(exc).__name__}: {exc}", "entry"))
+                reason = InvalidRecord(f"index rejected it: {type(exc).__name__}: {exc}", "entry")
+                self._dead_letter(entries[position], reason)
         return results
 
-    def _dead_letter(self, entry_id, fields: dict, exc: InvalidRecord) -> None:
+    def _dead_letter(self, entry: Entry, exc: InvalidRecord) -> None:
+        entry_id, fields = entry
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         record = {"source_id": entry_id, "stream": self.source, "reason": exc.message, "field": exc.field or "",
                   "shard": self.shard, "event": fields.get(b"event", b"")}

@@ -4,25 +4,26 @@ Streams: shard s of a stream `base` is `shard_stream(base, s)`; poison entries g
 `dead_letter_stream(base)`. One stream per shard lets shards live on different Redis Cluster nodes.
 
 Fields (bytes): op, ad_id, version, shard, published_ms, schema (name:version), model (the ad tower's
-tag), dim, event (the
-validated event JSON) and, for upserts, payload: the compiled targeting rows, the satisfiable flag and
-the ad-tower embedding as little-endian arrays behind a JSON header (4-byte header length, then
-{"arrays": [[name, dtype, shape], ...]}, then the raw bytes in that order). Consumers never re-run
-the ad tower.
+tag), dim, event (the validated event JSON) and, for upserts, payload: the compiled targeting rows, the
+satisfiable flag and the ad-tower embedding as little-endian arrays behind a JSON header (4-byte header
+length, then {"arrays": [[name, dtype, shape], ...]}, then the raw bytes in that order). Consumers never
+re-run the ad tower; they decode a whole read at once (`EntryDecoder`), reading together the payloads
+that share a header.
 """
 from __future__ import annotations
 
 import json
-import math
 import time
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
 from andromeda_core.errors import InvalidInput
-from andromeda_core.index import IndexOp, PreparedAd
+from andromeda_core.index import UPSERT, IndexOp, OpBatch, OpRow, PreparedAd
 from andromeda_core.schema import Schema
 from andromeda_core.sharding import shard_of
-from andromeda_core.targeting import CompiledTargeting, targeting_columns
+from andromeda_core.targeting import targeting_columns
 from andromeda_core.types import UpsertEvent, parse_event
 
 
@@ -51,26 +52,6 @@ def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
         blobs.append(np.ascontiguousarray(array, dtype=DTYPES[code]).tobytes())
     head = json.dumps({"arrays": header}, separators=(",", ":")).encode()
     return len(head).to_bytes(4, "little") + head + b"".join(blobs)
-
-
-def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
-    """Inverse of pack_arrays; raises ValueError on any malformed payload."""
-    size = int.from_bytes(payload[:4], "little")
-    spec = json.loads(payload[4:4 + size])["arrays"]
-    out, offset = {}, 4 + size
-    for name, code, shape in spec:
-        dtype = DTYPES[code]
-        if not all(isinstance(d, int) and 0 <= d < 1 << 20 for d in shape):
-            raise ValueError(f"array {name} has a bad shape {shape}")
-        count = math.prod(shape)
-        end = offset + count * dtype.itemsize
-        if end > len(payload):
-            raise ValueError(f"array {name} runs past the payload")
-        out[name] = np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
-        offset = end
-    if offset != len(payload):
-        raise ValueError("trailing bytes after the arrays")
-    return out
 
 
 def schema_tag(schema: Schema) -> str:
@@ -105,39 +86,6 @@ def _text(fields: dict[bytes, bytes], key: str) -> str:
         raise InvalidRecord("not UTF-8", key) from None
 
 
-def decode(fields: dict[bytes, bytes], schema: Schema, model: str, dim: int, columns: dict | None = None) -> IndexOp:
-    """Stream entry fields -> index op; raises InvalidRecord naming the field.
-    `columns`: targeting_columns(schema), passed in by callers that decode many entries."""
-    if _text(fields, "schema") != schema_tag(schema):
-        raise InvalidRecord(f"written for schema {_text(fields, 'schema')}, this index uses {schema_tag(schema)}", "schema")
-    if _text(fields, "model") != model:
-        raise InvalidRecord(f"embedded by model {_text(fields, 'model')}, this index serves {model}", "model")
-    if _text(fields, "dim") != str(dim):
-        raise InvalidRecord(f"embedding width {_text(fields, 'dim')}, this index stores {dim}", "dim")
-    event = parse_event(_text(fields, "event"), "event")
-    if not isinstance(event, UpsertEvent):
-        return event
-    try:
-        arrays = unpack_arrays(fields[b"payload"])
-    except KeyError:
-        raise InvalidRecord("upsert without compiled payload", "payload") from None
-    except (ValueError, KeyError, TypeError, IndexError) as exc:  # any malformed payload
-        raise InvalidRecord(f"unreadable compiled payload: {exc}", "payload") from None
-    columns = columns or targeting_columns(schema)
-    rows = {}
-    for name, row in arrays.items():
-        if name in ("satisfiable", "embedding"):
-            continue
-        if name not in columns or tuple(row.shape) != columns[name].shape:
-            raise InvalidRecord(f"column {name} of shape {row.shape} does not fit the schema", "payload")
-        rows[name] = row
-    embedding = arrays.get("embedding")
-    if embedding is None or embedding.shape != (dim,) or not np.isfinite(embedding).all():
-        raise InvalidRecord(f"embedding must be {dim} finite floats", "payload.embedding")
-    satisfiable = arrays.get("satisfiable")
-    return PreparedAd(event.ad, CompiledTargeting(rows, bool(satisfiable[0]) if satisfiable is not None else True), embedding)
-
-
 def header(fields: dict[bytes, bytes]) -> tuple[int, int]:
     """(shard, published_ms) of an entry, read without decoding the rest."""
     try:
@@ -145,3 +93,147 @@ def header(fields: dict[bytes, bytes]) -> tuple[int, int]:
     except (KeyError, ValueError):
         raise InvalidRecord("missing or malformed shard/published_ms", "shard") from None
 
+
+Entry = tuple[bytes | str, dict[bytes, bytes]]  # (stream id, fields) as XREAD returns it
+
+
+@dataclass(frozen=True)
+class DecodedRead:
+    """The entries of one read: the ops to apply as one batch, and the poison ones."""
+
+    batch: OpBatch
+    positions: list[int]  # position in the read of each op of `batch`
+    published_ms: list[int]  # publish time of each op of `batch`
+    dead: list[tuple[int, InvalidRecord]]  # position in the read of each entry that cannot be applied, and why
+
+
+class EntryDecoder:
+    """Decodes the entries of one shard's stream for an index of `schema`, `model` embeddings of width `dim`.
+
+    Payloads written for the same targeting categories share a header; each distinct header is checked once
+    (and cached), and the payloads that share it are read together through one structured numpy dtype."""
+
+    MAX_LAYOUTS = 4096  # distinct headers kept; a stream of ever-new ones cannot grow the cache without bound
+
+    def __init__(self, schema: Schema, model: str, dim: int, shard: int = 0, shards: int = 1):
+        self.dim, self.shard, self.shards = dim, shard, shards
+        self.columns = targeting_columns(schema)
+        self._tags = {"schema": schema_tag(schema), "model": model, "dim": str(dim)}
+        self._tag_bytes = {key.encode(): value.encode() for key, value in self._tags.items()}
+        self._layouts: dict[bytes, np.dtype | InvalidRecord] = {}
+
+    def decode(self, entries: Sequence[Entry]) -> DecodedRead:
+        """A read -> one OpBatch of its good entries, in stream order; poison entries are set aside."""
+        ops, positions, published, payloads, dead = [], [], [], [], []
+        for i, (_, fields) in enumerate(entries):
+            try:
+                published_ms, op = self._entry(fields)
+                if op.code == UPSERT:
+                    payloads.append(fields[b"payload"])
+            except InvalidRecord as exc:
+                dead.append((i, exc))
+                continue
+            ops.append(op)
+            positions.append(i)
+            published.append(published_ms)
+        satisfiable, embedding, targeting, unreadable = self._rows(payloads)
+        batch = OpBatch.build(ops, satisfiable, embedding, targeting)
+        if unreadable:  # drop the upserts whose payload could not be read
+            upserts = np.flatnonzero(batch.op == UPSERT)
+            bad = {int(upserts[k]): exc for k, exc in unreadable.items()}
+            keep = [j for j in range(len(ops)) if j not in bad]
+            dead = sorted(dead + [(positions[j], exc) for j, exc in bad.items()], key=lambda d: d[0])
+            batch, positions, published = batch.take(keep), [positions[j] for j in keep], [published[j] for j in keep]
+        return DecodedRead(batch, positions, published, dead)
+
+    def _entry(self, fields: dict[bytes, bytes]) -> tuple[int, OpRow]:
+        """(published_ms, op) of one entry; raises InvalidRecord."""
+        _, published_ms = header(fields)
+        for key, value in self._tag_bytes.items():
+            if fields.get(key) != value:
+                self._refuse(fields, key.decode())
+        try:
+            event = parse_event(fields[b"event"], "event")
+        except KeyError:
+            raise InvalidRecord("missing field", "event") from None
+        except InvalidInput as exc:
+            raise InvalidRecord(exc.message, exc.field) from None
+        op = OpRow.of(event.ad if isinstance(event, UpsertEvent) else event)
+        owner = shard_of(op.ad_id, self.shards)
+        if owner != self.shard:  # e.g. published with another shard count
+            raise InvalidRecord(f"ad {op.ad_id} belongs to shard {owner} of {self.shards}", "ad_id")
+        if op.code == UPSERT and b"payload" not in fields:
+            raise InvalidRecord("upsert without compiled payload", "payload")
+        return published_ms, op
+
+    def _refuse(self, fields: dict[bytes, bytes], key: str) -> None:
+        found, wanted = _text(fields, key), self._tags[key]
+        raise InvalidRecord({"schema": f"written for schema {found}, this index uses {wanted}",
+                             "model": f"embedded by model {found}, this index serves {wanted}",
+                             "dim": f"embedding width {found}, this index stores {wanted}"}[key], key)
+
+    def _rows(self, payloads: list[bytes]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], dict[int, InvalidRecord]]:
+        """u payloads -> satisfiable (u,) bool, embedding (u, D) float32, the targeting columns they mention
+        (u, *shape) int32 (fill elsewhere), and the unreadable ones by position."""
+        u = len(payloads)
+        satisfiable, embedding = np.ones(u, dtype=bool), np.zeros((u, self.dim), dtype=np.float32)
+        targeting: dict[str, np.ndarray] = {}
+        unreadable: dict[int, InvalidRecord] = {}
+        groups: dict[bytes, tuple[np.dtype, list[int]]] = {}
+        for k, payload in enumerate(payloads):
+            try:
+                head, layout = self._layout_of(payload)
+            except InvalidRecord as exc:
+                unreadable[k] = exc
+                continue
+            groups.setdefault(head, (layout, []))[1].append(k)
+        for head, (layout, members) in groups.items():
+            records = np.frombuffer(b"".join(payloads[k][4 + len(head):] for k in members), dtype=layout)
+            at = np.array(members)
+            for name in records.dtype.names:
+                if name == "embedding":
+                    embedding[at] = records[name]
+                elif name == "satisfiable":
+                    satisfiable[at] = records[name][:, 0] != 0
+                else:
+                    if name not in targeting:
+                        spec = self.columns[name]
+                        targeting[name] = np.full((u, *spec.shape), spec.fill, dtype=np.int32)
+                    targeting[name][at] = records[name]
+        for k in np.flatnonzero(~np.isfinite(embedding).all(1)).tolist():
+            unreadable[k] = InvalidRecord(f"embedding must be {self.dim} finite floats", "payload.embedding")
+        return satisfiable, embedding, targeting, unreadable
+
+    def _layout_of(self, payload: bytes) -> tuple[bytes, np.dtype]:
+        """(header, layout) of a payload whose layout fits this index and whose length matches it."""
+        size = int.from_bytes(payload[:4], "little")
+        head = payload[4:4 + size]
+        layout = self._layouts.get(head)
+        if layout is None:
+            if len(self._layouts) >= self.MAX_LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[head] = self._layout(head)
+        if isinstance(layout, InvalidRecord):
+            raise layout
+        body = len(payload) - 4 - len(head)
+        if body != layout.itemsize:
+            raise InvalidRecord(f"unreadable compiled payload: {body} bytes of arrays, the header describes "
+                                f"{layout.itemsize}", "payload")
+        return head, layout
+
+    def _layout(self, head: bytes) -> np.dtype | InvalidRecord:
+        """The structured dtype of one payload with this header, or why it does not fit this index."""
+        try:
+            arrays = [(str(name), DTYPES[code], tuple(shape)) for name, code, shape in json.loads(head)["arrays"]]
+        except (ValueError, KeyError, TypeError) as exc:  # any malformed header
+            return InvalidRecord(f"unreadable compiled payload: {exc!r}", "payload")
+        expected = {"embedding": ((self.dim,), "f"), "satisfiable": ((1,), "u"),
+                    **{name: (spec.shape, "i") for name, spec in self.columns.items()}}
+        names = [name for name, _, _ in arrays]
+        if "embedding" not in names or len(set(names)) != len(names):
+            return InvalidRecord(f"embedding must be {self.dim} finite floats, once", "payload.embedding")
+        for name, dtype, shape in arrays:
+            if expected.get(name, (None, None)) != (shape, dtype.kind):
+                field = "payload.embedding" if name == "embedding" else "payload"
+                return InvalidRecord(f"array {name} ({dtype}, {list(shape)}) does not fit this index", field)
+        return np.dtype([(name, dtype, expected[name][0]) for name, dtype, _ in arrays])

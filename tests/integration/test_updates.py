@@ -9,10 +9,10 @@ import pytest
 import redis
 
 from andromeda_core.errors import InvalidInput
-from andromeda_core.index import AdIndex
+from andromeda_core.index import AdIndex, PreparedAd
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.sharding import shard_of
-from andromeda_core.targeting import compile_user, match_inputs
+from andromeda_core.targeting import CompiledTargeting, compile_user, match_inputs
 from andromeda_core.types import parse_event
 from index_updater.consumer import ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
@@ -227,22 +227,20 @@ def test_publish_cli_appends_a_file(redis_server, tmp_path):
     assert bad.returncode == 2 and "ad.targeting.planet" in bad.stderr and sum(map(client.xlen, streams)) == 5
 
 
-def test_an_entry_the_index_cannot_take_is_dead_lettered_not_fatal(setup, monkeypatch):
+def test_an_entry_the_index_rejects_is_dead_lettered_and_the_rest_of_its_batch_applies(setup, small_schema, scorer):
     client, publisher, make = setup
+    (op,) = prepare_ops(small_schema, scorer, [parse_event(upsert(666, targeting={"city": {"any_of": ["c1"]}}))])
+    rows = {**op.targeting.rows, "city.pos": np.full_like(op.targeting.rows["city.pos"], 300)}  # past the vocabulary
+    publisher.publish([upsert(1)])
+    client.xadd(SHARD0, encode(PreparedAd(op.ad, CompiledTargeting(rows, True), op.embedding), 1, small_schema,
+                               scorer.name, scorer.dim))
+    publisher.publish([upsert(2), {"op": "delete", "ad_id": 1, "version": 2}, upsert(1, 3)])
     c = make()
-    publisher.publish([upsert(1), upsert(666), upsert(2)])
-    real_apply = c.index.apply
-
-    def picky_apply(ops):
-        if any(getattr(op, "ad", None) and op.ad.ad_id == 666 for op in ops):
-            raise RuntimeError("cannot take ad 666")
-        return real_apply(ops)
-
-    monkeypatch.setattr(c.index, "apply", picky_apply)
-    c.catch_up()
-    assert eligible(c.index) == [1, 2] and c.stats.dead_letters == 1
+    c.catch_up()  # one read: the index rejects the batch, then takes every entry but ad 666's
+    assert eligible(c.index) == [1, 2] and c.index.version_of(1) == 3 and 666 not in c.index
+    assert c.stats.dead_letters == 1 and c.stats.applied == 4
     (_, fields), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
-    assert b"cannot take ad 666" in fields[b"reason"]
+    assert b"index rejected it" in fields[b"reason"] and b"city.pos" in fields[b"reason"]
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x05\x00\x00\x00{bad}", b"\x0e\x00\x00\x00{\"arrays\":[]}xx",
