@@ -1,9 +1,11 @@
 """Per-replica stream consumer: XREAD its shard's stream (no consumer group: every replica of the
 shard sees every entry) from the last applied id, apply each read as one atomic batch, idempotently.
 
-Invalid entries go to the dead-letter stream with the reason and never stop the consumer. Transient
-Redis errors are retried with backoff. If the stream was trimmed past the last applied id (a gap),
-the consumer reloads the newest snapshot and replays from there.
+Invalid entries go to the dead-letter stream with the reason and never stop the consumer. The background
+loop never dies: every error (Redis, snapshot I/O, ...) is counted in the stats and followed by a
+backoff. If the stream was trimmed past the last applied id (a gap), the consumer reloads the newest
+snapshot and replays from there; when no snapshot covers the gap it applies what the stream still holds
+and reports itself unhealthy until one does. `health()` tells a replica's probes how the consumer is.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from index_updater.records import DecodedRead, Entry, EntryDecoder, InvalidRecor
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
+MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
 
 
 class StreamGap(RuntimeError):
@@ -31,21 +34,28 @@ class StreamGap(RuntimeError):
 
 @dataclass
 class ConsumerStats:
-    """Metrics hooks: read by the replica's Prometheus exporter."""
+    """Metrics hooks: read by the replica's Prometheus exporter and health checks."""
 
     applied: int = 0  # entries that changed the index
     stale: int = 0  # entries that were no-ops (not newer than the indexed version)
     dead_letters: int = 0
+    errors: int = 0  # failed turns of the background loop, each followed by a backoff
+    last_error: str = ""
+    gap_unrecovered: str = ""  # why the index misses trimmed entries that no snapshot covers; "" when it does not
     newest_published_ms: int = 0  # publish time of the newest applied entry of this shard
+    applied_at: float = 0.0  # wall time (s) the newest entry of this shard became servable
+    behind_since: float | None = None  # publish time (s) of the oldest entry known to be unapplied; None: caught up
     last_id: str = "0-0"  # in the shard's stream
     index_size: int = 0
     recoveries: int = 0
     apply_latency_ms: deque = field(default_factory=lambda: deque(maxlen=100_000))  # published -> servable, ms
 
     def lag_seconds(self, now: float | None = None) -> float:
-        if not self.newest_published_ms:
+        """How long the oldest entry known to be unapplied has waited; 0 when caught up, so an idle
+        stream adds no lag."""
+        if self.behind_since is None:
             return 0.0
-        return max(0.0, (now if now is not None else time.time()) - self.newest_published_ms / 1000)
+        return max(0.0, (time.time() if now is None else now) - self.behind_since)
 
 
 class ShardConsumer:
@@ -64,10 +74,36 @@ class ShardConsumer:
         self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._caught_up = False
+        self._gap_snapshot: str | None = None  # newest snapshot when a gap was last found uncovered
 
     @property
     def schema(self) -> Schema:
         return self.index.schema
+
+    @property
+    def alive(self) -> bool:
+        """Whether the background thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def caught_up(self) -> bool:
+        """True once a read came back with fewer than `count` entries (all that was in the stream is
+        applied); stays True."""
+        return self._caught_up
+
+    def health(self, max_lag_s: float) -> tuple[bool, str]:
+        """(healthy, reason): unhealthy when the thread is not running, the index misses trimmed entries
+        that no snapshot covers, or unapplied entries have waited longer than max_lag_s."""
+        if not self.alive:
+            return False, "consumer thread is not running" + (f"; last error: {self.stats.last_error}"
+                                                               if self.stats.last_error else "")
+        if self.stats.gap_unrecovered:
+            return False, f"the index misses updates no snapshot covers: {self.stats.gap_unrecovered}"
+        lag = self.stats.lag_seconds()
+        if lag > max_lag_s:
+            return False, f"unapplied entries have waited {lag:.1f}s (more than {max_lag_s:g}s)"
+        return True, "ok"
 
     # -- recovery --------------------------------------------------------------------------------
 
@@ -113,10 +149,19 @@ class ShardConsumer:
         """Read one batch of the shard's stream and apply it; returns how many entries were read."""
         block = self.block_ms if block_ms is None else block_ms
         reply = self.client.xread({self.source: self.stats.last_id}, count=self.count, block=block or None)
-        if not reply:
-            return 0
-        entries = reply[0][1]
+        entries = reply[0][1] if reply else []
+        newest = self._apply_read(entries) if entries else None
+        if len(entries) < self.count:  # the stream held no more than this read
+            self.stats.behind_since, self._caught_up = None, True
+        else:  # more may wait, published no earlier than this read's newest
+            self.stats.behind_since = newest
+        return len(entries)
+
+    def _apply_read(self, entries: list[Entry]) -> float:
+        """Decode, dead-letter and apply one read; returns the newest publish time (s) among its entries."""
         read = self._decoder.decode(entries)
+        now_ms = time.time() * 1000
+        self.stats.behind_since = min(read.published_ms, default=now_ms) / 1000  # these wait until applied
         for position, exc in read.dead:
             self._dead_letter(entries[position], exc)
         results = self._apply(read, entries)
@@ -128,10 +173,11 @@ class ShardConsumer:
         self.stats.index_size = len(self.index)
         if read.published_ms:
             self.stats.newest_published_ms = max(self.stats.newest_published_ms, max(read.published_ms))
+            self.stats.applied_at = servable_ms / 1000
             self.stats.apply_latency_ms.extend(servable_ms - p for p in read.published_ms)
         if self.on_applied:
             self.on_applied(self.stats.last_id)
-        return len(entries)
+        return max(read.published_ms, default=now_ms) / 1000
 
     def _apply(self, read: DecodedRead, entries: list) -> list[bool]:
         """Apply the read as one atomic batch; should the index reject it, apply its entries one by one and
@@ -167,7 +213,12 @@ class ShardConsumer:
             pass
 
     def snapshot(self) -> None:
+        """Write a snapshot (then, with `trim`, trim the shard's stream up to what the oldest kept one covers).
+        Not while the index misses updates after an uncovered gap: it must not pass for a complete index."""
         if self.snapshots is None:
+            return
+        if self.stats.gap_unrecovered:
+            log.warning("shard %d: no snapshot while the index misses updates", self.shard)
             return
         self.snapshots.write(self.index, self.stats.last_id,
                              {"shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source})
@@ -178,30 +229,59 @@ class ShardConsumer:
     # -- background loop -------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Consume until stop(): poll, sweep expired ads, snapshot periodically; never dies on one error."""
-        last_snapshot = last_sweep = time.monotonic()
-        delay = 0.05
+        """Consume until stop(): poll, sweep expired ads, snapshot periodically. Never dies: a failed turn
+        is counted (stats.errors, stats.last_error) and the loop goes on after a backoff."""
+        now = time.monotonic()
+        due = {"sweep": now + self.sweep_every_s, "snapshot": now + self.snapshot_every_s}
+        backoff = MIN_BACKOFF_S
         while not self._stop.is_set():
             try:
+                self._turn(due)
+                backoff = MIN_BACKOFF_S
+            except Exception as exc:
+                self.stats.errors += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("shard %d consumer: %s; retrying in %.2fs", self.shard, self.stats.last_error, backoff,
+                            exc_info=not isinstance(exc, TRANSIENT))
+                self._stop.wait(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+
+    def _turn(self, due: dict[str, float]) -> None:
+        """One turn of the loop: gap check, poll, and the sweep and snapshot when due."""
+        if not self.stats.gap_unrecovered:
+            try:
                 self.check_gap()
-                self.poll()
-                now = time.monotonic()
-                if now - last_sweep >= self.sweep_every_s:
-                    self.index.sweep_expired(int(time.time()))
-                    last_sweep = now
-                if self.snapshots is not None and now - last_snapshot >= self.snapshot_every_s:
-                    self.snapshot()
-                    last_snapshot = now
-                delay = 0.05
-            except StreamGap as exc:
-                log.error("%s; reloading from the newest snapshot", exc)
-                if not self.recover():
-                    log.error("no snapshot covers the gap; replaying what the stream still holds")
-                    self.stats.last_id = "0-0"
-            except TRANSIENT as exc:
-                log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
-                self._stop.wait(delay)
-                delay = min(2.0, delay * 2)
+            except StreamGap as gap:
+                self._recover_from(gap)
+        elif self._newest_snapshot() != self._gap_snapshot:  # e.g. a healthy replica wrote one since
+            self._recover_from(StreamGap(self.stats.gap_unrecovered))
+        self.poll()
+        now = time.monotonic()
+        if now >= due["sweep"]:
+            due["sweep"] = now + self.sweep_every_s  # first: a sweep that fails waits for its next turn
+            self.index.sweep_expired(int(time.time()))
+        if self.snapshots is not None and now >= due["snapshot"]:
+            due["snapshot"] = now + self.snapshot_every_s
+            self.snapshot()
+
+    def _recover_from(self, gap: StreamGap) -> None:
+        """Reload the newest snapshot; if none covers the gap, go on with what the stream still holds and
+        stay unhealthy (stats.gap_unrecovered) until one does."""
+        log.error("shard %d: %s; reloading the newest snapshot", self.shard, gap)
+        self._gap_snapshot = self._newest_snapshot()
+        if self.recover():
+            try:
+                self.check_gap()
+                self.stats.gap_unrecovered = ""
+                return
+            except StreamGap as still:
+                gap = still
+        self.stats.gap_unrecovered = str(gap)
+        log.error("shard %d: no snapshot covers the gap; the index misses those updates until one does", self.shard)
+
+    def _newest_snapshot(self) -> str | None:
+        paths = self.snapshots.paths() if self.snapshots is not None else []
+        return paths[0].name if paths else None
 
     def start(self) -> "ShardConsumer":
         self._stop.clear()

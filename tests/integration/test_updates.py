@@ -29,17 +29,6 @@ def eligible(index: AdIndex, attributes: dict | None = None, now: int = NOW) -> 
     return index.eligible(match_inputs(index.schema, [user], [now]))[0]
 
 
-@pytest.fixture
-def setup(redis_server, small_schema, scorer):
-    _, client = redis_server
-
-    def consumer(shard: int = 0, shards: int = 1, **kwargs) -> ShardConsumer:
-        return ShardConsumer(client, AdIndex(small_schema, scorer.dim, capacity=4), scorer.name, shard, shards,
-                             block_ms=10, **kwargs)
-
-    return client, Publisher(client, small_schema, scorer), consumer
-
-
 def test_create_edit_pause_resume_delete(setup):
     client, publisher, make = setup
     c = make()
@@ -166,15 +155,15 @@ def test_trim_keeps_what_the_oldest_snapshot_needs_and_gaps_reload(setup, tmp_pa
     assert lagging.index.digest() == leader.index.digest()
 
 
-def test_background_consumer_applies_within_a_second(setup):
+def test_background_consumer_applies_what_is_published(setup):
     _, publisher, make = setup
     c = make().start()
     try:
         publisher.publish([upsert(5)])
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + 10  # a bound against hanging, not a latency claim (see benchmarks.freshness)
         while 5 not in c.index and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert 5 in c.index and c.stats.lag_seconds() < 5
+        assert 5 in c.index and c.stats.applied == 1
     finally:
         c.stop()
 
