@@ -1,9 +1,12 @@
-"""Real-time index updates through one Redis stream.
+"""Real-time index updates through Redis streams, one per index shard.
 
-- records: the stream entry format (validated event + compiled targeting + ad-tower embedding).
-- publisher.Publisher: validate, compile, embed, XADD (one transaction per batch, retried).
-- consumer.ShardConsumer: per replica; XREAD from the last applied id, apply its shard atomically,
-  dead-letter poison entries, recover from snapshots, sweep expired ads, trim behind snapshots.
-- snapshots.SnapshotStore: snapshot files named by the stream id they cover.
+- records: the stream entry format (validated event + compiled targeting + ad-tower embedding), the
+  stream names (`shard_stream(base, s)`, `dead_letter_stream(base)`) and the batch decoder.
+- publisher.Publisher: validate, compile, embed, XADD each entry to its shard's stream (one transaction
+  per shard stream and batch, retried).
+- consumer.ShardConsumer: per replica; XREAD its shard's stream from the last applied id, apply each read
+  atomically, dead-letter poison entries, recover from snapshots, sweep expired ads, trim behind
+  snapshots, report health (alive, caught_up, lag, errors, uncovered gaps).
+- snapshots.SnapshotStore: snapshot files named by the stream id they cover (one directory per shard).
 - local_redis.LocalRedis: a private redis-server for tests, benchmarks and `andromeda up`.
 """

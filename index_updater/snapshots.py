@@ -1,4 +1,7 @@
-"""A directory of index snapshots named by the stream id they cover; the newest valid one wins."""
+"""A directory of index snapshots named by the stream id they cover; the newest valid one wins.
+
+Use one directory per shard: the ids are those of the shard's own stream, and a consumer that trims
+its stream does so up to the oldest snapshot in its directory."""
 from __future__ import annotations
 
 import re
