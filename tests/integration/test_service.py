@@ -47,7 +47,10 @@ def service(tmp_path_factory):
     server = None if os.environ.get("REDIS_URL") else LocalRedis(tmp / "redis").start()
     url = os.environ.get("REDIS_URL") or server.url
     world = tmp / "world"
-    synthesize(WorldConfig(ads=600, users=12, seed=3), world, load_schema())
+    # Its time starts 12 days from now: every ad's window ends after now, so no replica sweeps an ad
+    # that the offline index (which never sweeps) still holds for history lookups.
+    base_time = (int(time.time()) // 86400 + 12) * 86400
+    synthesize(WorldConfig(ads=600, users=12, seed=3, base_time=base_time), world, load_schema())
     data = load_synthetic(world)
     model = tmp / "moe.safetensors"
     train(data, "moe", TrainConfig(steps=3, batch=16, negatives=16), progress=False).save(model, checkpoint_meta(data, 0))
