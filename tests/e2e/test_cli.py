@@ -39,7 +39,8 @@ def test_retrieve_one_request_prints_the_response(world, tmp_path):
     request.write_text(json.dumps(first, indent=2))
     out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(request), "--k", "7")
     response = json.loads(out.stdout)
-    assert set(response) == {"ads", "eligible", "index_watermark", "took_ms", "warnings"}
+    assert set(response) == {"ads", "eligible", "index_watermark", "shard_watermarks", "missing_shards", "took_ms", "warnings"}
+    assert response["shard_watermarks"] == response["missing_shards"] == []  # offline: no shards, no stream
     assert len(response["ads"]) == 7 and response["eligible"] >= 7
     scores = [a["score"] for a in response["ads"]]
     assert scores == sorted(scores, reverse=True)
