@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -93,7 +94,8 @@ def check_write_token(expected: str | None, credentials: HTTPAuthorizationCreden
         raise Unauthorized("invalid token", "Authorization")
 
 
-def create_app() -> FastAPI:
+def create_app(on_error: Callable[[str], None]) -> FastAPI:
+    """The app with its error handlers; `on_error(cause)` counts each error response by cause."""
     app = FastAPI(title="Andromeda", version="0.1.0",
                   description="Ads retrieval: targeting match, MoE scoring and top-k over sharded, live-updated indexes.")
 
@@ -103,15 +105,19 @@ def create_app() -> FastAPI:
         loc = tuple(err.get("loc", ()))
         field = "body" if err.get("type") == "json_invalid" else error_field(loc[1:] if loc[:1] == ("body",) else loc,
                                                                             err.get("type", ""))
+        on_error(ErrorCategory.INVALID_INPUT.value)
         return error_response(422, ErrorCategory.INVALID_INPUT.value, err.get("msg", "invalid"), field)
 
     @app.exception_handler(AndromedaError)
     async def andromeda_error(request: Request, exc: AndromedaError) -> JSONResponse:
-        return http_error(exc)
+        response = http_error(exc)
+        on_error("unauthorized" if response.status_code == 401 else exc.category.value)
+        return response
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
+        on_error("internal")
         return error_response(500, "internal", f"{type(exc).__name__}: internal error")
 
     return app

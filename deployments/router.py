@@ -31,8 +31,15 @@ from deployments.shard import ShardAnswer
 from index_updater.publisher import Publisher
 from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
-app = create_app()
+metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
+app = create_app(on_error=lambda cause: metrics.errors.labels(cause).inc())
 bearer = HTTPBearer(auto_error=False)
+
+
+def writer(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    """Dependency of the write endpoints: runs before the body is parsed, so a caller without the
+    token learns nothing about the body's validation."""
+    check_write_token(load_settings().write_token, credentials)
 AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
 
 
@@ -65,8 +72,7 @@ class Router:
         self.scorer = load_scorer(self.config, self.schema)
         self.publisher = Publisher(redis.Redis.from_url(self.config.redis_url), self.schema, self.scorer,
                                    shards=self.config.shards, stream=self.config.stream)
-        self.write_token = load_settings().write_token
-        self.metrics = ServiceMetrics()
+        self.metrics = metrics
 
     # -- retrieval -------------------------------------------------------------------------------
 
@@ -82,22 +88,18 @@ class Router:
 
     async def answer(self, requests: Sequence[RetrieveRequest], endpoint: str, where: str) -> list[RetrieveResponse]:
         started = time.perf_counter()
-        try:
-            compiled = self.compiled(requests, where)
-            t0 = time.perf_counter()
-            lookup = await self.history_lookup(requests)
-            t1 = time.perf_counter()
-            nows = [c.now for c in compiled]
-            users = await asyncio.to_thread(self.scorer.encode_users, requests, lookup, nows)
-            t2 = time.perf_counter()
-            query = UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests])
-            allow_partial = all(r.allow_partial for r in requests)
-            answers = await asyncio.gather(*(self.ask_shard(s, query, allow_partial) for s in range(len(self.shards))))
-            t3 = time.perf_counter()
-            responses = self.merge(requests, compiled, answers, started)
-        except AndromedaError as exc:
-            self.metrics.errors.labels(exc.category.value).inc()
-            raise
+        compiled = self.compiled(requests, where)
+        t0 = time.perf_counter()
+        lookup = await self.history_lookup(requests)
+        t1 = time.perf_counter()
+        nows = [c.now for c in compiled]
+        users = await asyncio.to_thread(self.scorer.encode_users, requests, lookup, nows)
+        t2 = time.perf_counter()
+        query = UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests])
+        allow_partial = all(r.allow_partial for r in requests)
+        answers = await asyncio.gather(*(self.ask_shard(s, query, allow_partial) for s in range(len(self.shards))))
+        t3 = time.perf_counter()
+        responses = self.merge(requests, compiled, answers, started)
         done = time.perf_counter()
         for stage, seconds in (("compile", t0 - started), ("history", t1 - t0), ("user_towers", t2 - t1),
                                ("shards", t3 - t2), ("merge", done - t3), ("total", done - started)):
@@ -191,17 +193,12 @@ class Router:
 
     @app.post("/v1/ad-events", response_model=PublishResponse, responses=WRITE_ERRORS)
     async def publish(self, events: Annotated[list[AdEvent], Field(min_length=1)],
-                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> PublishResponse:
+                      _: None = Depends(writer)) -> PublishResponse:
         """Validate, compile and append ad events (all or nothing); needs `Authorization: Bearer <token>`."""
-        try:
-            check_write_token(self.write_token, credentials)
-            if len(events) > self.config.max_events_per_request:
-                raise InvalidInput(f"at most {self.config.max_events_per_request} events per request, got {len(events)}", "body")
-            ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, [f"[{i}]" for i in range(len(events))])
-            ids = await asyncio.to_thread(self.publisher.publish_ops, ops)
-        except AndromedaError as exc:
-            self.metrics.errors.labels(exc.category.value).inc()
-            raise
+        if len(events) > self.config.max_events_per_request:
+            raise InvalidInput(f"at most {self.config.max_events_per_request} events per request, got {len(events)}", "body")
+        ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, [f"[{i}]" for i in range(len(events))])
+        ids = await asyncio.to_thread(self.publisher.publish_ops, ops)
         self.metrics.published.inc(len(ids))
         return PublishResponse(ids=ids)
 

@@ -202,10 +202,13 @@ def test_health_readiness_and_metrics(service):
     ready = requests.get(f"{service.url}/two/readyz", timeout=10)
     assert ready.status_code == 200 and [s["shard"] for s in ready.json()["shards"]] == [0, 1]
     post(f"{service.url}/two/v1/retrieve", world_requests(service)[0])
+    post(f"{service.url}/two/v1/retrieve", {"user": {"user_id": "x"}})
+    post(f"{service.url}/two/v1/ad-events", [upsert(1)], token="wrong")
     text = requests.get(f"{service.url}/two/metrics", timeout=10).text
     for name in ('andromeda_request_seconds_count{endpoint="retrieve",stage="user_towers"}',
                  'andromeda_shard_index_size{shard="1"}', 'andromeda_shard_lag_seconds{shard="0"}',
-                 'andromeda_shard_dead_letters{shard="0"}', "andromeda_eligible_ads_total"):
+                 'andromeda_shard_dead_letters{shard="0"}', "andromeda_eligible_ads_total",
+                 'andromeda_errors_total{cause="invalid_input"}', 'andromeda_errors_total{cause="unauthorized"}'):
         assert name in text, name
 
 
