@@ -507,6 +507,21 @@ class AdIndex:
     def _stage(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Upsert rows -> device tensors in the columns' dtypes (the embedding in the storage format, with its
         scale and exact copy where kept). Raises InvalidInput for rows that do not fit the table."""
+        self._check_rows(rows)
+        staged = {name: torch.from_numpy(np.ascontiguousarray(values)).to(self.device, self.specs[name].dtype)
+                  for name, values in rows.items() if name != "embedding"}
+        exact = torch.from_numpy(np.ascontiguousarray(rows["embedding"])).to(self.device, torch.float32)
+        if "embedding_scale" in self.specs:
+            staged["embedding"], staged["embedding_scale"] = quantize_int8(exact)
+        else:
+            staged["embedding"] = exact.to(self.specs["embedding"].dtype)
+        if "embedding_exact" in self.specs:
+            staged["embedding_exact"] = exact
+        return staged
+
+    def _check_rows(self, rows: dict[str, np.ndarray]) -> None:
+        """Raise InvalidInput unless every row column is known, shaped (u, *row shape), of the right kind, finite
+        (embeddings) and within its category (list value indices: a scan would index past the user's table)."""
         u = len(rows["ad_id"])
         for name, values in rows.items():
             spec = self._row_specs.get(name)
@@ -520,16 +535,6 @@ class AdIndex:
                 raise InvalidInput(f"value indices outside [-1, {size})", name)
         if not np.isfinite(rows["embedding"]).all():
             raise InvalidInput("embeddings must be finite", "embedding")
-        staged = {name: torch.from_numpy(np.ascontiguousarray(values)).to(self.device, self.specs[name].dtype)
-                  for name, values in rows.items() if name != "embedding"}
-        exact = torch.from_numpy(np.ascontiguousarray(rows["embedding"])).to(self.device, torch.float32)
-        if "embedding_scale" in self.specs:
-            staged["embedding"], staged["embedding_scale"] = quantize_int8(exact)
-        else:
-            staged["embedding"] = exact.to(self.specs["embedding"].dtype)
-        if "embedding_exact" in self.specs:
-            staged["embedding_exact"] = exact
-        return staged
 
     def _commit(self, plan: _Plan, staged: dict[str, torch.Tensor]) -> None:
         """Make the plan's writes (into grown copies when the batch needs more slots), then commit its bookkeeping."""
