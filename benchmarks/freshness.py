@@ -160,6 +160,7 @@ def run(args, world: Path, url: str) -> tuple[list[dict], list[dict], int]:
         commands.put(("seed",))
         done.get()
         consumer.catch_up()
+        ads = len(index)  # the background consumer's sweeps later free the ads whose end_time has passed
         retriever = Retriever(index, scorer)
         request = parse_request((world / "requests.jsonl").read_text().splitlines()[0])
         rates = [apply_rate(consumer, commands, done, args.backlog, None)]
@@ -170,7 +171,7 @@ def run(args, world: Path, url: str) -> tuple[list[dict], list[dict], int]:
                 rows = [freshness(consumer, commands, done, rate, args.seconds, load) for rate in args.rates]
             finally:
                 consumer.stop()
-        return rates, rows, len(index)
+        return rates, rows, ads
     finally:
         commands.put(None)
         publisher.join()
@@ -189,8 +190,8 @@ def report(args, rates: list[dict], rows: list[dict], ads: int) -> str:
 Machine: {machine()}. On this machine at once: one redis-server (AOF, appendfsync always); a publisher
 process writing ad edits to the per-shard streams; the replica process with its consumer of shard 0 of
 {args.shards} (XREAD of its shard's stream, each read decoded at once and applied as one atomic batch) and a
-query thread sending {args.qps:g} retrievals/s (open loop) over its {ads:,}-ad index (reference pipeline,
-1 torch thread).
+query thread sending {args.qps:g} retrievals/s (open loop) over its index of {ads:,} ads (reference
+pipeline, 1 torch thread).
 
 Apply rate, a backlog of {args.backlog:,} edits published (those of shard 0 wait in its stream):
 {idle['rate']:,.0f} events/s applied with no queries; {busy['rate']:,.0f} events/s while serving {busy['qps']:.1f} queries/s.
