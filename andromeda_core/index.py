@@ -508,6 +508,8 @@ class AdIndex:
         """Upsert rows -> device tensors in the columns' dtypes (the embedding in the storage format, with its
         scale and exact copy where kept). Raises InvalidInput for rows that do not fit the table."""
         self._check_rows(rows)
+        if not len(rows["ad_id"]):
+            return {}  # no upserts: nothing to convert (and nothing to quantise)
         staged = {name: torch.from_numpy(np.ascontiguousarray(values)).to(self.device, self.specs[name].dtype)
                   for name, values in rows.items() if name != "embedding"}
         exact = torch.from_numpy(np.ascontiguousarray(rows["embedding"])).to(self.device, torch.float32)

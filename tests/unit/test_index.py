@@ -117,6 +117,15 @@ def test_time_window_and_expiry_sweep(index, scorer):
     assert apply_events(index, scorer, [upsert(2, 2, end_time=NOW + 100)]) == [True]
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.int8])
+def test_a_batch_without_upserts_applies_in_every_storage_format(small_schema, scorer, storage):
+    index = AdIndex(small_schema, scorer.dim, capacity=4, embedding_dtype=storage)
+    apply_events(index, scorer, [upsert(1), upsert(2)])
+    assert apply_events(index, scorer, [{"op": "pause", "ad_id": 1, "version": 2},
+                                        {"op": "delete", "ad_id": 2, "version": 2}]) == [True, True]
+    assert eligible(index) == [] and len(index) == 1
+
+
 def test_unsatisfiable_targeting_never_matches(index, scorer):
     apply_events(index, scorer, [upsert(1, targeting={"country": {"all_of": [["US"], ["CA"]]}})])
     assert eligible(index, {"country": "US"}) == [] and index.get(1)["satisfiable"] is False
