@@ -512,13 +512,14 @@ class AdIndex:
             return {}  # no upserts: nothing to convert (and nothing to quantise)
         staged = {name: torch.from_numpy(np.ascontiguousarray(values)).to(self.device, self.specs[name].dtype)
                   for name, values in rows.items() if name != "embedding"}
-        exact = torch.from_numpy(np.ascontiguousarray(rows["embedding"])).to(self.device, torch.float32)
-        if "embedding_scale" in self.specs:
-            staged["embedding"], staged["embedding_scale"] = quantize_int8(exact)
+        exact = torch.from_numpy(np.ascontiguousarray(rows["embedding"], dtype=np.float32))
+        if "embedding_scale" in self.specs:  # on the CPU whatever the device: replicas store the same bytes
+            quantized, scale = quantize_int8(exact)
+            staged["embedding"], staged["embedding_scale"] = quantized.to(self.device), scale.to(self.device)
         else:
-            staged["embedding"] = exact.to(self.specs["embedding"].dtype)
+            staged["embedding"] = exact.to(self.device, self.specs["embedding"].dtype)
         if "embedding_exact" in self.specs:
-            staged["embedding_exact"] = exact
+            staged["embedding_exact"] = exact.to(self.device)
         return staged
 
     def _check_rows(self, rows: dict[str, np.ndarray]) -> None:
