@@ -181,13 +181,16 @@ def compile_user(schema: Schema, attributes: Mapping[str, Any], context: Mapping
                 raise InvalidInput(f"{name} is a {cat.source} category; send it in "
                                    f"{'context' if cat.source == 'context' else 'user.attributes'}", f"{where}.{name}")
             items = raw if isinstance(raw, list) else [raw]
-            if isinstance(raw, list) and not cat.multi and len(raw) > 1:
-                raise InvalidInput(f"{name} holds one value per user, got {len(raw)}", f"{where}.{name}")
+            if isinstance(raw, list) and not cat.multi:
+                raise InvalidInput(f"{name} holds one value per user: send it as a single value, not a list",
+                                   f"{where}.{name}")
+            expected = str if cat.kind == "enum" else int
             held = set()
             for i, value in enumerate(items):
                 field = f"{where}.{name}[{i}]" if isinstance(raw, list) else f"{where}.{name}"
-                if isinstance(value, bool) or not isinstance(value, (str, int)):
-                    raise InvalidInput(f"values are strings or integers, got {type(value).__name__}", field)
+                if isinstance(value, bool) or not isinstance(value, expected):
+                    raise InvalidInput(f"{name} values are {'strings' if expected is str else 'integers'}, "
+                                       f"got {type(value).__name__}", field)
                 idx = cat.value_index(value)
                 if idx is None:
                     warnings.append(f"{field}: unknown value {value!r} matches nothing")

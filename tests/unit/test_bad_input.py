@@ -94,7 +94,11 @@ def test_request_unknown_category_is_an_error_unknown_value_a_warning(small_sche
     ({"country": ["US", "CA"]}, {}, "user.attributes.country", "one value"),
     ({"surface": "feed"}, {}, "user.attributes.surface", "context"),
     ({}, {"country": "US"}, "context.country", "user.attributes"),
-    ({"interests": [{"a": 1}]}, {}, "user.attributes.interests[0]", "strings or integers"),
+    ({"interests": [{"a": 1}]}, {}, "user.attributes.interests[0]", "values are strings"),
+    ({"interests": ["i1", 2]}, {}, "user.attributes.interests[1]", "values are strings"),
+    ({"age": "30"}, {}, "user.attributes.age", "values are integers"),
+    ({"age": [15]}, {}, "user.attributes.age", "one value"),
+    ({"audiences": ["a1"]}, {}, "user.attributes.audiences[0]", "values are integers"),
     ({}, {"weather": "rain"}, "context.weather", "unknown targeting category"),
 ])
 def test_bad_request_values_name_the_field(small_schema, attributes, context, field, words):

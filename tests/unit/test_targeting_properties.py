@@ -66,10 +66,16 @@ def ads(draw, ad_id: int) -> dict:
     return upsert(ad_id, targeting=targeting, **fields)["ad"]
 
 
+def unknown_value(name: str) -> str | int:
+    """A well-typed value outside the category's vocabulary or range (it matches nothing)."""
+    cat = CATS[name]
+    return "unknown-value" if cat["kind"] == "enum" else cat.get("cardinality", 10**6) + 7
+
+
 def user_value(name: str) -> st.SearchStrategy:
     """What a user holds in one category: nothing, one value, or (multi) a list with unknown values."""
     if CATS[name].get("multi"):
-        return st.lists(values_of(name) | st.just("unknown-value"), max_size=4)
+        return st.lists(values_of(name) | st.just(unknown_value(name)), max_size=4)
     return st.none() | values_of(name)
 
 
@@ -81,7 +87,7 @@ def users(draw) -> tuple[dict, dict]:
 
 
 def _drop_unknown(attributes: dict) -> dict:
-    return {k: [x for x in v if x != "unknown-value"] if isinstance(v, list) else v for k, v in attributes.items()}
+    return {k: [x for x in v if x != unknown_value(k)] if isinstance(v, list) else v for k, v in attributes.items()}
 
 
 def _eligible_ids(schema, index, user_list, now) -> list[list[int]]:
