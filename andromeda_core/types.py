@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from andromeda_core.errors import InvalidInput
 
 INT64 = Annotated[int, Field(ge=0, lt=2**63)]
+FLOAT32_MAX = 3.4028234663852886e38  # bids are stored as float32
 TIME = Annotated[int, Field(ge=0, lt=2**62)]
 
 
@@ -30,7 +31,7 @@ class Ad(_Strict):
     start_time: TIME | None = None
     end_time: TIME | None = None
     creative: Creative
-    bid: float = Field(ge=0, allow_inf_nan=False)
+    bid: float = Field(ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
     targeting: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -71,7 +72,7 @@ class CoEngagement(_Strict):
 
     surface: str = Field(max_length=64)
     ad_id: INT64
-    count: int = Field(default=1, ge=1)
+    count: int = Field(default=1, ge=1, lt=2**31)
 
 
 class User(_Strict):

@@ -16,6 +16,7 @@ from tests.conftest import SMALL_SCHEMA, apply_events, make_ad, upsert
     ({"op": "upsert", "ad": {**make_ad(1), "ad_id": "1"}}, "ad.ad_id", "integer"),
     ({"op": "upsert", "ad": {**make_ad(1), "bid": -1}}, "ad.bid", "greater than or equal"),
     ({"op": "upsert", "ad": {**make_ad(1), "bid": "cheap"}}, "ad.bid", "number"),
+    ({"op": "upsert", "ad": {**make_ad(1), "bid": 3.5e38}}, "ad.bid", "less than or equal"),
     ({"op": "upsert", "ad": {**make_ad(1), "status": "running"}}, "ad.status", "active"),
     ({"op": "upsert", "ad": {**make_ad(1), "start_time": 9, "end_time": 3}}, "ad", "start_time must be before"),
     ({"op": "upsert", "ad": {**make_ad(1), "colour": "red"}}, "ad.colour", "Extra"),
