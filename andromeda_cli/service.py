@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,12 +26,46 @@ DEMO_USERS = 1000
 DEMO_TRAIN_STEPS = 150
 
 
-def service_config(args: argparse.Namespace, redis_url: str) -> ServiceConfig:
-    """The config file (--config) when given, with the command-line flags applied over it."""
-    base = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+def read_config_file(path: Path | None) -> dict:
+    """The ServiceConfig fields of a YAML file (a mapping); a clear error for anything else."""
+    if path is None:
+        return {}
+    try:
+        base = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise SystemExit(f"error: --config {path}: {exc}") from None
+    if not isinstance(base, dict):
+        raise SystemExit(f"error: --config {path}: expected a mapping of ServiceConfig fields, got {type(base).__name__}")
+    return base
+
+
+def service_config(args: argparse.Namespace, redis_url: str, check_files: bool = True) -> ServiceConfig:
+    """The config file (--config) when given, with the command-line flags applied over it. With
+    `check_files`, the model and schema files must exist here (the service is about to start)."""
     flags = {"host": args.host, "port": args.port, "shards": args.shards, "replicas": args.replicas,
              "model": str(args.model) if args.model else None, "storage": args.storage}
-    return ServiceConfig.model_validate({"redis_url": redis_url, **base, **{k: v for k, v in flags.items() if v is not None}})
+    config = ServiceConfig.model_validate({"redis_url": redis_url, **read_config_file(args.config),
+                                           **{k: v for k, v in flags.items() if v is not None}})
+    for name, path in (("model", config.model), ("schema_path", config.schema_path)):
+        if check_files and path and not Path(path).is_file():
+            raise SystemExit(f"error: config {name}: {path} is not a file")
+    return config
+
+
+def check_reachable(config: ServiceConfig) -> None:
+    """Fail fast, in one line, when Redis does not answer or the HTTP port is taken (Ray Serve's
+    proxy would share a port that another service already serves on)."""
+    import redis
+
+    try:
+        redis.Redis.from_url(config.redis_url, socket_connect_timeout=3).ping()
+    except (redis.RedisError, OSError) as exc:
+        raise SystemExit(f"error: cannot reach Redis at {config.redis_url}: {exc}") from None
+    with socket.socket() as probe:
+        try:
+            probe.bind((config.host, config.port))
+        except OSError as exc:
+            raise SystemExit(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
 
 
 def streams_empty(config: ServiceConfig) -> bool:
@@ -125,6 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not settings.redis_url:
         raise SystemExit("error: REDIS_URL is not set (`andromeda up` starts a local redis-server for you)")
     config = service_config(args, settings.redis_url)
+    check_reachable(config)
     world = demo_world(args.demo_ads) if args.demo_ads else None
     if world is not None and streams_empty(config):
         publish_demo(config, world)
@@ -153,8 +189,9 @@ def cmd_up(args: argparse.Namespace) -> None:
     from index_updater.local_redis import LocalRedis
 
     settings = load_settings()
+    service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0")  # bad flags fail before any work
     world = demo_world(args.demo_ads)
-    model = args.model or demo_model(world)
+    args.model = args.model or demo_model(world)
     token = settings.write_token or secrets.token_urlsafe(16)
     os.environ["ANDROMEDA_WRITE_TOKEN"] = token  # Ray workers inherit it; never written to a config
     server = None
@@ -164,8 +201,8 @@ def cmd_up(args: argparse.Namespace) -> None:
         redis_url = server.url
         print(f"started redis-server at {redis_url} (data in var/redis)", file=sys.stderr)
     try:
-        args.model = model
         config = service_config(args, redis_url)
+        check_reachable(config)
         if streams_empty(config):
             publish_demo(config, world)
         run_service(config, world, f"write token (for POST /v1/ad-events): {token}")
@@ -176,7 +213,7 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 def cmd_serve_config(args: argparse.Namespace) -> None:
     settings = load_settings()
-    config = service_config(args, args.redis or settings.redis_url or "redis://127.0.0.1:6379/0")
+    config = service_config(args, args.redis or settings.redis_url or "redis://127.0.0.1:6379/0", check_files=False)
     text = yaml.safe_dump(config.to_serve_config(), sort_keys=False)
     if args.out:
         Path(args.out).write_text(text)

@@ -9,6 +9,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel
 
@@ -101,12 +102,23 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            on_error("unsupported_media_type")
+            return error_response(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json",
+                                  "Content-Type")
         err = exc.errors()[0]
         loc = tuple(err.get("loc", ()))
-        field = "body" if err.get("type") == "json_invalid" else error_field(loc[1:] if loc[:1] == ("body",) else loc,
-                                                                            err.get("type", ""))
+        where = loc[1:] if loc[:1] in (("body",), ("path",), ("query",)) else loc
+        field = "body" if err.get("type") == "json_invalid" else error_field(where, err.get("type", ""))
         on_error(ErrorCategory.INVALID_INPUT.value)
         return error_response(422, ErrorCategory.INVALID_INPUT.value, err.get("msg", "invalid"), field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths, wrong methods, unreadable bodies: the same error shape as everything else."""
+        cause = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_input")
+        on_error(cause)
+        return error_response(exc.status_code, cause, str(exc.detail), None, getattr(exc, "headers", None))
 
     @app.exception_handler(AndromedaError)
     async def andromeda_error(request: Request, exc: AndromedaError) -> JSONResponse:

@@ -15,10 +15,13 @@ def shard_deployment(shard: int) -> str:
     return f"shard-{shard}"
 
 
+STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
 class Autoscaling(BaseModel):
     """Replicas per shard between bounds, scaled by Ray Serve on ongoing requests per replica."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
     min_replicas: int = Field(1, ge=1, le=256)
     max_replicas: int = Field(4, ge=1, le=256)
     target_ongoing_requests: float = Field(4.0, gt=0)
@@ -31,9 +34,9 @@ class Autoscaling(BaseModel):
 
 
 class ServiceConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
-    redis_url: str = Field(min_length=1)
+    redis_url: str = Field(pattern=r"^(redis|rediss|unix)://\S+$")
     """Redis holding the per-shard update streams (secrets: pass it through the environment in production)."""
     stream: str = Field("andromeda:ad-events", min_length=1, max_length=200)
     """Base name of the update streams: shard s reads `<stream>:<s>`; dead letters `<stream>:dead-letters`."""
@@ -47,17 +50,17 @@ class ServiceConfig(BaseModel):
     """Replicas of the router (the FastAPI ingress)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where a shard's ad table lives: auto = cuda when a GPU is present, else cpu. cuda: 1 GPU per replica."""
-    model: str | None = None
+    model: str | None = Field(None, min_length=1)
     """Trained checkpoint (safetensors); None: the untrained hashed two-tower baseline."""
     storage: Literal["fp32", "fp16", "int8"] = "fp32"
     """Storage format of the ad vectors the scan reads."""
-    schema_path: str | None = None
+    schema_path: str | None = Field(None, min_length=1)
     """Targeting schema YAML; None: the shipped default."""
-    snapshot_dir: str = "var/snapshots"
+    snapshot_dir: str = Field("var/snapshots", min_length=1)
     """Directory of index snapshots (one sub-directory per shard), shared by the replicas of a shard."""
     snapshot_every_s: float = Field(60.0, gt=0)
-    initial_capacity: int = Field(1024, ge=1)
-    chunk_size: int = Field(65536, ge=1)
+    initial_capacity: int = Field(1024, ge=1, le=2**31)
+    chunk_size: int = Field(65536, ge=1, le=2**26)
     rescore: int = Field(2, ge=0, le=64)
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Requests that may share one pass over a shard's table (@serve.batch)."""
@@ -70,7 +73,7 @@ class ServiceConfig(BaseModel):
     max_events_per_request: int = Field(10000, ge=1)
     shard_cpus: float = Field(0.5, gt=0)
     router_cpus: float = Field(0.5, gt=0)
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$")
     port: int = Field(8000, ge=1, le=65535)
 
     def resolved_device(self) -> str:
@@ -86,10 +89,12 @@ class ServiceConfig(BaseModel):
         scaling = ({"autoscaling_config": self.autoscaling.model_dump()} if self.autoscaling
                    else {"num_replicas": self.replicas})
         return {**scaling, "ray_actor_options": {"num_cpus": self.shard_cpus, "num_gpus": gpus},
+                "max_ongoing_requests": 4 * self.max_batch_size,  # enough queued calls to fill a batch
                 "health_check_period_s": 2, "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 5}
 
     def router_options(self) -> dict:
         return {"num_replicas": self.router_replicas, "ray_actor_options": {"num_cpus": self.router_cpus},
+                "max_ongoing_requests": 256,  # the router mostly awaits shards; Serve's default of 5 queues requests
                 "graceful_shutdown_timeout_s": 5}
 
     def to_serve_config(self) -> dict:

@@ -17,7 +17,7 @@ from pydantic import Field
 from ray import serve
 
 from andromeda_core.config import load_settings
-from andromeda_core.errors import AndromedaError, InvalidInput
+from andromeda_core.errors import AndromedaError, InvalidInput, NotFound
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests
 from andromeda_core.sharding import shard_of
@@ -37,8 +37,8 @@ bearer = HTTPBearer(auto_error=False)
 
 
 def writer(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-    """Dependency of the write endpoints: runs before the body is parsed, so a caller without the
-    token learns nothing about the body's validation."""
+    """Dependency of the write endpoints: runs before the body is validated, so a caller without the
+    token learns nothing from the validation (a body that is not JSON at all is still a 422)."""
     check_write_token(load_settings().write_token, credentials)
 AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
 
@@ -206,7 +206,10 @@ class Router:
     async def get_ad(self, ad_id: AD_ID) -> AdState:
         """The indexed state of one ad: version, status, shard, satisfiable, servable now."""
         shard = shard_of(ad_id, len(self.shards))
-        return AdState(**await self.call(shard, "get_ad", ad_id, int(time.time())))
+        state = await self.call(shard, "get_ad", ad_id, int(time.time()))
+        if state is None:
+            raise NotFound(f"ad {ad_id} is not in the index", "ad_id")
+        return AdState(**state)
 
     # -- operations ------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import redis
 import torch
 from ray import serve
 
+from andromeda_core.errors import NotFound
 from andromeda_core.index import AdIndex
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries, split_topk
@@ -73,9 +74,12 @@ class ShardReplica:
         with self.retriever.index.reading():
             return self.retriever.index.embeddings_of(ad_ids)
 
-    def get_ad(self, ad_id: int, now: int) -> dict:
-        """Indexed state of one ad and whether a request at `now` could be served it. Raises NotFound."""
-        state = self.retriever.index.get(ad_id)
+    def get_ad(self, ad_id: int, now: int) -> dict | None:
+        """Indexed state of one ad and whether a request at `now` could be served it; None when not indexed."""
+        try:
+            state = self.retriever.index.get(ad_id)
+        except NotFound:
+            return None  # an ordinary answer, not a failed call (Ray would log a traceback)
         in_window = (state["start_time"] is None or state["start_time"] <= now) and (
             state["end_time"] is None or now < state["end_time"])
         return {**state, "shard": self.shard, "servable_now": state["status"] == "active" and state["satisfiable"] and in_window}

@@ -193,8 +193,15 @@ def test_raw_garbage_is_a_422_not_a_500(service):
         got = requests.post(f"{service.url}/two/v1/retrieve", data=body, headers={"Content-Type": "application/json"},
                             timeout=10)
         assert got.status_code == 422, (body, got.status_code, got.text)
-    assert requests.get(f"{service.url}/two/v1/ads/abc", timeout=10).status_code == 422
+    bad_id = requests.get(f"{service.url}/two/v1/ads/abc", timeout=10)
+    assert bad_id.status_code == 422 and bad_id.json()["error"]["field"] == "ad_id"
     assert requests.get(f"{service.url}/two/v1/ads/-5", timeout=10).status_code == 422
+    as_text = requests.post(f"{service.url}/two/v1/retrieve", data='{"user": {"user_id": 1}}',
+                            headers={"Content-Type": "text/plain"}, timeout=10)
+    assert as_text.status_code == 415 and as_text.json()["error"]["field"] == "Content-Type"
+    for method, path, status in (("GET", "/v1/retrieve", 405), ("DELETE", "/v1/ads/5", 405), ("GET", "/v2/nothing", 404)):
+        got = requests.request(method, f"{service.url}/two{path}", timeout=10)
+        assert got.status_code == status and set(got.json()["error"]) == {"category", "field", "message"}
 
 
 def test_health_readiness_and_metrics(service):
