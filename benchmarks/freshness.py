@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import tempfile
 import threading
 import time
@@ -177,7 +178,7 @@ def run(args, world: Path, url: str) -> tuple[list[dict], list[dict], int]:
         publisher.join()
 
 
-def report(args, rates: list[dict], rows: list[dict], ads: int) -> str:
+def report(args, rates: list[dict], rows: list[dict], ads: int, load_before: float) -> str:
     idle, busy = rates
     table = ["| target events/s | published events/s | applied events/s | p50 ms | p99 ms | max ms | queries/s meanwhile |",
              "|---|---|---|---|---|---|---|"]
@@ -191,7 +192,8 @@ Machine: {machine()}. On this machine at once: one redis-server (AOF, appendfsyn
 process writing ad edits to the per-shard streams; the replica process with its consumer of shard 0 of
 {args.shards} (XREAD of its shard's stream, each read decoded at once and applied as one atomic batch) and a
 query thread sending {args.qps:g} retrievals/s (open loop) over its index of {ads:,} ads (reference
-pipeline, 1 torch thread).
+pipeline, 1 torch thread). The 1-minute load average before the run was {load_before:.1f} (above 0, other processes
+were using the cores too).
 
 Apply rate, a backlog of {args.backlog:,} edits published (those of shard 0 wait in its stream):
 {idle['rate']:,.0f} events/s applied with no queries; {busy['rate']:,.0f} events/s while serving {busy['qps']:.1f} queries/s.
@@ -216,6 +218,7 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)  # the query thread shares the 2 cores with publisher, consumer and redis
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         world = synthesize(WorldConfig(ads=args.ads, users=4, seed=21), Path(tmp) / "world", load_schema())
         server = LocalRedis(Path(tmp) / "redis", aof=True).start()
@@ -223,7 +226,7 @@ def main() -> None:
             rates, rows, ads = run(args, world, server.url)
         finally:
             server.stop()
-    body = report(args, rates, rows, ads)
+    body = report(args, rates, rows, ads, load_before)
     print(body)
     if not args.no_write:
         write_section("freshness", body)
