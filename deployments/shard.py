@@ -21,7 +21,7 @@ from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries, split_topk
 from deployments.config import ServiceConfig
 from deployments.engine import load_schema_of, load_scorer
-from index_updater.consumer import ShardConsumer
+from index_updater.consumer import ShardConsumer, StreamGap
 from index_updater.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,10 @@ class ShardReplica:
         self.consumer = ShardConsumer(redis.Redis.from_url(cfg.redis_url), index, scorer.name, shard, cfg.shards,
                                       stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s)
         self.consumer.recover()
-        self.consumer.catch_up()  # readiness only after catch-up: Serve waits for __init__
+        try:
+            self.consumer.catch_up()  # readiness only after catch-up: Serve waits for __init__
+        except StreamGap as exc:  # the consumer reports it (unhealthy) until a snapshot covers the gap
+            log.error("shard %d: %s", shard, exc)
         self.consumer.start()
         self.search.set_max_batch_size(cfg.max_batch_size)
         self.search.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
