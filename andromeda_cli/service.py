@@ -18,7 +18,7 @@ import yaml
 from tqdm import tqdm
 
 from andromeda_core.config import load_settings
-from andromeda_core.schema import load_schema
+from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from deployments.config import APP_NAME, ServiceConfig
 
@@ -39,12 +39,17 @@ def read_config_file(path: Path | None) -> dict:
     return base
 
 
-def service_config(args: argparse.Namespace, redis_url: str, check_files: bool = True) -> ServiceConfig:
-    """The config file (--config) when given, with the command-line flags applied over it. With
-    `check_files`, the model and schema files must exist here (the service is about to start)."""
+def service_config(args: argparse.Namespace, redis_url: str | None, check_files: bool = True) -> ServiceConfig:
+    """The config: the environment's settings (ANDROMEDA_SCHEMA, _STREAM, _SHARDS, _RESCORE, ...), then
+    the config file (--config), then the command-line flags. With `check_files`, the model and schema
+    files must exist here (the service is about to start)."""
+    settings = load_settings()
+    env = {"redis_url": redis_url, "stream": settings.stream, "shards": settings.shards,
+           "schema_path": None if args.schema == DEFAULT_SCHEMA_PATH else str(args.schema), "rescore": settings.index.rescore,
+           "chunk_size": settings.index.chunk_size, "initial_capacity": settings.index.initial_capacity}
     flags = {"host": args.host, "port": args.port, "shards": args.shards, "replicas": args.replicas,
              "model": str(args.model) if args.model else None, "storage": args.storage}
-    config = ServiceConfig.model_validate({"redis_url": redis_url, **read_config_file(args.config),
+    config = ServiceConfig.model_validate({**{k: v for k, v in env.items() if v is not None}, **read_config_file(args.config),
                                            **{k: v for k, v in flags.items() if v is not None}})
     for name, path in (("model", config.model), ("schema_path", config.schema_path)):
         if check_files and path and not Path(path).is_file():
@@ -212,8 +217,7 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_config(args: argparse.Namespace) -> None:
-    settings = load_settings()
-    config = service_config(args, args.redis or settings.redis_url or "redis://127.0.0.1:6379/0", check_files=False)
+    config = service_config(args, args.redis, check_files=False)  # no --redis: replicas read REDIS_URL
     text = yaml.safe_dump(config.to_serve_config(), sort_keys=False)
     if args.out:
         Path(args.out).write_text(text)

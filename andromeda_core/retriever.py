@@ -53,7 +53,8 @@ class UserQuery:
 @dataclass(frozen=True)
 class TopK:
     """Per-request results: ids (B, K) int64 (-1 = none), scores (B, K) float32 (-inf = none), sorted by
-    score desc then id asc; only the first k[b] entries of row b count; eligible (B,) int64."""
+    score desc then id asc; only the first k[b] entries of row b count (K may be less than k[b] when the
+    table holds fewer slots); eligible (B,) int64."""
 
     ids: torch.Tensor
     scores: torch.Tensor
@@ -114,15 +115,16 @@ class Retriever:
     def search(self, query: UserQuery) -> TopK:
         """One pass over the table for B requests, each with its own targeting, time and k."""
         inputs = match_inputs(self.index.schema, query.values, query.now, self.index.device)
-        k = max(query.k)
+        users = query.users.to(self.index.device)  # a router builds user state on its own device
         with self.index.reading():
+            k = max(1, min(max(query.k), self.index.high_water))  # no request gets more than the table holds
             if self.rescore and self.index.keeps_exact:
-                shortlist, _, eligible = self.scan(inputs, query.users, self.rescore * k)
+                shortlist, _, eligible = self.scan(inputs, users, self.rescore * k)
                 for b, kb in enumerate(query.k):  # each request rescores the shortlist it would have alone
                     shortlist[b, self.rescore * kb:] = NO_ID
-                ids, scores = self.rescored(query.users, shortlist, k)
+                ids, scores = self.rescored(users, shortlist, k)
             else:
-                ids, scores, eligible = self.scan(inputs, query.users, k)
+                ids, scores, eligible = self.scan(inputs, users, k)
         return TopK(ids.cpu(), scores.cpu(), eligible.cpu())
 
     def retrieve(self, requests: Sequence[RetrieveRequest], now: int | None = None) -> list[RetrieveResponse | AndromedaError]:

@@ -36,8 +36,9 @@ class Autoscaling(BaseModel):
 class ServiceConfig(BaseModel):
     model_config = STRICT
 
-    redis_url: str = Field(pattern=r"^(redis|rediss|unix)://\S+$")
-    """Redis holding the per-shard update streams (secrets: pass it through the environment in production)."""
+    redis_url: str | None = Field(None, pattern=r"^(redis|rediss|unix)://\S+$")
+    """Redis holding the per-shard update streams; None: each replica reads REDIS_URL from its environment
+    (keep credentials there, out of config files)."""
     stream: str = Field("andromeda:ad-events", min_length=1, max_length=200)
     """Base name of the update streams: shard s reads `<stream>:<s>`; dead letters `<stream>:dead-letters`."""
     shards: int = Field(1, ge=1, le=1024)
@@ -49,7 +50,8 @@ class ServiceConfig(BaseModel):
     router_replicas: int = Field(1, ge=1, le=256)
     """Replicas of the router (the FastAPI ingress)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where a shard's ad table lives: auto = cuda when a GPU is present, else cpu. cuda: 1 GPU per replica."""
+    """Where a shard's ad table lives. cuda: each replica reserves one GPU. auto: cuda when the replica's
+    process sees a GPU, else cpu, reserving none (set cuda for GPU clusters)."""
     model: str | None = Field(None, min_length=1)
     """Trained checkpoint (safetensors); None: the untrained hashed two-tower baseline."""
     storage: Literal["fp32", "fp16", "int8"] = "fp32"
@@ -85,7 +87,7 @@ class ServiceConfig(BaseModel):
 
     def shard_options(self) -> dict:
         """Ray Serve deployment options of every shard deployment."""
-        gpus = 1 if self.resolved_device() == "cuda" else 0
+        gpus = 1 if self.device == "cuda" else 0  # decided by the config, not by the machine that writes it
         scaling = ({"autoscaling_config": self.autoscaling.model_dump()} if self.autoscaling
                    else {"num_replicas": self.replicas})
         return {**scaling, "ray_actor_options": {"num_cpus": self.shard_cpus, "num_gpus": gpus},

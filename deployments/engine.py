@@ -1,11 +1,20 @@
 """What both deployments build from a ServiceConfig: the schema and the scorer (one model per service)."""
 from __future__ import annotations
 
+from andromeda_core.config import load_settings
 from andromeda_core.models import Scorer
 from andromeda_core.models.serving import ModelScorer
 from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.schema import Schema, load_schema
 from deployments.config import ServiceConfig
+
+
+def redis_url(config: ServiceConfig) -> str:
+    """The config's Redis URL, or this process's REDIS_URL."""
+    url = config.redis_url or load_settings().redis_url
+    if not url:
+        raise RuntimeError("no Redis: set redis_url in the service config or REDIS_URL in the replicas' environment")
+    return url
 
 
 def load_schema_of(config: ServiceConfig) -> Schema:

@@ -6,6 +6,7 @@ again, away from a dead replica); if it fails again the request gets 503 naming 
 the request allows it, a partial answer that lists the missing shard."""
 
 import asyncio
+import logging
 import time
 from typing import Annotated, Any, Sequence
 
@@ -15,17 +16,19 @@ from fastapi import Depends, Path, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 from ray import serve
+from ray.exceptions import RayTaskError
 
 from andromeda_core.config import load_settings
 from andromeda_core.errors import AndromedaError, InvalidInput, NotFound
 from andromeda_core.ingest import prepare_ops
+from andromeda_core.models import EmbeddingLookup
 from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse
 from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, Health, PublishResponse, check_write_token,
                              create_app)
 from deployments.config import ServiceConfig
-from deployments.engine import load_schema_of, load_scorer
+from deployments.engine import load_schema_of, load_scorer, redis_url
 from deployments.metrics import ServiceMetrics
 from deployments.shard import ShardAnswer
 from index_updater.publisher import Publisher
@@ -33,6 +36,7 @@ from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
 app = create_app(on_error=lambda cause: metrics.errors.labels(cause).inc())
+log = logging.getLogger(__name__)
 bearer = HTTPBearer(auto_error=False)
 
 
@@ -45,6 +49,10 @@ AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
 
 class ShardUnavailable(AndromedaError):
     """A shard did not answer within its deadline, twice."""
+
+
+class StreamUnavailable(AndromedaError):
+    """Redis did not take the events (after a few quick retries); nothing of the failed shard was appended."""
 
 
 def oldest(watermarks: Sequence[str | None]) -> str | None:
@@ -70,8 +78,8 @@ class Router:
         self.shards = list(shards)
         self.schema = load_schema_of(self.config)
         self.scorer = load_scorer(self.config, self.schema)
-        self.publisher = Publisher(redis.Redis.from_url(self.config.redis_url), self.schema, self.scorer,
-                                   shards=self.config.shards, stream=self.config.stream)
+        self.publisher = Publisher(redis.Redis.from_url(redis_url(self.config)), self.schema, self.scorer,
+                                   shards=self.config.shards, stream=self.config.stream, attempts=5)
         self.metrics = metrics
 
     # -- retrieval -------------------------------------------------------------------------------
@@ -89,17 +97,17 @@ class Router:
     async def answer(self, requests: Sequence[RetrieveRequest], endpoint: str, where: str) -> list[RetrieveResponse]:
         started = time.perf_counter()
         compiled = self.compiled(requests, where)
+        allow_partial = all(r.allow_partial for r in requests)
         t0 = time.perf_counter()
-        lookup = await self.history_lookup(requests)
+        lookup, unreachable = await self.history_lookup(requests, allow_partial)
         t1 = time.perf_counter()
         nows = [c.now for c in compiled]
         users = await asyncio.to_thread(self.scorer.encode_users, requests, lookup, nows)
         t2 = time.perf_counter()
         query = UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests])
-        allow_partial = all(r.allow_partial for r in requests)
-        answers = await asyncio.gather(*(self.ask_shard(s, query, allow_partial) for s in range(len(self.shards))))
+        answers = await asyncio.gather(*(self.ask(s, allow_partial, "search", query) for s in range(len(self.shards))))
         t3 = time.perf_counter()
-        responses = self.merge(requests, compiled, answers, started)
+        responses = self.merge(requests, compiled, answers, unreachable, started)
         done = time.perf_counter()
         for stage, seconds in (("compile", t0 - started), ("history", t1 - t0), ("user_towers", t2 - t1),
                                ("shards", t3 - t2), ("merge", done - t3), ("total", done - started)):
@@ -115,18 +123,20 @@ class Router:
                 raise InvalidInput(c.message, f"{where.format(i)}{c.field}")
         return compiled
 
-    async def history_lookup(self, requests: Sequence[RetrieveRequest]):
+    async def history_lookup(self, requests: Sequence[RetrieveRequest], allow_partial: bool) -> tuple[EmbeddingLookup, set[int]]:
         """Fetch the stored vectors of every history and co-engagement ad of the batch from the shards
-        that own them (one concurrent call per shard) -> lookup(ad ids) for the user towers."""
+        that own them (one concurrent call per shard) -> (lookup(ad ids) for the user towers, shards
+        that did not answer: their ads count as not indexed; only with allow_partial)."""
         wanted = sorted({h.ad_id for r in requests for h in r.user.history} |
                         {c.ad_id for r in requests for c in r.user.co_engagement})
         by_shard: dict[int, list[int]] = {}
         for ad_id in wanted:
             by_shard.setdefault(shard_of(ad_id, len(self.shards)), []).append(ad_id)
-        replies = await asyncio.gather(*(self.call(s, "vectors", ids) for s, ids in by_shard.items()))
+        replies = await asyncio.gather(*(self.ask(s, allow_partial, "vectors", ids) for s, ids in by_shard.items()))
         found: dict[int, torch.Tensor] = {}
-        for ids, (vectors, ok) in zip(by_shard.values(), replies):
-            found.update((i, v) for i, v, hit in zip(ids, vectors, ok.tolist()) if hit)
+        for ids, reply in zip(by_shard.values(), replies):
+            if reply is not None:
+                found.update((i, v) for i, v, hit in zip(ids, reply[0], reply[1].tolist()) if hit)
         zero = torch.zeros(self.scorer.dim)
 
         def lookup(ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,38 +145,45 @@ class Router:
             return (torch.stack([found.get(i, zero) for i in ad_ids]),
                     torch.tensor([i in found for i in ad_ids], dtype=torch.bool))
 
-        return lookup
+        return lookup, {s for s, reply in zip(by_shard, replies) if reply is None}
 
-    async def ask_shard(self, shard: int, query: UserQuery, allow_partial: bool) -> ShardAnswer | None:
+    async def ask(self, shard: int, allow_partial: bool, method: str, *args: Any) -> Any:
+        """`call`, except that with allow_partial a shard that does not answer gives None."""
         try:
-            return await self.call(shard, "search", query)
+            return await self.call(shard, method, *args)
         except ShardUnavailable:
             if allow_partial:
                 return None
             raise
 
-    async def call(self, shard: int, method: str, *args: Any) -> Any:
-        """Call a shard with the deadline, retrying once; raises ShardUnavailable naming the shard."""
+    async def call(self, shard: int, method: str, *args: Any, attempts: int = 2, timeout_s: float | None = None) -> Any:
+        """Call a shard with a deadline; a call that times out or whose replica died is made again
+        (attempts in all), then ShardUnavailable names the shard. An error raised by the shard's own
+        code is not retried: an AndromedaError passes through, anything else is a 500."""
         error: BaseException | None = None
-        for _ in range(2):
+        for _ in range(attempts):
             response = getattr(self.shards[shard], method).remote(*args)
             try:
-                return await asyncio.wait_for(_awaited(response), self.config.shard_timeout_s)
+                return await asyncio.wait_for(_awaited(response), timeout_s or self.config.shard_timeout_s)
             except asyncio.CancelledError:
                 response.cancel()
                 raise
             except AndromedaError as exc:  # the shard's answer (e.g. NotFound), not a failure to answer
                 raise getattr(exc, "cause", exc) from None
-            except Exception as exc:  # timeout, dead replica, replica error: try once more
+            except RayTaskError as exc:  # a bug in the shard's code: retrying would only repeat it
+                log.error("shard %d %s failed: %s", shard, method, exc)
+                raise RuntimeError(f"shard {shard} failed") from None
+            except Exception as exc:  # timeout, dead replica, back-pressure: try again
                 response.cancel()
                 error = exc
         raise ShardUnavailable(f"shard {shard} did not answer ({type(error).__name__}); retry later", f"shard {shard}")
 
     def merge(self, requests: Sequence[RetrieveRequest], compiled: Sequence[CompiledRequest],
-              answers: Sequence[ShardAnswer | None], started: float) -> list[RetrieveResponse]:
-        """Exact merge of the shards' partial top-k; eligible counts add up."""
+              answers: Sequence[ShardAnswer | None], unreachable: set[int], started: float) -> list[RetrieveResponse]:
+        """Exact merge of the shards' partial top-k; eligible counts add up. Shards that did not answer
+        the search or the history lookup are listed as missing."""
         present = [a for a in answers if a is not None]
-        missing = [s for s, a in enumerate(answers) if a is None]
+        missing = sorted(unreachable | {s for s, a in enumerate(answers) if a is None})
         if not present:
             raise ShardUnavailable("no shard answered", "shard")
         k = max(r.k for r in requests)
@@ -198,7 +215,11 @@ class Router:
         if len(events) > self.config.max_events_per_request:
             raise InvalidInput(f"at most {self.config.max_events_per_request} events per request, got {len(events)}", "body")
         ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, [f"[{i}]" for i in range(len(events))])
-        ids = await asyncio.to_thread(self.publisher.publish_ops, ops)
+        try:
+            ids = await asyncio.to_thread(self.publisher.publish_ops, ops)
+        except redis.RedisError as exc:
+            raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); retry the whole "
+                                    "batch (re-sent events are harmless: they apply by version)", "redis") from None
         self.metrics.published.inc(len(ids))
         return PublishResponse(ids=ids)
 
@@ -215,8 +236,8 @@ class Router:
 
     async def shard_status(self) -> list[dict | None]:
         async def one(shard: int) -> dict | None:
-            try:
-                return await self.call(shard, "status")
+            try:  # probes and scrapes have short deadlines of their own: answer within 2 s
+                return await self.call(shard, "status", attempts=1, timeout_s=2.0)
             except ShardUnavailable:
                 return None
         return list(await asyncio.gather(*(one(s) for s in range(len(self.shards)))))
@@ -236,7 +257,7 @@ class Router:
         return body if ready else error_json(503, body)
 
     @app.get("/metrics", response_class=Response)
-    async def metrics(self) -> Response:
+    async def prometheus_metrics(self) -> Response:
         """Prometheus text format: latency by stage, counts, per-shard index size, lag, dead letters."""
         return Response(self.metrics.render(await self.shard_status()), media_type="text/plain; version=0.0.4")
 

@@ -20,8 +20,8 @@ from andromeda_core.index import AdIndex
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries, split_topk
 from deployments.config import ServiceConfig
-from deployments.engine import load_schema_of, load_scorer
-from index_updater.consumer import ShardConsumer, StreamGap
+from deployments.engine import load_schema_of, load_scorer, redis_url
+from index_updater.consumer import ShardConsumer
 from index_updater.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShardAnswer:
-    """A shard's partial top-k for one query, the stream id its index reflects, and its scan time."""
+    """A shard's partial top-k for one query, the stream id its index reflects (None before the first
+    entry), its pass's time and the slots the pass scanned."""
 
     topk: TopK
     watermark: str | None
@@ -49,23 +50,23 @@ class ShardReplica:
                         embedding_dtype=STORAGE[cfg.storage], exact_copy=cfg.rescore > 0)
         self.retriever = Retriever(index, scorer, chunk_size=cfg.chunk_size, rescore=cfg.rescore)
         snapshots = SnapshotStore(Path(cfg.snapshot_dir) / f"shard-{shard}")
-        self.consumer = ShardConsumer(redis.Redis.from_url(cfg.redis_url), index, scorer.name, shard, cfg.shards,
+        self.consumer = ShardConsumer(redis.Redis.from_url(redis_url(cfg)), index, scorer.name, shard, cfg.shards,
                                       stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s)
         self.consumer.recover()
-        try:
-            self.consumer.catch_up()  # readiness only after catch-up: Serve waits for __init__
-        except StreamGap as exc:  # the consumer reports it (unhealthy) until a snapshot covers the gap
-            log.error("shard %d: %s", shard, exc)
+        # Readiness only after catch-up: Serve routes nothing here before __init__ returns. A stream
+        # trimmed past every snapshot raises StreamGap: the replica fails to start (Serve retries)
+        # rather than serve an index missing updates.
+        self.consumer.catch_up()
         self.consumer.start()
         self.search.set_max_batch_size(cfg.max_batch_size)
         self.search.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
         log.info("shard %d ready: %d ads at %s", shard, len(index), self.consumer.stats.last_id)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    @serve.batch(batch_size_fn=lambda queries: sum(len(q) for q in queries))  # a batch counts requests, not calls
     async def search(self, queries: list[UserQuery]) -> list[ShardAnswer]:
         """Queries from concurrent requests share one pass over the table; each gets its own rows back."""
         started = time.perf_counter()
-        watermark = self.consumer.stats.last_id
+        watermark = None if self.consumer.stats.last_id == "0-0" else self.consumer.stats.last_id
         scanned = self.retriever.index.high_water
         result = await asyncio.to_thread(self.retriever.search, concat_queries(queries))
         took = (time.perf_counter() - started) * 1000

@@ -42,10 +42,14 @@ def retry(call: Callable[[], Any], attempts: int = 60, first_delay: float = 0.05
 
 
 class Publisher:
-    def __init__(self, client: redis.Redis, schema: Schema, scorer: Scorer, shards: int = 1, stream: str = DEFAULT_STREAM):
+    def __init__(self, client: redis.Redis, schema: Schema, scorer: Scorer, shards: int = 1, stream: str = DEFAULT_STREAM,
+                 attempts: int = 60):
+        """`attempts`: tries per shard stream on connection errors (60 is about 2 minutes of backoff; an
+        HTTP handler wants far fewer)."""
         if shards < 1:
             raise ValueError("shards must be >= 1")
         self.client, self.schema, self.scorer, self.shards, self.stream = client, schema, scorer, shards, stream
+        self.attempts = attempts
 
     def publish(self, events: Sequence[dict | str | Any], where: str = "events") -> list[str]:
         """Validate, compile and append events; returns their stream ids. Raises InvalidInput, writing nothing."""
@@ -62,7 +66,7 @@ class Publisher:
             by_stream.setdefault(shard_stream(self.stream, fields["shard"]), []).append(i)
         ids = [""] * len(entries)
         for stream, positions in by_stream.items():
-            sent = retry(partial(self._append, stream, [entries[i] for i in positions]))
+            sent = retry(partial(self._append, stream, [entries[i] for i in positions]), self.attempts)
             for i, entry_id in zip(positions, sent):
                 ids[i] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         return ids

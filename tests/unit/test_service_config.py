@@ -20,6 +20,11 @@ def test_serve_config_validates_with_rays_schema_and_names_every_shard():
     assert ServiceConfig.model_validate(app.args) == config  # the args rebuild the same config
 
 
+def test_serve_config_leaves_the_redis_url_to_the_environment_unless_given():
+    assert "redis_url" not in ServiceConfig().to_serve_config()["applications"][0]["args"]
+    assert ServiceConfig(device="auto").shard_options()["ray_actor_options"]["num_gpus"] == 0
+
+
 def test_autoscaling_and_cuda_options():
     config = ServiceConfig(redis_url="redis://r", device="cuda", autoscaling=Autoscaling(min_replicas=1, max_replicas=3))
     options = config.shard_options()
