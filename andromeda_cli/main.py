@@ -15,11 +15,10 @@ from tqdm import tqdm
 from andromeda_cli.service import add_commands as add_service_commands
 
 from andromeda_core.config import load_settings
-from andromeda_core.errors import AndromedaError
+from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import load_events, read_events
-from andromeda_core.models.serving import ModelScorer
-from andromeda_core.models.two_tower import HashedTwoTower
+from andromeda_core.models.serving import load_scorer
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever
 from andromeda_core.schema import Schema, load_schema
@@ -34,7 +33,7 @@ def build_retriever(schema: Schema, events: Path, progress: bool = True, model: 
     """An in-process index loaded from an events JSONL file, scored by a trained model checkpoint
     (or, without one, the untrained hashed two-tower baseline)."""
     settings = load_settings()
-    scorer = ModelScorer.load(model, schema, settings.device) if model else HashedTwoTower(device=settings.device)
+    scorer = load_scorer(model, schema, settings.device)
     index = AdIndex(schema, scorer.dim, capacity=settings.index.initial_capacity, device=settings.device,
                     embedding_dtype=STORAGE[storage], exact_copy=settings.index.rescore > 0)
     with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", disable=not progress,
@@ -52,8 +51,18 @@ def read_requests(path: Path, k: int | None) -> list[RetrieveRequest]:
     except json.JSONDecodeError:
         docs = [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if k is not None:  # the override is validated like the request's own k
-        docs = [(where, {**(json.loads(doc) if isinstance(doc, str) else doc), "k": k}) for where, doc in docs]
+        docs = [(where, {**_json_object(doc, where), "k": k}) for where, doc in docs]
     return [parse_request(doc, where) for where, doc in docs]
+
+
+def _json_object(doc: str | dict, where: str) -> dict:
+    try:
+        value = json.loads(doc) if isinstance(doc, str) else doc
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"not JSON: {exc.msg}", where) from None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"a request is a JSON object, got {type(value).__name__}", where)
+    return value
 
 
 def cmd_schema(args: argparse.Namespace) -> None:
@@ -142,7 +151,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
     if not url:
         raise SystemExit("error: no Redis to publish to: pass --redis or set REDIS_URL")
     schema = load_schema(args.schema)
-    scorer = ModelScorer.load(args.model, schema, settings.device) if args.model else HashedTwoTower(device=settings.device)
+    scorer = load_scorer(args.model, schema, settings.device)
     publisher = Publisher(redis.Redis.from_url(url), schema, scorer, shards=args.shards or settings.shards,
                           stream=args.stream or settings.stream)
     with tqdm(unit="event", desc="publish", file=sys.stderr) as bar:
@@ -228,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AndromedaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while starting: whatever was started is stopped by its finally
+        return 130
     except ValidationError as exc:
         err = exc.errors()[0]
         print(f"error: config {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)

@@ -51,10 +51,13 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
              "model": str(args.model) if args.model else None, "storage": args.storage}
     config = ServiceConfig.model_validate({**{k: v for k, v in env.items() if v is not None}, **read_config_file(args.config),
                                            **{k: v for k, v in flags.items() if v is not None}})
+    if not check_files:
+        return config
     for name, path in (("model", config.model), ("schema_path", config.schema_path)):
-        if check_files and path and not Path(path).is_file():
+        if path and not Path(path).is_file():
             raise SystemExit(f"error: config {name}: {path} is not a file")
-    return config
+    paths = {"model": config.model, "schema_path": config.schema_path, "snapshot_dir": config.snapshot_dir}
+    return config.model_copy(update={k: str(Path(v).resolve()) for k, v in paths.items() if v})  # Ray workers' cwd may differ
 
 
 def check_reachable(config: ServiceConfig) -> None:
@@ -98,11 +101,11 @@ def demo_world(ads: int) -> Path:
 def publish_demo(config: ServiceConfig, world: Path) -> None:
     import redis
 
-    from deployments.engine import load_schema_of, load_scorer
+    from deployments.engine import load_config_scorer, load_schema_of
     from index_updater.publisher import Publisher
 
     schema = load_schema_of(config)
-    publisher = Publisher(redis.Redis.from_url(config.redis_url), schema, load_scorer(config, schema),
+    publisher = Publisher(redis.Redis.from_url(config.redis_url), schema, load_config_scorer(config, schema),
                           shards=config.shards, stream=config.stream)
     events = world / "events.jsonl"
     with tqdm(total=sum(1 for _ in events.open("rb")), unit="event", desc="publish demo ads", file=sys.stderr) as bar:

@@ -7,6 +7,7 @@ from enum import Enum
 class ErrorCategory(str, Enum):
     INVALID_INPUT = "invalid_input"  # the caller's fault; nothing was changed (HTTP 422)
     NOT_FOUND = "not_found"  # (HTTP 404)
+    UNAUTHORIZED = "unauthorized"  # no valid credentials for a write (HTTP 401)
     CORRUPT = "corrupt"  # stored data failed its integrity check
     UNAVAILABLE = "unavailable"  # transient; retry (HTTP 503)
 

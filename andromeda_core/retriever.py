@@ -65,6 +65,14 @@ class TopK:
         return [ScoredAd(ad_id=i, score=s) for i, s in zip(ids, scores) if i != NO_ID]
 
 
+def merge_topks(parts: Sequence[TopK], k: int) -> TopK:
+    """The exact top-k of several shards' partial results for the same B requests: ids/scores (B, k),
+    eligible counts added up."""
+    ids = torch.cat([p.ids for p in parts], 1)
+    ids, scores = topk_by_score_then_id(torch.cat([p.scores for p in parts], 1), ids, ids != NO_ID, k)
+    return TopK(ids, scores, sum(p.eligible for p in parts))
+
+
 def compile_requests(schema: Schema, requests: Sequence[RetrieveRequest],
                      now: int | None = None) -> list[CompiledRequest | AndromedaError]:
     """Targeting values of each request; `now` (seconds, default: the clock) where a request has no

@@ -18,8 +18,9 @@ from andromeda_core.types import RetrieveResponse, error_field
 
 log = logging.getLogger(__name__)
 
-STATUS = {ErrorCategory.INVALID_INPUT: 422, ErrorCategory.NOT_FOUND: 404, ErrorCategory.UNAVAILABLE: 503,
-          ErrorCategory.CORRUPT: 500}
+STATUS = {ErrorCategory.INVALID_INPUT: 422, ErrorCategory.NOT_FOUND: 404, ErrorCategory.UNAUTHORIZED: 401,
+          ErrorCategory.UNAVAILABLE: 503, ErrorCategory.CORRUPT: 500}
+HEADERS = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}
 
 
 class ErrorDetail(BaseModel):
@@ -66,6 +67,8 @@ class Health(BaseModel):
 class Unauthorized(AndromedaError):
     """A write without a valid bearer token."""
 
+    category = ErrorCategory.UNAUTHORIZED
+
 
 ERRORS = {status: {"model": ErrorBody} for status in (404, 422, 503)}
 WRITE_ERRORS = {**ERRORS, 401: {"model": ErrorBody}}
@@ -78,11 +81,8 @@ def error_response(status: int, category: str, message: str, field: str | None =
 
 
 def http_error(exc: AndromedaError) -> JSONResponse:
-    if isinstance(exc, Unauthorized):
-        return error_response(401, "unauthorized", exc.message, exc.field, {"WWW-Authenticate": "Bearer"})
     status = STATUS.get(exc.category, 500)
-    headers = {"Retry-After": "1"} if status == 503 else None
-    return error_response(status, exc.category.value, exc.message, exc.field, headers)
+    return error_response(status, exc.category.value, exc.message, exc.field, HEADERS.get(status))
 
 
 def check_write_token(expected: str | None, credentials: HTTPAuthorizationCredentials | None) -> None:
@@ -122,9 +122,8 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
 
     @app.exception_handler(AndromedaError)
     async def andromeda_error(request: Request, exc: AndromedaError) -> JSONResponse:
-        response = http_error(exc)
-        on_error("unauthorized" if response.status_code == 401 else exc.category.value)
-        return response
+        on_error(exc.category.value)
+        return http_error(exc)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from andromeda_core.config import load_settings
 from andromeda_core.models import Scorer
-from andromeda_core.models.serving import ModelScorer
-from andromeda_core.models.two_tower import HashedTwoTower
+from andromeda_core.models.serving import load_scorer
 from andromeda_core.schema import Schema, load_schema
 from deployments.config import ServiceConfig
 
@@ -18,11 +17,9 @@ def redis_url(config: ServiceConfig) -> str:
 
 
 def load_schema_of(config: ServiceConfig) -> Schema:
-    return load_schema(config.schema_path) if config.schema_path else load_schema()
+    return load_schema(config.schema_path)
 
 
-def load_scorer(config: ServiceConfig, schema: Schema, device: str = "cpu") -> Scorer:
+def load_config_scorer(config: ServiceConfig, schema: Schema, device: str = "cpu") -> Scorer:
     """The configured checkpoint, or the untrained hashed two-tower when none is set."""
-    if config.model:
-        return ModelScorer.load(config.model, schema, device=device)
-    return HashedTwoTower(device=device)
+    return load_scorer(config.model, schema, device)

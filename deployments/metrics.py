@@ -10,7 +10,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 SHARD_GAUGES = {
     "index_size": "live ads in the shard's index",
     "capacity": "slots allocated in the shard's index",
-    "lag_seconds": "age of the newest applied entry's publish time while entries are pending",
+    "lag_seconds": "how long the oldest entry known to be unapplied has waited (0 when caught up)",
     "applied": "stream entries that changed the index",
     "stale": "stream entries that were stale no-ops",
     "dead_letters": "stream entries sent to the dead-letter stream",

@@ -6,6 +6,7 @@ again, away from a dead replica); if it fails again the request gets 503 naming 
 the request allows it, a partial answer that lists the missing shard."""
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Annotated, Any, Sequence
@@ -22,17 +23,16 @@ from andromeda_core.config import load_settings
 from andromeda_core.errors import AndromedaError, InvalidInput, NotFound
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.models import EmbeddingLookup
-from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests
+from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests, merge_topks
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse
 from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, Health, PublishResponse, check_write_token,
                              create_app)
 from deployments.config import ServiceConfig
-from deployments.engine import load_schema_of, load_scorer, redis_url
+from deployments.engine import load_config_scorer, load_schema_of, redis_url
 from deployments.metrics import ServiceMetrics
 from deployments.shard import ShardAnswer
 from index_updater.publisher import Publisher
-from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
 app = create_app(on_error=lambda cause: metrics.errors.labels(cause).inc())
@@ -40,10 +40,16 @@ log = logging.getLogger(__name__)
 bearer = HTTPBearer(auto_error=False)
 
 
+@functools.lru_cache(maxsize=1)
+def write_token() -> str | None:
+    """ANDROMEDA_WRITE_TOKEN of this process, read once."""
+    return load_settings().write_token
+
+
 def writer(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
     """Dependency of the write endpoints: runs before the body is validated, so a caller without the
     token learns nothing from the validation (a body that is not JSON at all is still a 422)."""
-    check_write_token(load_settings().write_token, credentials)
+    check_write_token(write_token(), credentials)
 AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
 
 
@@ -62,12 +68,8 @@ def oldest(watermarks: Sequence[str | None]) -> str | None:
     return min(watermarks, key=lambda w: tuple(int(p) for p in w.split("-")))
 
 
-def error_json(status: int, body: Health) -> Response:
+def json_response(status: int, body: Health) -> Response:
     return Response(body.model_dump_json(), status_code=status, media_type="application/json")
-
-
-async def _awaited(response):
-    return await response
 
 
 @serve.deployment
@@ -77,7 +79,7 @@ class Router:
         self.config = ServiceConfig.model_validate(config)
         self.shards = list(shards)
         self.schema = load_schema_of(self.config)
-        self.scorer = load_scorer(self.config, self.schema)
+        self.scorer = load_config_scorer(self.config, self.schema)
         self.publisher = Publisher(redis.Redis.from_url(redis_url(self.config)), self.schema, self.scorer,
                                    shards=self.config.shards, stream=self.config.stream, attempts=5)
         self.metrics = metrics
@@ -164,7 +166,7 @@ class Router:
         for _ in range(attempts):
             response = getattr(self.shards[shard], method).remote(*args)
             try:
-                return await asyncio.wait_for(_awaited(response), timeout_s or self.config.shard_timeout_s)
+                return await asyncio.wait_for(response, timeout_s or self.config.shard_timeout_s)
             except asyncio.CancelledError:
                 response.cancel()
                 raise
@@ -186,24 +188,18 @@ class Router:
         missing = sorted(unreachable | {s for s, a in enumerate(answers) if a is None})
         if not present:
             raise ShardUnavailable("no shard answered", "shard")
-        k = max(r.k for r in requests)
-        ids = torch.cat([a.topk.ids for a in present], 1)
-        scores = torch.cat([a.topk.scores for a in present], 1)
-        ids, scores = topk_by_score_then_id(scores, ids, ids != NO_ID, k)
-        eligible = sum(a.topk.eligible for a in present)
+        merged = merge_topks([a.topk for a in present], max(r.k for r in requests))
         for a, s in zip(present, (s for s, a in enumerate(answers) if a is not None)):
             self.metrics.shard_latency.labels(str(s)).observe(a.search_ms / 1000)
-        self.metrics.eligible.inc(int(eligible.sum()))
+        self.metrics.eligible.inc(int(merged.eligible.sum()))
         self.metrics.scanned.inc(len(requests) * sum(a.scanned for a in present))
         watermarks = [a.watermark if a is not None else None for a in answers]
         took_ms = round((time.perf_counter() - started) * 1000, 3)
         out = []
         for b, (r, c) in enumerate(zip(requests, compiled)):
-            row_ids, row_scores = ids[b, : r.k].tolist(), scores[b, : r.k].tolist()
             out.append(RetrieveResponse(
-                ads=[{"ad_id": i, "score": s} for i, s in zip(row_ids, row_scores) if i != NO_ID],
-                eligible=int(eligible[b]), index_watermark=oldest(watermarks), shard_watermarks=watermarks,
-                missing_shards=missing, took_ms=took_ms, warnings=c.warnings))
+                ads=merged.row(b, r.k), eligible=int(merged.eligible[b]), index_watermark=oldest(watermarks),
+                shard_watermarks=watermarks, missing_shards=missing, took_ms=took_ms, warnings=c.warnings))
         return out
 
     # -- ads -------------------------------------------------------------------------------------
@@ -254,7 +250,7 @@ class Router:
         ready = all(s is not None and s["ready"] for s in status)
         shards = [s if s is not None else {"shard": i, "ready": False, "reason": "unreachable"} for i, s in enumerate(status)]
         body = Health(status="ready" if ready else "not ready", shards=shards)
-        return body if ready else error_json(503, body)
+        return body if ready else json_response(503, body)
 
     @app.get("/metrics", response_class=Response)
     async def prometheus_metrics(self) -> Response:

@@ -20,7 +20,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries, split_topk
 from deployments.config import ServiceConfig
-from deployments.engine import load_schema_of, load_scorer, redis_url
+from deployments.engine import load_config_scorer, load_schema_of, redis_url
 from index_updater.consumer import ShardConsumer
 from index_updater.snapshots import SnapshotStore
 
@@ -45,7 +45,7 @@ class ShardReplica:
         cfg = self.config
         device = cfg.resolved_device()
         schema = load_schema_of(cfg)
-        scorer = load_scorer(cfg, schema, device)
+        scorer = load_config_scorer(cfg, schema, device)
         index = AdIndex(schema, scorer.dim, capacity=cfg.initial_capacity, device=device,
                         embedding_dtype=STORAGE[cfg.storage], exact_copy=cfg.rescore > 0)
         self.retriever = Retriever(index, scorer, chunk_size=cfg.chunk_size, rescore=cfg.rescore)

@@ -102,3 +102,10 @@ class ModelScorer:
     def score(self, users: UserState, ads: torch.Tensor) -> torch.Tensor:
         """users on the device (B requests), ads (n, S) on the device -> (B, n) float32 scores."""
         return self.model.score(users, ads)
+
+
+def load_scorer(path: str | Path | None, schema: Schema, device: str | torch.device = "cpu"):
+    """The trained checkpoint at `path` on `device`, or, without one, the untrained hashed two-tower."""
+    from andromeda_core.models.two_tower import HashedTwoTower
+
+    return ModelScorer.load(path, schema, device) if path else HashedTwoTower(device=device)

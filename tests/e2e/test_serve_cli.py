@@ -36,7 +36,11 @@ def test_serve_publishes_a_demo_corpus_answers_and_stops_on_ctrl_c(tmp_path):
         assert requests.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
     finally:
         process.send_signal(signal.SIGINT)
-        rest, _ = process.communicate(timeout=120)
+        try:
+            rest, _ = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            rest = process.communicate()[0] + "\n(killed: did not stop within 120 s)"
         server.stop()
     assert process.returncode == 0 and "stopping" in rest
 

@@ -54,22 +54,30 @@ def service(tmp_path_factory):
     data = load_synthetic(world)
     model = tmp / "moe.safetensors"
     train(data, "moe", TrainConfig(steps=3, batch=16, negatives=16), progress=False).save(model, checkpoint_meta(data, 0))
+    token_before = os.environ.get("ANDROMEDA_WRITE_TOKEN")
     os.environ["ANDROMEDA_WRITE_TOKEN"] = TOKEN  # the router's workers inherit it
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    schema = load_schema()
-    for name, shards in (("one", 1), ("two", 2)):
-        config = ServiceConfig(redis_url=url, stream=f"test-{name}", shards=shards, model=str(model),
-                               snapshot_dir=str(tmp / name), snapshot_every_s=1, shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=3)
-        Publisher(redis.Redis.from_url(url), schema, ModelScorer.load(model, schema), shards=shards,
-                  stream=config.stream).publish_file(world / "events.jsonl")
-        serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", world=world, model=model, redis=redis.Redis.from_url(url))
-    serve.shutdown()
-    ray.shutdown()
-    if server is not None:
-        server.stop()
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        schema = load_schema()
+        for name, shards in (("one", 1), ("two", 2)):
+            config = ServiceConfig(redis_url=url, stream=f"test-{name}", shards=shards, model=str(model),
+                                   snapshot_dir=str(tmp / name), snapshot_every_s=1, shard_cpus=0.1, router_cpus=0.1,
+                                   shard_timeout_s=3)
+            Publisher(redis.Redis.from_url(url), schema, ModelScorer.load(model, schema), shards=shards,
+                      stream=config.stream).publish_file(world / "events.jsonl")
+            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", world=world, model=model, redis=redis.Redis.from_url(url))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if server is not None:
+            server.stop()
+        if token_before is None:
+            os.environ.pop("ANDROMEDA_WRITE_TOKEN", None)
+        else:
+            os.environ["ANDROMEDA_WRITE_TOKEN"] = token_before
 
 
 @pytest.fixture(scope="module")
