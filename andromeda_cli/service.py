@@ -101,11 +101,11 @@ def demo_world(ads: int) -> Path:
 def publish_demo(config: ServiceConfig, world: Path) -> None:
     import redis
 
-    from deployments.engine import load_config_scorer, load_schema_of
+    from andromeda_core.models.serving import load_scorer
     from index_updater.publisher import Publisher
 
-    schema = load_schema_of(config)
-    publisher = Publisher(redis.Redis.from_url(config.redis_url), schema, load_config_scorer(config, schema),
+    schema = load_schema(config.schema_path)
+    publisher = Publisher(redis.Redis.from_url(config.redis_url), schema, load_scorer(config.model, schema),
                           shards=config.shards, stream=config.stream)
     events = world / "events.jsonl"
     with tqdm(total=sum(1 for _ in events.open("rb")), unit="event", desc="publish demo ads", file=sys.stderr) as bar:

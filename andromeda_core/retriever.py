@@ -145,9 +145,9 @@ class Retriever:
             return out
         batch = [requests[b] for b in good]
         nows = [compiled[b].now for b in good]
-        with self.index.reading():
+        with self.index.reading():  # towers and pass see the same table (search's own read nests)
             users = self.encode(batch, nows)
-        result = self.search(UserQuery(users, [compiled[b].values for b in good], nows, [r.k for r in batch]))
+            result = self.search(UserQuery(users, [compiled[b].values for b in good], nows, [r.k for r in batch]))
         took_ms = round((time.perf_counter() - started) * 1000, 3)
         for row, (b, r) in enumerate(zip(good, batch)):
             out[b] = RetrieveResponse(ads=result.row(row, r.k), eligible=int(result.eligible[row]),

@@ -78,6 +78,15 @@ class ServiceConfig(BaseModel):
     host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$")
     port: int = Field(8000, ge=1, le=65535)
 
+    def resolved_redis_url(self) -> str:
+        """`redis_url`, or REDIS_URL of the process that asks (a replica)."""
+        from andromeda_core.config import load_settings
+
+        url = self.redis_url or load_settings().redis_url
+        if not url:
+            raise RuntimeError("no Redis: set redis_url in the service config or REDIS_URL in the replicas' environment")
+        return url
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device

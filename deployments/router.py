@@ -23,13 +23,14 @@ from andromeda_core.config import load_settings
 from andromeda_core.errors import AndromedaError, InvalidInput, NotFound
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.models import EmbeddingLookup
+from andromeda_core.models.serving import load_scorer
 from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests, merge_topks
+from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse
 from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, Health, PublishResponse, check_write_token,
                              create_app)
 from deployments.config import ServiceConfig
-from deployments.engine import load_config_scorer, load_schema_of, redis_url
 from deployments.metrics import ServiceMetrics
 from deployments.shard import ShardAnswer
 from index_updater.publisher import Publisher
@@ -78,9 +79,9 @@ class Router:
     def __init__(self, config: dict, *shards):
         self.config = ServiceConfig.model_validate(config)
         self.shards = list(shards)
-        self.schema = load_schema_of(self.config)
-        self.scorer = load_config_scorer(self.config, self.schema)
-        self.publisher = Publisher(redis.Redis.from_url(redis_url(self.config)), self.schema, self.scorer,
+        self.schema = load_schema(self.config.schema_path)
+        self.scorer = load_scorer(self.config.model, self.schema)
+        self.publisher = Publisher(redis.Redis.from_url(self.config.resolved_redis_url()), self.schema, self.scorer,
                                    shards=self.config.shards, stream=self.config.stream, attempts=5)
         self.metrics = metrics
 

@@ -17,10 +17,11 @@ from ray import serve
 
 from andromeda_core.errors import NotFound
 from andromeda_core.index import AdIndex
+from andromeda_core.models.serving import load_scorer
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries, split_topk
+from andromeda_core.schema import load_schema
 from deployments.config import ServiceConfig
-from deployments.engine import load_config_scorer, load_schema_of, redis_url
 from index_updater.consumer import ShardConsumer
 from index_updater.snapshots import SnapshotStore
 
@@ -44,13 +45,13 @@ class ShardReplica:
         self.config, self.shard = ServiceConfig.model_validate(config), shard
         cfg = self.config
         device = cfg.resolved_device()
-        schema = load_schema_of(cfg)
-        scorer = load_config_scorer(cfg, schema, device)
+        schema = load_schema(cfg.schema_path)
+        scorer = load_scorer(cfg.model, schema, device)
         index = AdIndex(schema, scorer.dim, capacity=cfg.initial_capacity, device=device,
                         embedding_dtype=STORAGE[cfg.storage], exact_copy=cfg.rescore > 0)
         self.retriever = Retriever(index, scorer, chunk_size=cfg.chunk_size, rescore=cfg.rescore)
         snapshots = SnapshotStore(Path(cfg.snapshot_dir) / f"shard-{shard}")
-        self.consumer = ShardConsumer(redis.Redis.from_url(redis_url(cfg)), index, scorer.name, shard, cfg.shards,
+        self.consumer = ShardConsumer(redis.Redis.from_url(cfg.resolved_redis_url()), index, scorer.name, shard, cfg.shards,
                                       stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s)
         self.consumer.recover()
         # Readiness only after catch-up: Serve routes nothing here before __init__ returns. A stream
