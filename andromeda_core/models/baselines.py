@@ -1,0 +1,111 @@
+"""Non-learned baselines under the learned models' protocol: most-popular and item-kNN.
+
+Both are fit on the training interactions only (each user's items before their validation
+position) and rank the full corpus with the user's history at the asked position excluded,
+returning the same `Ranking` as `evaluate.rank_items`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from andromeda_core.models.evaluate import TOP, Ranking
+from andromeda_core.models.recdata import RecData
+
+
+def ranking_from_scores(scores: torch.Tensor, data: RecData, users: np.ndarray,
+                        positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """scores (B, N) float for users (B,) at positions (B,) -> (top (B, min(TOP, N)), target_rank (B,)).
+
+    History items items[u][:p] score -inf; the target is items[u][p]. Ties go to the lower item row,
+    in top and in target_rank alike (target_rank < k iff the target is in top[:k]): counting only
+    strictly higher scores would put a target tied with thousands of zero-score items near the top."""
+    scores = scores.clone()
+    for i, (u, p) in enumerate(zip(users, positions)):
+        scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
+    targets = torch.tensor([data.users.items[u][p] for u, p in zip(users, positions)])
+    target_scores = scores[torch.arange(len(users)), targets][:, None]
+    tied_before = (scores == target_scores) & (torch.arange(scores.shape[1]) < targets[:, None])
+    rank = ((scores > target_scores) | tied_before).sum(1).numpy()
+    top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :TOP].numpy()
+    return top, rank
+
+
+def training_sequences(data: RecData) -> list[np.ndarray]:
+    """Per user the items engaged before their validation position: the only data baselines fit on."""
+    return [seq[:max(data.split(u)[0], 0)] for u, seq in enumerate(data.users.items)]
+
+
+def training_matrix(data: RecData) -> sp.csr_matrix:
+    """(U, N) float64 csr: 1 where user u engaged item j in training (repeats count once)."""
+    seqs = training_sequences(data)
+    rows = np.repeat(np.arange(len(seqs)), [len(s) for s in seqs])
+    x = sp.csr_matrix((np.ones(len(rows)), (rows, np.concatenate(seqs))), shape=(len(seqs), len(data.items.ids)))
+    x.data[:] = 1.0  # the constructor summed repeats
+    return x
+
+
+def unit_columns(x: sp.csr_matrix) -> sp.csr_matrix:
+    """(U, N) -> (U, N) csr with every item column scaled to unit L2 norm (empty columns stay 0)."""
+    norm = np.sqrt(np.asarray(x.multiply(x).sum(0)).ravel())
+    return (x @ sp.diags(np.divide(1.0, norm, out=np.zeros_like(norm), where=norm > 0))).tocsr()
+
+
+def _rank_batches(data: RecData, users: np.ndarray, split: int, batch: int, score_fn) -> Ranking:
+    """score_fn(users (B,), positions (B,)) -> (B, N) torch float; ranked batch by batch."""
+    tops, ranks = [], []
+    for first in range(0, len(users), batch):
+        us = users[first:first + batch]
+        positions = np.array([data.split(u)[split] for u in us])
+        top, rank = ranking_from_scores(score_fn(us, positions), data, us, positions)
+        tops.append(top)
+        ranks.append(rank)
+    return Ranking(np.concatenate(tops), np.concatenate(ranks))
+
+
+def most_popular(data: RecData, users: np.ndarray, split: int = 1, batch: int = 512) -> Ranking:
+    """Score of item j = its number of training interactions (repeats counted), the same for every user."""
+    counts = np.bincount(np.concatenate(training_sequences(data)), minlength=len(data.items.ids))
+    popularity = torch.from_numpy(counts.astype(np.float64))
+    return _rank_batches(data, users, split, batch, lambda us, _: popularity.expand(len(us), -1))
+
+
+def item_similarity(xn: sp.csr_matrix, neighbours: int, chunk: int = 1024) -> sp.csr_matrix:
+    """xn (U, N) unit columns -> (N, N) csr cosine similarity, row h cut to its `neighbours` most
+    similar items j != h (ties at the cut to the lower row; zero similarities dropped)."""
+    if neighbours < 1:
+        raise ValueError(f"neighbours must be >= 1, got {neighbours}")
+    xnt, n = xn.T.tocsr(), xn.shape[1]
+    rows, cols, vals = [], [], []
+    for a in range(0, n, chunk):
+        sim = torch.from_numpy((xnt[a:a + chunk] @ xn).toarray())  # (C, N)
+        sim[torch.arange(sim.shape[0]), torch.arange(a, a + sim.shape[0])] = float("-inf")
+        kth = sim.topk(min(neighbours, n - 1), dim=1).values[:, -1:]
+        above, tied = sim > kth, sim == kth
+        keep = (above | (tied & (tied.cumsum(1) <= neighbours - above.sum(1, keepdim=True)))) & (sim > 0)
+        r, c = keep.nonzero(as_tuple=True)
+        rows.append(r.numpy() + a)
+        cols.append(c.numpy())
+        vals.append(sim[r, c].numpy())
+    return sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n, n))
+
+
+def item_knn(data: RecData, users: np.ndarray, split: int = 1, recent: int = 50, neighbours: int | None = None,
+             batch: int = 512) -> Ranking:
+    """Score of item j = sum over the user's `recent` latest history engagements h of cos(h, j), cosine
+    over the binary user x item training matrix; neighbours keeps only each h's most similar items."""
+    xn = unit_columns(training_matrix(data))
+    xnt, n = xn.T.tocsr(), xn.shape[1]
+    sim = item_similarity(xn, neighbours) if neighbours is not None else None
+
+    def scores(us: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        recents = [data.users.items[u][max(p - recent, 0):p] for u, p in zip(us, positions)]
+        rows = np.repeat(np.arange(len(us)), [len(r) for r in recents])
+        q = sp.csr_matrix((np.ones(len(rows)), (rows, np.concatenate(recents))), shape=(len(us), n))
+        if sim is not None:
+            return torch.from_numpy((q @ sim).toarray())
+        # Q Xn^T Xn without the (N, N) matrix: (B, U) user overlaps, then back to items.
+        return torch.from_numpy(np.asarray(xnt @ (q @ xnt).T.toarray()).T.copy())
+
+    return _rank_batches(data, users, split, batch, scores)
