@@ -6,15 +6,20 @@ import argparse
 import json
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
+import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError
 from tqdm import tqdm
 
+from andromeda_cli.args import NON_NEGATIVE, POSITIVE, input_file, int_in, output_dir
+from andromeda_cli.request_file import read_requests
 from andromeda_cli.service import add_commands as add_service_commands
 
-from andromeda_core.config import load_settings
+from andromeda_core.config import Settings, load_settings
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import load_events, read_events
@@ -22,10 +27,11 @@ from andromeda_core.models.serving import load_scorer
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever
 from andromeda_core.schema import Schema, load_schema
-from andromeda_core.synth import WorldConfig, synthesize
-from andromeda_core.types import RetrieveRequest, parse_request
+from andromeda_core.synth import WorldConfig, synthesize, world_config
+from andromeda_core.types import TIME_LIMIT
 
 REQUEST_BATCH = 16  # requests sharing one pass over the table
+DEMO_ADS, DEMO_USERS = 50000, 100
 
 
 def build_retriever(schema: Schema, events: Path, progress: bool = True, model: Path | None = None,
@@ -33,8 +39,10 @@ def build_retriever(schema: Schema, events: Path, progress: bool = True, model: 
     """An in-process index loaded from an events JSONL file, scored by a trained model checkpoint
     (or, without one, the untrained hashed two-tower baseline)."""
     settings = load_settings()
-    scorer = load_scorer(model, schema, settings.device)
-    index = AdIndex(schema, scorer.dim, capacity=settings.index.initial_capacity, device=settings.device,
+    device = local_device(settings)
+    with checkpoint("--model", model):
+        scorer = load_scorer(model, schema, device)
+    index = AdIndex(schema, scorer.dim, capacity=settings.index.initial_capacity, device=device,
                     embedding_dtype=STORAGE[storage], exact_copy=settings.index.rescore > 0)
     with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", disable=not progress,
               file=sys.stderr, miniters=1 << 20) as bar:
@@ -42,27 +50,25 @@ def build_retriever(schema: Schema, events: Path, progress: bool = True, model: 
     return Retriever(index, scorer, chunk_size=settings.index.chunk_size, rescore=settings.index.rescore)
 
 
-def read_requests(path: Path, k: int | None) -> list[RetrieveRequest]:
-    """One JSON request object, or a JSONL file of them."""
-    text = path.read_text(encoding="utf-8")
-    try:
-        whole = json.loads(text)
-        docs = [(str(path), whole)]
-    except json.JSONDecodeError:
-        docs = [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if k is not None:  # the override is validated like the request's own k
-        docs = [(where, {**_json_object(doc, where), "k": k}) for where, doc in docs]
-    return [parse_request(doc, where) for where, doc in docs]
+def local_device(settings: Settings) -> str:
+    """ANDROMEDA_DEVICE, if this machine has it."""
+    device = torch.device(settings.device)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise InvalidInput(f"{settings.device} is not here: this machine has {torch.cuda.device_count()} CUDA "
+                           f"device(s) (torch {torch.__version__})", "ANDROMEDA_DEVICE")
+    return settings.device
 
 
-def _json_object(doc: str | dict, where: str) -> dict:
+@contextmanager
+def checkpoint(option: str, path: Path | None) -> Iterator[None]:
+    """Loading the checkpoint `path` given by `option`: a file that is not one is an error naming both."""
     try:
-        value = json.loads(doc) if isinstance(doc, str) else doc
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"not JSON: {exc.msg}", where) from None
-    if not isinstance(value, dict):
-        raise InvalidInput(f"a request is a JSON object, got {type(value).__name__}", where)
-    return value
+        yield
+    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        if path is None:  # no checkpoint was read
+            raise
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InvalidInput(f"{path} is not a checkpoint written by `andromeda train` ({reason})", option) from None
 
 
 def cmd_schema(args: argparse.Namespace) -> None:
@@ -83,7 +89,7 @@ def cmd_synth(args: argparse.Namespace) -> None:
 
 def cmd_retrieve(args: argparse.Namespace) -> None:
     schema = load_schema(args.schema)
-    requests = read_requests(args.request, args.k)
+    requests = read_requests(args.request, schema, args.k)
     retriever = build_retriever(schema, args.events, progress=not args.quiet, model=args.model, storage=args.storage)
     for first in range(0, len(requests), REQUEST_BATCH):
         for response in retriever.retrieve(requests[first:first + REQUEST_BATCH], now=args.now):
@@ -95,14 +101,22 @@ def cmd_retrieve(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     schema = load_schema(args.schema)
     world = args.out
-    if not (world / "requests.jsonl").exists():
-        print(f"synthesising a demo world of {args.ads} ads and {args.users} users in {world}")
-        synthesize(WorldConfig(ads=args.ads, users=args.users, seed=0), world, schema)
+    cfg = world_config(world)
+    if cfg is None:
+        cfg = WorldConfig(ads=args.ads or DEMO_ADS, users=args.users or DEMO_USERS, seed=0)
+        print(f"synthesising a demo world of {cfg.ads} ads and {cfg.users} users in {world}")
+        synthesize(cfg, world, schema)
+    else:
+        for option, asked, held in (("--ads", args.ads, cfg.ads), ("--users", args.users, cfg.users)):
+            if asked not in (None, held):
+                raise InvalidInput(f"{world} holds a world of {cfg.ads} ads and {cfg.users} users: pass another "
+                                   f"--out for a new one", option)
+        print(f"using the demo world of {cfg.ads} ads and {cfg.users} users in {world}")
     retriever = build_retriever(schema, world / "events.jsonl", model=args.model, storage=args.storage)
     titles = {}
     for batch in read_events(world / "events.jsonl"):
         titles.update({e.ad.ad_id: e.ad.creative.title for e in batch if e.op == "upsert"})
-    requests = read_requests(world / "requests.jsonl", k=5)[: args.show]
+    requests = read_requests(world / "requests.jsonl", schema, k=5)[: args.show]
     print(f"\nindex: {len(retriever.index)} live ads, digest {retriever.index.digest()}")
     for request, response in zip(requests, retriever.retrieve(requests)):
         a = request.user.attributes
@@ -116,19 +130,18 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from andromeda_core.models.distill import ask_teacher
     from andromeda_core.models.quality import checkpoint_meta, checkpoint_path, load_data
+    from andromeda_core.models.retrieval import RetrievalModel
     from andromeda_core.models.train import TrainConfig, default_config, train
 
+    with checkpoint("--teacher", args.teacher):  # a bad --teacher fails before the data is loaded
+        ranker = RetrievalModel.load(args.teacher)[0] if args.teacher else None
     data = load_data(args.data, args.world)
     cfg = default_config(args.model, args.seed)
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
-    teacher = None
-    if args.teacher:
-        from andromeda_core.models.distill import ask_teacher
-        from andromeda_core.models.retrieval import RetrievalModel
-
-        teacher = ask_teacher(RetrievalModel.load(args.teacher)[0], data)
+    teacher = ask_teacher(ranker, data) if ranker is not None else None
     model = train(data, args.model, cfg, teacher)
     out = args.out or checkpoint_path(data.name, args.model)
     model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill))
@@ -144,29 +157,40 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_publish(args: argparse.Namespace) -> None:
     import redis
 
-    from index_updater.publisher import Publisher
+    from index_updater.publisher import TRANSIENT, Publisher
 
     settings = load_settings()
-    url = args.redis or settings.redis_url
+    url, option = (args.redis, "--redis") if args.redis else (settings.redis_url, "REDIS_URL")
     if not url:
-        raise SystemExit("error: no Redis to publish to: pass --redis or set REDIS_URL")
+        raise InvalidInput("no Redis to publish to: pass --redis or set REDIS_URL", "--redis")
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), option) from None
     schema = load_schema(args.schema)
-    scorer = load_scorer(args.model, schema, settings.device)
-    publisher = Publisher(redis.Redis.from_url(url), schema, scorer, shards=args.shards or settings.shards,
-                          stream=args.stream or settings.stream)
-    with tqdm(unit="event", desc="publish", file=sys.stderr) as bar:
-        total = publisher.publish_file(args.events, on_batch=bar.update)
+    with checkpoint("--model", args.model):
+        scorer = load_scorer(args.model, schema, local_device(settings))
+    publisher = Publisher(client, schema, scorer, shards=args.shards or settings.shards,
+                          stream=args.stream or settings.stream, attempts=args.tries)
+    try:
+        publisher.check_streams()  # an unreachable Redis fails here, before the file is read
+        with tqdm(unit="event", desc="publish", file=sys.stderr) as bar:
+            total = publisher.publish_file(args.events, on_batch=bar.update)
+    except redis.RedisError as exc:
+        hint = f" (gave up after --tries {args.tries})" if isinstance(exc, TRANSIENT) else ""
+        raise AndromedaError(f"Redis at {url}: {exc}{hint}") from None
     print(f"published {total} events to {publisher.stream} at {url}")
 
 
 def add_model_flags(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--model", type=Path, default=None, help="trained checkpoint (default: untrained hashed two-tower)")
+    s.add_argument("--model", type=input_file, default=None, help="trained checkpoint (default: untrained hashed two-tower)")
     s.add_argument("--storage", choices=sorted(STORAGE), default="fp32", help="ad vector storage in the index")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andromeda", description=__doc__)
-    p.add_argument("--schema", type=Path, default=None, help="targeting schema YAML (default: ANDROMEDA_SCHEMA or the shipped one)")
+    p.add_argument("--schema", type=input_file, default=None,
+                   help="targeting schema YAML (default: ANDROMEDA_SCHEMA or the shipped one)")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("schema", help="print the active targeting schema")
@@ -174,77 +198,88 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_schema)
 
     s = sub.add_parser("synth", help="write a synthetic ads world")
-    s.add_argument("--ads", type=int, required=True)
-    s.add_argument("--users", type=int, required=True)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", type=Path, required=True)
-    s.add_argument("--workers", type=int, default=2, help="processes generating ad chunks")
+    s.add_argument("--ads", type=POSITIVE, required=True, help="number of ads")
+    s.add_argument("--users", type=POSITIVE, required=True, help="number of users (one request each)")
+    s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed; a seed gives the same world")
+    s.add_argument("--out", type=output_dir, required=True, help="directory to write the world into")
+    s.add_argument("--workers", type=POSITIVE, default=2, help="processes generating ad chunks")
     s.set_defaults(func=cmd_synth)
 
     s = sub.add_parser("retrieve", help="build an index from events in process and answer requests")
-    s.add_argument("--events", type=Path, required=True, help="ad events JSONL")
-    s.add_argument("--request", type=Path, required=True, help="one request JSON object or a JSONL of them")
-    s.add_argument("--k", type=int, default=None, help="override each request's k")
-    s.add_argument("--now", type=int, default=None, help="server time in seconds for requests without context.ts")
+    s.add_argument("--events", type=input_file, required=True, help="ad events JSONL")
+    s.add_argument("--request", type=input_file, required=True, help="one request JSON object or a JSONL of them")
+    s.add_argument("--k", type=POSITIVE, default=None, help="override each request's k")
+    s.add_argument("--now", type=int_in(0, TIME_LIMIT - 1), default=None,
+                   help="server time in seconds for requests without context.ts")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     add_model_flags(s)
     s.set_defaults(func=cmd_retrieve)
 
     s = sub.add_parser("publish", help="validate, compile and append ad events to the Redis updates stream")
-    s.add_argument("events", type=Path, help="ad events JSONL")
+    s.add_argument("events", type=input_file, help="ad events JSONL (checked in full before anything is appended)")
     s.add_argument("--redis", default=None, help="Redis URL (default: REDIS_URL)")
     s.add_argument("--stream", default=None, help="stream name (default: ANDROMEDA_STREAM)")
-    s.add_argument("--shards", type=int, default=None, help="index shards (default: ANDROMEDA_SHARDS)")
-    s.add_argument("--model", type=Path, default=None, help="checkpoint whose ad tower embeds the ads")
+    s.add_argument("--shards", type=POSITIVE, default=None, help="index shards (default: ANDROMEDA_SHARDS)")
+    s.add_argument("--model", type=input_file, default=None, help="checkpoint whose ad tower embeds the ads")
+    s.add_argument("--tries", type=POSITIVE, default=5,
+                   help="tries of each Redis call on connection errors, with backoff from 0.05 s (default 5)")
     s.set_defaults(func=cmd_publish)
 
     s = sub.add_parser("train", help="train a retrieval model (checkpoint in safetensors)")
-    s.add_argument("--data", choices=("synthetic", "movielens"), required=True)
-    s.add_argument("--model", choices=("moe", "two_tower", "dense", "ranker"), required=True)
-    s.add_argument("--steps", type=int, default=None, help="override the default number of steps")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--teacher", type=Path, default=None,
+    s.add_argument("--data", choices=("synthetic", "movielens"), required=True, help="data set to train on")
+    s.add_argument("--model", choices=("moe", "two_tower", "dense", "ranker"), required=True, help="model kind")
+    s.add_argument("--steps", type=POSITIVE, default=None, help="override the default number of steps")
+    s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed of the initialisation and batches")
+    s.add_argument("--teacher", type=input_file, default=None,
                    help="ranker checkpoint to distil (its top-100 per user); `andromeda eval` uses DATA-ranker")
     s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
     s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors)")
     s.set_defaults(func=cmd_train)
 
-    s = sub.add_parser("eval", help="quality report of every model on both data sets (writes docs/quality.md)")
-    s.add_argument("--data", nargs="+", choices=("synthetic", "movielens"), default=["synthetic", "movielens"])
+    s = sub.add_parser("eval", help="quality report of every model on both data sets; trains the missing checkpoints "
+                                    "(can take an hour on a CPU) and rewrites docs/quality.md")
+    s.add_argument("--data", nargs="+", choices=("synthetic", "movielens"), default=["synthetic", "movielens"],
+                   help="data sets to evaluate (default: both)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")
-    s.add_argument("--world", type=Path, default=None)
-    s.add_argument("--out", type=Path, default=Path("docs/quality.md"))
+    s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
+    s.add_argument("--out", type=Path, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
     s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")
-    s.add_argument("--out", type=Path, default=Path("var/demo"))
-    s.add_argument("--ads", type=int, default=50000)
-    s.add_argument("--users", type=int, default=100)
-    s.add_argument("--show", type=int, default=3, help="requests to print")
+    s.add_argument("--out", type=output_dir, default=Path("var/demo"),
+                   help="world directory: used if it holds one, else written (default var/demo)")
+    s.add_argument("--ads", type=POSITIVE, default=None, help=f"ads of a new world (default {DEMO_ADS})")
+    s.add_argument("--users", type=POSITIVE, default=None, help=f"users of a new world (default {DEMO_USERS})")
+    s.add_argument("--show", type=NON_NEGATIVE, default=3, help="requests to print")
     add_model_flags(s)
     s.set_defaults(func=cmd_demo)
     add_service_commands(sub)
     return p
 
 
+USER_ERRORS = (AndromedaError, ValidationError, OSError)  # the user can act on these; others are bugs
+
+
+def message(exc: Exception) -> str:
+    """The one-line message of one of USER_ERRORS."""
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        return f"config {'.'.join(map(str, err['loc']))}: {err['msg']}"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return str(exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `andromeda ... | head` ends quietly
     args = parser().parse_args(argv)
-    if args.schema is None:
-        args.schema = load_settings().schema_path
     try:
+        if args.schema is None:
+            args.schema = load_settings().schema_path
         args.func(args)
-    except AndromedaError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # Ctrl-C while starting: whatever was started is stopped by its finally
         return 130
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        print(f"error: config {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as exc:
-        print(f"error: {exc.filename}: no such file", file=sys.stderr)
+    except USER_ERRORS as exc:
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     return 0
-

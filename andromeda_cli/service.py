@@ -18,7 +18,8 @@ import yaml
 from tqdm import tqdm
 
 from andromeda_core.config import load_settings
-from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema
+from andromeda_core.errors import AndromedaError, InvalidInput
+from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
 from andromeda_core.synth import WorldConfig, synthesize
 from deployments.config import APP_NAME, ServiceConfig
 
@@ -30,12 +31,9 @@ def read_config_file(path: Path | None) -> dict:
     """The ServiceConfig fields of a YAML file (a mapping); a clear error for anything else."""
     if path is None:
         return {}
-    try:
-        base = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise SystemExit(f"error: --config {path}: {exc}") from None
+    base = read_yaml(path)
     if not isinstance(base, dict):
-        raise SystemExit(f"error: --config {path}: expected a mapping of ServiceConfig fields, got {type(base).__name__}")
+        raise InvalidInput(f"expected a mapping of ServiceConfig fields, got {type(base).__name__}", f"--config {path}")
     return base
 
 
@@ -55,7 +53,7 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
         return config
     for name, path in (("model", config.model), ("schema_path", config.schema_path)):
         if path and not Path(path).is_file():
-            raise SystemExit(f"error: config {name}: {path} is not a file")
+            raise InvalidInput(f"{path} is not a file", f"config {name}")
     paths = {"model": config.model, "schema_path": config.schema_path, "snapshot_dir": config.snapshot_dir}
     return config.model_copy(update={k: str(Path(v).resolve()) for k, v in paths.items() if v})  # Ray workers' cwd may differ
 
@@ -68,12 +66,12 @@ def check_reachable(config: ServiceConfig) -> None:
     try:
         redis.Redis.from_url(config.redis_url, socket_connect_timeout=3).ping()
     except (redis.RedisError, OSError) as exc:
-        raise SystemExit(f"error: cannot reach Redis at {config.redis_url}: {exc}") from None
+        raise AndromedaError(f"cannot reach Redis at {config.redis_url}: {exc}") from None
     with socket.socket() as probe:
         try:
             probe.bind((config.host, config.port))
         except OSError as exc:
-            raise SystemExit(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
+            raise AndromedaError(f"cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
 
 
 def streams_empty(config: ServiceConfig) -> bool:
@@ -125,7 +123,7 @@ def wait_ready(url: str, timeout_s: float = 600) -> None:
                 pass
             bar.update()
             time.sleep(0.5)
-    raise SystemExit(f"error: the service at {url} did not become ready within {timeout_s:.0f} s")
+    raise AndromedaError(f"the service at {url} did not become ready within {timeout_s:.0f} s")
 
 
 def example_body(world: Path | None) -> str:
@@ -166,7 +164,7 @@ def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> N
 def cmd_serve(args: argparse.Namespace) -> None:
     settings = load_settings()
     if not settings.redis_url:
-        raise SystemExit("error: REDIS_URL is not set (`andromeda up` starts a local redis-server for you)")
+        raise InvalidInput("REDIS_URL is not set (`andromeda up` starts a local redis-server for you)")
     config = service_config(args, settings.redis_url)
     check_reachable(config)
     world = demo_world(args.demo_ads) if args.demo_ads else None

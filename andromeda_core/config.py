@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from andromeda_core.errors import InvalidInput, shown
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -17,10 +18,22 @@ def _env_int(name: str, default: int, lo: int, hi: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise InvalidInput(f"must be an integer in [{lo}, {hi}], got {shown(raw)}", name)
     return value
+
+
+def _env_device(name: str, default: str) -> str:
+    """A torch device name; whether this machine has it is checked where a table is built."""
+    import torch
+
+    raw = os.environ.get(name, default)
+    try:
+        torch.device(raw)
+    except RuntimeError:
+        raise InvalidInput(f"must be a torch device (cpu, cuda, cuda:1, ...), got {shown(raw)}", name) from None
+    return raw
 
 
 @dataclass(frozen=True)
@@ -65,7 +78,7 @@ def load_settings() -> Settings:
     )
     return Settings(
         schema_path=Path(os.environ.get("ANDROMEDA_SCHEMA", DEFAULT_SCHEMA_PATH)),
-        device=os.environ.get("ANDROMEDA_DEVICE", "cpu"),
+        device=_env_device("ANDROMEDA_DEVICE", "cpu"),
         index=index,
         redis_url=os.environ.get("REDIS_URL") or None,
         stream=os.environ.get("ANDROMEDA_STREAM", "andromeda:ad-events"),

@@ -22,9 +22,14 @@ class AndromedaError(Exception):
 
 
 class InvalidInput(AndromedaError):
-    """Malformed event, request or schema. `field` names the offending field path."""
+    """Malformed event, request, schema, file or setting. `field` names the offending field path (or the
+    option, or the environment variable)."""
 
     category = ErrorCategory.INVALID_INPUT
+
+    def at(self, where: str) -> "InvalidInput":
+        """This error with `where` (a file, a file and line) before its field path."""
+        return type(self)(self.message, f"{where}.{self.field}" if self.field else where)
 
 
 class NotFound(AndromedaError):
@@ -35,3 +40,9 @@ class SnapshotCorrupt(AndromedaError):
     """A snapshot file failed its checksum or could not be parsed."""
 
     category = ErrorCategory.CORRUPT
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """`repr(value)` cut to `limit` characters, for echoing caller input in a message."""
+    text = repr(value[:limit + 1] if isinstance(value, str) else value)  # cut first: a value may be megabytes
+    return text if len(text) <= limit else f"{text[:limit]}..."

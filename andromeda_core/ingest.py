@@ -8,43 +8,62 @@ from andromeda_core.errors import InvalidInput
 from andromeda_core.index import IndexOp, PreparedAd
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
-from andromeda_core.targeting import compile_targeting
+from andromeda_core.targeting import CompiledTargeting, compile_targeting
 from andromeda_core.types import DeleteEvent, StatusEvent, UpsertEvent, parse_event
 
 AdEventModel = UpsertEvent | DeleteEvent | StatusEvent
 
 
+class EventBatch(list):
+    """Parsed events read together, and `where[i]`: the file and line of event i."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: list[str] = []
+
+
 def read_events(path: str | Path, batch_size: int = 10000,
-                on_bytes: Callable[[int], None] | None = None) -> Iterator[list[AdEventModel]]:
+                on_bytes: Callable[[int], None] | None = None) -> Iterator[EventBatch]:
     """Parse a JSONL file of ad events in batches; an error names the file, line and field.
     `on_bytes(n)` is told how many bytes each line took (for progress bars)."""
-    batch: list[AdEventModel] = []
+    batch = EventBatch()
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if on_bytes:
                 on_bytes(len(line))
             if line.strip():
-                batch.append(parse_event(line, f"{path}:{lineno}"))
+                where = f"{path}:{lineno}"
+                batch.append(parse_event(line, where))
+                batch.where.append(where)
             if len(batch) >= batch_size:
                 yield batch
-                batch = []
+                batch = EventBatch()
     if batch:
         yield batch
 
 
+def compile_upserts(schema: Schema, events: Sequence[AdEventModel],
+                    where: Sequence[str] | None = None) -> dict[int, CompiledTargeting]:
+    """The compiled targeting of each upsert's ad, by id(ad); raises InvalidInput naming the ad, and the
+    event's place (`where[i]`, e.g. "[3]" or "events.jsonl:7") when given."""
+    compiled = {}
+    for i, event in enumerate(events):
+        if isinstance(event, UpsertEvent):
+            field = f"{where[i]}.ad.targeting" if where else "ad.targeting"
+            try:
+                compiled[id(event.ad)] = compile_targeting(schema, event.ad.targeting, field)
+            except InvalidInput as exc:
+                raise InvalidInput(f"{exc.message} (ad {event.ad.ad_id})", exc.field) from None
+    return compiled
+
+
 def prepare_ops(schema: Schema, scorer: Scorer, events: Sequence[AdEventModel],
                 where: Sequence[str] | None = None) -> list[IndexOp]:
-    """Compile targeting and run the ad tower (batched) for the upserts; raises InvalidInput naming the
-    ad, and the event's place (`where[i]`, e.g. "[3]") when given. Nothing is changed on error."""
-    upserts = [(i, e.ad) for i, e in enumerate(events) if isinstance(e, UpsertEvent)]
-    compiled = {}
-    for i, ad in upserts:
-        field = f"{where[i]}.ad.targeting" if where else "ad.targeting"
-        try:
-            compiled[id(ad)] = compile_targeting(schema, ad.targeting, field)
-        except InvalidInput as exc:
-            raise InvalidInput(f"{exc.message} (ad {ad.ad_id})", exc.field) from None
-    embeddings = scorer.encode_ads([ad for _, ad in upserts]).numpy() if upserts else None
+    """Compile targeting and run the ad tower (batched) for the upserts; raises InvalidInput as
+    `compile_upserts` does. Nothing is changed on error."""
+    compiled = compile_upserts(schema, events, where)
+    upserts = [e.ad for e in events if isinstance(e, UpsertEvent)]
+    embeddings = scorer.encode_ads(upserts).numpy() if upserts else None
     ops: list[IndexOp] = []
     row = 0
     for event in events:
@@ -56,6 +75,6 @@ def prepare_ops(schema: Schema, scorer: Scorer, events: Sequence[AdEventModel],
     return ops
 
 
-def load_events(index, schema: Schema, scorer: Scorer, batches: Iterable[Sequence[AdEventModel]]) -> int:
+def load_events(index, schema: Schema, scorer: Scorer, batches: Iterable[EventBatch]) -> int:
     """Apply event batches to `index`; returns how many events changed it."""
-    return sum(sum(index.apply(prepare_ops(schema, scorer, batch))) for batch in batches)
+    return sum(sum(index.apply(prepare_ops(schema, scorer, batch, batch.where))) for batch in batches)

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from andromeda_core.errors import InvalidInput
+from andromeda_core.errors import InvalidInput, shown
 
 DEFAULT_SCHEMA_PATH = Path(__file__).parent / "data" / "default_schema.yaml"
 BITSET_MAX_VALUES = 256
@@ -110,7 +110,7 @@ class Schema:
         try:
             return self.by_name[name]
         except KeyError:
-            raise InvalidInput(f"unknown targeting category {name!r}", field_path) from None
+            raise InvalidInput(f"unknown targeting category {shown(name)}", field_path) from None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version,
@@ -129,7 +129,7 @@ def _category_from_dict(raw: Any, where: str) -> Category:
         raise InvalidInput("name must be a non-empty string", f"{where}.name")
     where = f"categories.{name}"
     if kind not in KINDS:
-        raise InvalidInput(f"kind must be one of {KINDS}, got {kind!r}", f"{where}.kind")
+        raise InvalidInput(f"kind must be one of {KINDS}, got {shown(kind)}", f"{where}.kind")
     source = raw.get("source", "user")
     if source not in SOURCES:
         raise InvalidInput(f"source must be one of {SOURCES}", f"{where}.source")
@@ -178,7 +178,23 @@ def schema_from_dict(raw: Any) -> Schema:
     return Schema(name=str(raw.get("name", "custom")), version=version, categories=cats, by_name=by_name)
 
 
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's content; a file that is not YAML text is an InvalidInput naming it (and the line)."""
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"not UTF-8 text (byte {exc.start})", str(path)) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InvalidInput(f"not YAML: {problem}", f"{path}:{mark.line + 1}" if mark else str(path)) from None
+
+
 def load_schema(path: str | Path | None = None) -> Schema:
-    """Load a schema YAML; None loads the shipped default."""
-    with open(path or DEFAULT_SCHEMA_PATH, encoding="utf-8") as f:
-        return schema_from_dict(yaml.safe_load(f))
+    """Load a schema YAML; None loads the shipped default. Errors name the file."""
+    path = path or DEFAULT_SCHEMA_PATH
+    raw = read_yaml(path)
+    try:
+        return schema_from_dict(raw)
+    except InvalidInput as exc:
+        raise exc.at(str(path)) from None

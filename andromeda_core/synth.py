@@ -253,6 +253,15 @@ def iter_ad_chunks(world: World, workers: int = 2) -> Iterator[tuple[str, np.nda
         yield from pool.map(_ad_chunk, jobs)
 
 
+def world_config(out: str | Path) -> WorldConfig | None:
+    """The config of the world written to `out`, or None when `out` holds no complete world."""
+    truth = Path(out) / "truth.npz"  # written last
+    if not truth.is_file():
+        return None
+    with np.load(truth) as arrays:
+        return WorldConfig(**json.loads(str(arrays["config"])))
+
+
 def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, workers: int = 2,
                progress: bool = True) -> Path:
     """Write the world to `out`; returns the directory."""

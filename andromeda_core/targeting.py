@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from andromeda_core.errors import InvalidInput
+from andromeda_core.errors import InvalidInput, shown
 from andromeda_core.schema import Category, Schema
 
 RULE_KEYS = ("any_of", "all_of", "none_of", "min", "max")
@@ -71,7 +71,7 @@ def _value_set(cat: Category, raw: Any, where: str, allow_empty: bool = False) -
     for i, value in enumerate(raw):
         idx = cat.value_index(value)
         if idx is None:
-            raise InvalidInput(f"{value!r} is not {cat.describe()}", f"{where}[{i}]")
+            raise InvalidInput(f"{shown(value)} is not {cat.describe()}", f"{where}[{i}]")
         out.add(idx)
     if cat.encoding == "list" and len(out) > cat.max_values:
         raise InvalidInput(f"at most {cat.max_values} distinct values allowed for {cat.name}, got {len(out)}", where)
@@ -81,7 +81,7 @@ def _value_set(cat: Category, raw: Any, where: str, allow_empty: bool = False) -
 def _bound(cat: Category, rule: Mapping[str, Any], key: str, default: int, where: str) -> int:
     value = rule.get(key, default)
     if cat.value_index(value) is None:
-        raise InvalidInput(f"{value!r} is not {cat.describe()}", f"{where}.{key}")
+        raise InvalidInput(f"{shown(value)} is not {cat.describe()}", f"{where}.{key}")
     return value
 
 
@@ -193,7 +193,7 @@ def compile_user(schema: Schema, attributes: Mapping[str, Any], context: Mapping
                                        f"got {type(value).__name__}", field)
                 idx = cat.value_index(value)
                 if idx is None:
-                    warnings.append(f"{field}: unknown value {value!r} matches nothing")
+                    warnings.append(f"{field}: unknown value {shown(value)} matches nothing")
                 else:
                     held.add(idx)
             if held:

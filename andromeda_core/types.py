@@ -10,7 +10,8 @@ from andromeda_core.errors import InvalidInput
 
 INT64 = Annotated[int, Field(ge=0, lt=2**63)]
 FLOAT32_MAX = 3.4028234663852886e38  # bids are stored as float32
-TIME = Annotated[int, Field(ge=0, lt=2**62)]
+TIME_LIMIT = 2**62  # times (seconds) are in [0, TIME_LIMIT); the match compares them as int64
+TIME = Annotated[int, Field(ge=0, lt=TIME_LIMIT)]
 
 
 class _Strict(BaseModel):

@@ -1,7 +1,7 @@
 """Publisher: validate, compile and embed ad events, then XADD each to the stream of its shard.
 
-A batch is validated and compiled in full before anything is written, so a bad event changes
-nothing. Each shard's part of the batch goes to its stream in one MULTI/EXEC transaction (one key per
+A batch (and a whole file, by `publish_file`) is validated and compiled in full before anything is
+written, so a bad event changes nothing. Each shard's part of the batch goes to its stream in one MULTI/EXEC transaction (one key per
 transaction, so the shard streams may live on different Redis Cluster nodes); on a connection error
 that part is sent again (with backoff) until acknowledged. A resend after a lost reply can duplicate
 entries, which is harmless: consumers apply events idempotently by (ad_id, version). A batch that
@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 import redis
 
 from andromeda_core.config import Settings
-from andromeda_core.ingest import prepare_ops, read_events
+from andromeda_core.errors import InvalidInput
+from andromeda_core.ingest import compile_upserts, prepare_ops, read_events
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.types import parse_event
@@ -77,13 +78,29 @@ class Publisher:
             pipe.xadd(stream, fields)
         return pipe.execute()
 
+    def check_streams(self) -> None:
+        """Raise InvalidInput when a shard stream's key holds another Redis type; a connection error is
+        retried like a write."""
+        names = [shard_stream(self.stream, s) for s in range(self.shards)]
+        for name, kind in zip(names, retry(partial(self._types, names), self.attempts)):
+            kind = kind.decode() if isinstance(kind, bytes) else kind
+            if kind not in ("none", "stream"):
+                raise InvalidInput(f"the key {name} holds a Redis {kind}, not a stream", "stream")
+
+    def _types(self, keys: list[str]) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.type(key)
+        return pipe.execute()
+
     def publish_file(self, path: str | Path, batch_size: int = 1000,
                      on_batch: Callable[[int], None] | None = None) -> int:
-        """Publish a JSONL file in batches; a bad line stops the run before its batch is written."""
+        """Publish a JSONL file in batches. The whole file is validated first: a bad line writes nothing."""
+        for batch in read_events(path, batch_size):
+            compile_upserts(self.schema, batch, batch.where)
         total = 0
         for batch in read_events(path, batch_size):
-            total += len(self.publish_ops(prepare_ops(self.schema, self.scorer, batch)))
+            total += len(self.publish_ops(prepare_ops(self.schema, self.scorer, batch, batch.where)))
             if on_batch:
                 on_batch(len(batch))
         return total
-

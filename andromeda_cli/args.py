@@ -1,0 +1,46 @@
+"""argparse types: a bad flag value is a one-line usage error (exit 2) naming the flag, before any work."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+from andromeda_core.errors import shown
+
+
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An integer in [lo, hi] (no upper bound when hi is None)."""
+    bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # not an integer, or more digits than Python converts
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {shown(text)}")
+        return value
+
+    return parse
+
+
+def input_file(text: str) -> Path:
+    """A file to read: it exists and is not a directory."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory, not a file")
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A directory to write into: it exists as a directory or not at all."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: exists and is not a directory")
+    return path
+
+
+POSITIVE = int_in(1)
+NON_NEGATIVE = int_in(0)

@@ -1,0 +1,60 @@
+"""Request files for `andromeda retrieve`: one JSON object or JSON lines, each request checked in full
+(its targeting values too) before any work, an error naming the file, line and field."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from andromeda_core.errors import InvalidInput
+from andromeda_core.schema import Schema
+from andromeda_core.targeting import compile_user
+from andromeda_core.types import RetrieveRequest, parse_request
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise InvalidInput(f"not UTF-8 text (byte {exc.start})", f"{path}:{line}") from None
+
+
+def load_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"not JSON: {exc.msg}", where) from None
+    except RecursionError:
+        raise InvalidInput("JSON nested too deeply", where) from None
+    except ValueError:  # json's only other error: an integer of more digits than Python converts
+        raise InvalidInput("a number has thousands of digits", where) from None
+
+
+def read_requests(path: Path, schema: Schema, k: int | None = None) -> list[RetrieveRequest]:
+    """The requests in `path` (one JSON object, or one per line), with `k` overriding each one's k."""
+    text = read_text(path)
+    lines = [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise InvalidInput("no requests: the file is empty", str(path))
+    whole = lines[0][0] if len(lines) == 1 else str(path)
+    try:
+        docs = [(whole, load_json(text, whole))]
+    except InvalidInput:
+        if len(lines) == 1:
+            raise
+        docs = [(where, load_json(line, where)) for where, line in lines]
+    return [_request(doc, where, schema, k) for where, doc in docs]
+
+
+def _request(doc: Any, where: str, schema: Schema, k: int | None) -> RetrieveRequest:
+    if k is not None:  # the override is validated like the request's own k
+        if not isinstance(doc, dict):
+            raise InvalidInput(f"a request is a JSON object, got {type(doc).__name__}", where)
+        doc = {**doc, "k": k}
+    request = parse_request(doc, where)
+    try:
+        compile_user(schema, request.user.attributes, request.context.targeting_values())
+    except InvalidInput as exc:
+        raise exc.at(where) from None
+    return request

@@ -1,0 +1,172 @@
+"""Bad or odd input to the `andromeda` command, as a new user types it: exit status 2 and one line naming the
+option, setting or field (and the file and line), never a traceback, never silent acceptance. In process."""
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import redis
+
+from andromeda_cli.main import main, parser
+from index_updater.local_redis import LocalRedis, free_port
+from index_updater.records import shard_stream
+from tests.conftest import upsert
+
+FILES = {
+    "events.jsonl": "\n".join(json.dumps(upsert(i)) for i in (1, 2, 3)) + "\n",
+    "bid.jsonl": json.dumps(upsert(1, bid=1e39)) + "\n",
+    "planet.jsonl": json.dumps(upsert(1)) + "\n" + json.dumps(upsert(2, targeting={"planet": {"any_of": ["mars"]}})),
+    "ok.json": '{"user": {"user_id": 1}}',
+    "latin1.json": b'{"user": {"user_id": 1, "attributes": {"country": "\xff"}}}',
+    "deep.json": "[" * 100_000 + "]" * 100_000,
+    "long_k.json": '{"user": {"user_id": 1}, "k": ' + "9" * 5000 + "}",
+    "mixed.jsonl": '{"user": {"user_id": 1}}\nnot json\n',
+    "list.json": "[1, 2]",
+    "empty.json": "",
+    "age.jsonl": '{"user": {"user_id": 1}}\n{"user": {"user_id": 2, "attributes": {"age": "27"}}}\n',
+    "country.json": '{"user": {"user_id": 1, "attributes": {"country": 5}}}',
+    "bad.yaml": "categories: [\n",
+    "binary.yaml": bytes(range(256)),
+    "not_a_checkpoint.safetensors": "hello",
+    "a_file": "x",
+}
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bad-input")
+    for name, content in FILES.items():
+        (root / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return root
+
+
+def andromeda(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `andromeda ARGV` run in process."""
+    sigpipe = signal.getsignal(signal.SIGPIPE)  # main() resets it for `| head`
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    finally:
+        signal.signal(signal.SIGPIPE, sigpipe)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(result: tuple[int, str, str], *words: str) -> None:
+    code, out, err = result
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert "error: " in last and all(w in last for w in words), err
+    assert len(last) < 300, last  # caller input is echoed as a short prefix only
+
+
+RETRIEVE = ("retrieve", "--quiet", "--events")
+CASES = [  # (argv with {d} for the files' directory, environment, words the error line holds)
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/latin1.json"), {}, ("latin1.json:1", "not UTF-8")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/deep.json"), {}, ("deep.json:1", "nested too deeply")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/long_k.json"), {}, ("long_k.json:1", "thousands of digits")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json", "--k", "9" * 5000), {}, ("argument --k", "999...")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/mixed.jsonl", "--k", "3"), {}, ("mixed.jsonl:2", "not JSON")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/list.json", "--k", "3"), {}, ("list.json:1", "JSON object")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/empty.json"), {}, ("empty.json", "no requests")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/age.jsonl"), {}, ("age.jsonl:2.user.attributes.age", "integers")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/country.json"), {}, ("country.json:1.user.attributes.country",)),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json", "--now", str(2**63)), {}, ("argument --now",)),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json", "--now", "-5"), {}, ("argument --now", "'-5'")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}"), {}, ("argument --request", "is a directory")),
+    (RETRIEVE + ("{d}", "--request", "{d}/ok.json"), {}, ("argument --events", "is a directory")),
+    (RETRIEVE + ("{d}/bid.jsonl", "--request", "{d}/ok.json"), {}, ("bid.jsonl:1.ad.bid", "less than or equal")),
+    (RETRIEVE + ("{d}/planet.jsonl", "--request", "{d}/ok.json"), {}, ("planet.jsonl:2.ad.targeting.planet", "(ad 2)")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json", "--model", "{d}/missing.safetensors"), {},
+     ("argument --model", "missing.safetensors: no such file")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json", "--model", "{d}/not_a_checkpoint.safetensors"), {},
+     ("--model", "not_a_checkpoint.safetensors is not a checkpoint")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_CHUNK_SIZE": "abc"}, ("ANDROMEDA_CHUNK_SIZE",)),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_DEVICE": "bogus"}, ("ANDROMEDA_DEVICE",)),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_DEVICE": "cuda:99"},
+     ("ANDROMEDA_DEVICE", "CUDA device")),
+    (("--schema", "{d}", "schema"), {}, ("argument --schema", "is a directory")),
+    (("--schema", "{d}/bad.yaml", "schema"), {}, ("bad.yaml:2", "not YAML")),
+    (("--schema", "{d}/binary.yaml", "schema"), {}, ("binary.yaml", "not UTF-8")),
+    (("--schema", "{d}/ok.json", "schema"), {}, ("ok.json.categories", "list of categories")),
+    (("schema",), {"ANDROMEDA_SCHEMA": "{d}"}, ("{d}", "Is a directory")),
+    (("publish", "{d}/events.jsonl", "--redis", "http://localhost:1"), {}, ("--redis", "redis://")),
+    (("publish", "{d}/events.jsonl", "--redis", "redis://localhost:1"), {"ANDROMEDA_SHARDS": "0"}, ("ANDROMEDA_SHARDS",)),
+    (("publish", "{d}/events.jsonl", "--redis", "redis://localhost:1", "--shards", "-3"), {}, ("argument --shards",)),
+    (("publish", "{d}/events.jsonl", "--redis", "redis://localhost:1", "--shards", "0"), {}, ("argument --shards",)),
+    (("publish", "{d}/events.jsonl"), {"REDIS_URL": ""}, ("--redis", "REDIS_URL")),
+    (("synth", "--ads", "0", "--users", "3", "--out", "{d}/w"), {}, ("argument --ads",)),
+    (("synth", "--ads", "-5", "--users", "3", "--out", "{d}/w"), {}, ("argument --ads",)),
+    (("synth", "--ads", "5", "--users", "0", "--out", "{d}/w"), {}, ("argument --users",)),
+    (("synth", "--ads", "5", "--users", "3", "--seed", "-1", "--out", "{d}/w"), {}, ("argument --seed",)),
+    (("synth", "--ads", "5", "--users", "3", "--out", "{d}/a_file"), {}, ("argument --out", "not a directory")),
+    (("synth", "--ads", "5", "--users", "3", "--workers", "0", "--out", "{d}/w"), {}, ("argument --workers",)),
+    (("demo", "--out", "{d}/w", "--show", "-1"), {}, ("argument --show",)),
+    (("train", "--data", "synthetic", "--model", "moe", "--steps", "-1"), {}, ("argument --steps",)),
+    (("train", "--data", "synthetic", "--model", "moe", "--steps", "0"), {}, ("argument --steps",)),
+    (("train", "--data", "synthetic", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors"), {},
+     ("--teacher", "is not a checkpoint")),
+]
+
+
+@pytest.mark.parametrize("argv, env, words", CASES, ids=[f"{argv[0]}: {words[0]}" for argv, _, words in CASES])
+def test_bad_input_exits_2_with_one_line(d, capsys, monkeypatch, argv, env, words):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(d=d))
+    result = andromeda(capsys, *(a.format(d=d) for a in argv))
+    assert_refused(result, *(w.format(d=d) for w in words))
+
+
+def test_a_huge_attribute_value_is_echoed_short(d, capsys):
+    request = d / "huge.json"
+    request.write_text(json.dumps({"user": {"user_id": 1, "attributes": {"country": "A" * 5_000_000}}}))
+    code, out, err = andromeda(capsys, *RETRIEVE, d / "events.jsonl", "--request", request)
+    assert code == 0, err
+    (warning,) = json.loads(out)["warnings"]
+    assert warning.startswith("user.attributes.country: unknown value 'AAA") and len(warning) < 120
+
+
+def test_demo_over_a_world_of_another_size_says_so(d, capsys):
+    assert andromeda(capsys, "synth", "--ads", "40", "--users", "2", "--workers", "1", "--out", d / "small")[0] == 0
+    assert_refused(andromeda(capsys, "demo", "--out", d / "small", "--ads", "1000"), "--ads", "40 ads and 2 users")
+    code, out, err = andromeda(capsys, "demo", "--out", d / "small", "--show", "1")
+    assert code == 0 and "using the demo world of 40 ads and 2 users" in out and out.count("eligible ads") == 1, err
+
+
+def test_every_option_has_help_and_eval_warns_of_its_cost():
+    (commands,) = parser()._subparsers._group_actions
+    for name in ("synth", "retrieve", "publish", "train", "eval", "demo"):
+        assert all(a.help for a in commands.choices[name]._actions), name
+    (eval_help,) = [a.help for a in commands._choices_actions if a.dest == "eval"]
+    assert "docs/quality.md" in eval_help and "hour" in eval_help
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    server = LocalRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
+
+
+def test_publish_to_a_redis_that_is_not_listening_fails_fast(d, capsys):
+    url = f"redis://127.0.0.1:{free_port()}"
+    assert_refused(andromeda(capsys, "publish", d / "events.jsonl", "--redis", url, "--tries", "2"),
+                   url, "Connection refused", "--tries 2")
+
+
+def test_publish_checks_the_whole_file_before_appending_any_of_it(d, capsys, redis_url):
+    events = d / "big.jsonl"
+    lines = [json.dumps(upsert(i)) for i in range(1, 2079)]
+    lines[1500] = json.dumps(upsert(1501, targeting={"planet": {"any_of": ["mars"]}}))
+    events.write_text("\n".join(lines) + "\n")
+    assert_refused(andromeda(capsys, "publish", events, "--redis", redis_url, "--stream", "whole"), "big.jsonl:1501.ad.targeting")
+    assert redis.Redis.from_url(redis_url).exists(shard_stream("whole", 0)) == 0
+
+
+def test_publish_to_a_key_of_another_type_names_it(d, capsys, redis_url):
+    redis.Redis.from_url(redis_url).set(shard_stream("taken", 0), "a string")
+    assert_refused(andromeda(capsys, "publish", d / "events.jsonl", "--redis", redis_url, "--stream", "taken"),
+                   "stream", "taken:0 holds a Redis string")
