@@ -23,6 +23,7 @@ from andromeda_core.config import Settings, load_settings
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import load_events, read_events
+from andromeda_core.models.quality import DATASETS
 from andromeda_core.models.serving import load_scorer
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever
@@ -135,15 +136,21 @@ def cmd_train(args: argparse.Namespace) -> None:
     from andromeda_core.models.retrieval import RetrievalModel
     from andromeda_core.models.train import TrainConfig, default_config, train
 
-    with checkpoint("--teacher", args.teacher):  # a bad --teacher fails before the data is loaded
+    if args.distill is not None and args.teacher is None:
+        raise InvalidInput("--distill needs --teacher (the ranker checkpoint to distil)", "--distill")
+    with checkpoint("--teacher", args.teacher):  # a bad --teacher or --init fails before the data is loaded
         ranker = RetrievalModel.load(args.teacher)[0] if args.teacher else None
+    with checkpoint("--init", args.init):
+        init = RetrievalModel.load(args.init)[0] if args.init else None
     data = load_data(args.data, args.world)
-    cfg = default_config(args.model, args.seed)
+    distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
+    cfg = default_config(args.model, args.seed, distill)
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     teacher = ask_teacher(ranker, data) if ranker is not None else None
-    model = train(data, args.model, cfg, teacher)
-    out = args.out or checkpoint_path(data.name, args.model)
+    with checkpoint("--init", args.init):  # a model of other data or shape does not fit
+        model = train(data, args.model, cfg, teacher, init)
+    out = args.out or checkpoint_path(data.name, args.model, distill)
     model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill))
     print(f"wrote {out}")
 
@@ -226,22 +233,26 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_publish)
 
     s = sub.add_parser("train", help="train a retrieval model (checkpoint in safetensors)")
-    s.add_argument("--data", choices=("synthetic", "movielens"), required=True, help="data set to train on")
-    s.add_argument("--model", choices=("moe", "two_tower", "dense", "ranker"), required=True, help="model kind")
+    s.add_argument("--data", choices=DATASETS, required=True, help="data set to train on")
+    s.add_argument("--model", choices=("moe", "two_tower", "sasrec", "ranker"), required=True, help="model kind")
     s.add_argument("--steps", type=POSITIVE, default=None, help="override the default number of steps")
     s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed of the initialisation and batches")
     s.add_argument("--teacher", type=input_file, default=None,
                    help="ranker checkpoint to distil (its top-100 per user); `andromeda eval` uses DATA-ranker")
+    s.add_argument("--distill", type=float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
+    s.add_argument("--init", type=input_file, default=None,
+                   help="checkpoint whose towers the model starts from (`andromeda eval` starts the ranker from the MoE)")
     s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
     s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors)")
     s.set_defaults(func=cmd_train)
 
-    s = sub.add_parser("eval", help="quality report of every model on both data sets; trains the missing checkpoints "
-                                    "(can take an hour on a CPU) and rewrites docs/quality.md")
-    s.add_argument("--data", nargs="+", choices=("synthetic", "movielens"), default=["synthetic", "movielens"],
-                   help="data sets to evaluate (default: both)")
+    s = sub.add_parser("eval", help="quality report of every model and baseline on every data set; trains the missing "
+                                    "checkpoints (about 45 minutes on 2 CPU cores) and rewrites docs/quality.md")
+    s.add_argument("--data", nargs="+", choices=DATASETS, default=list(DATASETS),
+                   help="data sets to evaluate (default: MovieLens and both synthetic worlds)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")
-    s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
+    s.add_argument("--world", type=Path, default=None,
+                   help="world directory for the `synthetic` data set (default: generated in the cache)")
     s.add_argument("--out", type=Path, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
     s.set_defaults(func=cmd_eval)
 

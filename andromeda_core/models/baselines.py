@@ -10,36 +10,13 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from andromeda_core.models.evaluate import TOP, Ranking
+from andromeda_core.models.evaluate import Ranking, ranking_from_scores
 from andromeda_core.models.recdata import RecData
-
-
-def ranking_from_scores(scores: torch.Tensor, data: RecData, users: np.ndarray,
-                        positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """scores (B, N) float for users (B,) at positions (B,) -> (top (B, min(TOP, N)), target_rank (B,)).
-
-    History items items[u][:p] score -inf; the target is items[u][p]. Ties go to the lower item row,
-    in top and in target_rank alike (target_rank < k iff the target is in top[:k]): counting only
-    strictly higher scores would put a target tied with thousands of zero-score items near the top."""
-    scores = scores.clone()
-    for i, (u, p) in enumerate(zip(users, positions)):
-        scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
-    targets = torch.tensor([data.users.items[u][p] for u, p in zip(users, positions)])
-    target_scores = scores[torch.arange(len(users)), targets][:, None]
-    tied_before = (scores == target_scores) & (torch.arange(scores.shape[1]) < targets[:, None])
-    rank = ((scores > target_scores) | tied_before).sum(1).numpy()
-    top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :TOP].numpy()
-    return top, rank
-
-
-def training_sequences(data: RecData) -> list[np.ndarray]:
-    """Per user the items engaged before their validation position: the only data baselines fit on."""
-    return [seq[:max(data.split(u)[0], 0)] for u, seq in enumerate(data.users.items)]
 
 
 def training_matrix(data: RecData) -> sp.csr_matrix:
     """(U, N) float64 csr: 1 where user u engaged item j in training (repeats count once)."""
-    seqs = training_sequences(data)
+    seqs = data.train_sequences()
     rows = np.repeat(np.arange(len(seqs)), [len(s) for s in seqs])
     x = sp.csr_matrix((np.ones(len(rows)), (rows, np.concatenate(seqs))), shape=(len(seqs), len(data.items.ids)))
     x.data[:] = 1.0  # the constructor summed repeats
@@ -66,7 +43,7 @@ def _rank_batches(data: RecData, users: np.ndarray, split: int, batch: int, scor
 
 def most_popular(data: RecData, users: np.ndarray, split: int = 1, batch: int = 512) -> Ranking:
     """Score of item j = its number of training interactions (repeats counted), the same for every user."""
-    counts = np.bincount(np.concatenate(training_sequences(data)), minlength=len(data.items.ids))
+    counts = np.bincount(np.concatenate(data.train_sequences()), minlength=len(data.items.ids))
     popularity = torch.from_numpy(counts.astype(np.float64))
     return _rank_batches(data, users, split, batch, lambda us, _: popularity.expand(len(us), -1))
 

@@ -42,11 +42,33 @@ def rescored(model: RetrievalModel, state, scan: torch.Tensor, exact: torch.Tens
     return torch.full_like(scan, float("-inf")).scatter(1, short.indices, scores)
 
 
+def ranking_from_scores(scores: torch.Tensor, data: RecData, users: np.ndarray,
+                        positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """scores (B, N) float for users (B,) at positions (B,) -> (top (B, min(TOP, N)), target_rank (B,)).
+
+    History items items[u][:p] score -inf; the target is items[u][p]. Ties go to the lower item row,
+    in top and in target_rank alike (target_rank < k iff the target is in top[:k]): counting only
+    strictly higher scores would put a target tied with thousands of zero-score items near the top."""
+    scores = scores.clone()
+    for i, (u, p) in enumerate(zip(users, positions)):
+        scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
+    targets = torch.tensor([data.users.items[u][p] for u, p in zip(users, positions)])
+    target_scores = scores[torch.arange(len(users)), targets][:, None]
+    tied_before = (scores == target_scores) & (torch.arange(scores.shape[1]) < targets[:, None])
+    rank = ((scores > target_scores) | tied_before).sum(1).numpy()
+    top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :TOP].numpy()
+    return top, rank
+
+
 @torch.no_grad()
 def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: str = "fp32", split: int = 1,
-               rescore: int = 0, batch: int = 16, chunk: int = 4096, progress: bool = True) -> Ranking:
-    """Each user's state at their test (split=1) or validation (split=0) position ranks the full corpus."""
-    exact = model.item_vectors(data.items)
+               rescore: int = 0, keep: int | None = None, content_only: bool = False, batch: int = 16,
+               chunk: int = 4096, progress: bool = True) -> Ranking:
+    """Each user's state at their test (split=1) or validation (split=0) position ranks the full corpus.
+    keep: the user towers read only the last `keep` engagements (a short-history user); content_only:
+    every ad is embedded as if created after training (no learned identity)."""
+    known = torch.zeros(len(data.items.ids), dtype=torch.bool) if content_only else None
+    exact = model.item_vectors(data.items, known=known)
     stored = round_trip(exact, dtype)
     text = torch.from_numpy(data.items.text).float()
     tops, ranks = [], []
@@ -54,27 +76,31 @@ def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: s
     for first in tqdm(range(0, len(users), batch), desc=label, disable=not progress):
         us = users[first:first + batch]
         positions = np.array([data.split(u)[split] for u in us])
-        state = model.users(user_inputs(data, exact if rescore else stored, us, positions))
+        state = model.users(user_inputs(data, exact if rescore else stored, us, positions, model.dims.history, keep))
         scores = torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk])
                             for a in range(0, len(stored), chunk)], 1)
         for i, (u, p) in enumerate(zip(us, positions)):
             scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
         if rescore:
             scores = rescored(model, state, scores, exact, rescore * TOP)
-        targets = torch.tensor([data.users.items[u][p] for u, p in zip(us, positions)])
-        target_scores = scores[torch.arange(len(us)), targets]
-        ranks.append((scores > target_scores[:, None]).sum(1).numpy())
-        tops.append(scores.topk(min(TOP, scores.shape[1]), dim=1).indices.numpy())
+        top, rank = ranking_from_scores(scores, data, us, positions)
+        tops.append(top)
+        ranks.append(rank)
     return Ranking(np.concatenate(tops), np.concatenate(ranks))
 
 
 CUTOFFS = (10, 50, 200)
 
 
+def per_user_metrics(target_rank: np.ndarray) -> dict[str, np.ndarray]:
+    """target_rank (U,) 0-based -> HR@K (U,) 0/1 for each cutoff and NDCG@10 (U,) per user."""
+    rank = np.asarray(target_rank)
+    return {**{f"HR@{k}": (rank < k).astype(np.float64) for k in CUTOFFS},
+            "NDCG@10": np.where(rank < 10, 1 / np.log2(rank + 2.0), 0.0)}
+
+
 def hit_metrics(r: Ranking) -> dict[str, float]:
-    rank = r.target_rank
-    return {**{f"HR@{k}": float(np.mean(rank < k)) for k in CUTOFFS},
-            "NDCG@10": float(np.mean(np.where(rank < 10, 1 / np.log2(rank + 2), 0.0)))}
+    return {name: float(values.mean()) for name, values in per_user_metrics(r.target_rank).items()}
 
 
 def crossings(r: Ranking, reference: Ranking) -> int:
@@ -99,11 +125,12 @@ def true_top100(data: RecData, users: np.ndarray) -> np.ndarray:
 
 def counted_flops_per_pair(model: RetrievalModel, data: RecData, n: int = 512) -> float:
     """FLOPs torch.utils.flop_counter counts (matmul-type ops only) scoring n candidates for one request."""
+    n = min(n, len(data.items.ids))
     with torch.no_grad():
         stored = model.item_vectors(data.items, np.arange(n))
         user = data.eval_users()[:1]
         state = model.users(user_inputs(data, stored.new_zeros((len(data.items.ids), stored.shape[1])), user,
-                                        np.array([data.split(user[0])[1]])))
+                                        np.array([data.split(user[0])[1]]), model.dims.history))
         text = torch.from_numpy(data.items.text[:n]).float()
         with FlopCounterMode(display=False) as counter:
             model.score(state, stored, text)

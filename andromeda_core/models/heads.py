@@ -1,9 +1,10 @@
-"""Interaction heads: how a user state meets a candidate's stored vector (S = D + G + M).
+"""Interaction heads: how a user state meets a candidate's stored vector (S = D + G + M + 1).
+Every head adds the ad's bias b (the stored vector's last element) to its score.
 
 - MoEHead: attention-based mixture of logits. The candidate's gating query q attends over the user
-  experts' keys; the top-n experts (of E) get softmax gates; score = sum_e gate_e * <u_e, a>.
-- DotHead (two-tower): one user vector (learned mix of the experts) . a.
-- DenseHead (the pre-MoE dense interaction retriever): MLP([u, a, u * a]).
+  experts' keys; the top-n experts (of E) get softmax gates; score = sum_e gate_e * <u_e, a> + b.
+- DotHead (two-tower): one user vector (learned mix of the experts) . a + b.
+- SequenceDotHead (SASRec-style two-tower baseline): the sequence expert alone . a + b.
 - RankerHead (quality ceiling and distillation teacher, not served): deep MLP over every expert, the
   full stored vector, the expert-ad products and the ad's text projection, plus the gated
   mixture-of-logits term as a wide part (so it can only add to what the retriever can express).
@@ -34,11 +35,11 @@ class MoEHead(nn.Module):
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         a, q = stored[:, : self.d.dim].float(), stored[:, self.d.dim: self.d.dim + self.d.gate]
         sims = torch.einsum("bed,nd->ben", state.experts, a)
-        return (self.gates(state, q) * sims).sum(1)
+        return (self.gates(state, q) * sims).sum(1) + self.d.bias(stored)
 
     def flops_per_pair(self) -> int:
         E, D, G, n = self.d.experts, self.d.dim, self.d.gate, self.top_n
-        return 2 * E * G + 2 * E * D + E * n + 4 * n + 2 * n  # gating logits, sims, top-n, softmax, gated sum
+        return 2 * E * G + 2 * E * D + E * n + 4 * n + 2 * n + 1  # gating logits, sims, top-n, softmax, gated sum, bias
 
 
 def _user_vector(mix: nn.Linear, state: UserState) -> torch.Tensor:
@@ -53,27 +54,24 @@ class DotHead(nn.Module):
         self.mix = nn.Linear(d.experts * d.dim, d.dim)
 
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
-        return _user_vector(self.mix, state) @ stored[:, : self.d.dim].float().T
+        return _user_vector(self.mix, state) @ stored[:, : self.d.dim].float().T + self.d.bias(stored)
 
     def flops_per_pair(self) -> int:
-        return 2 * self.d.dim
+        return 2 * self.d.dim + 1
 
 
-class DenseHead(nn.Module):
-    def __init__(self, d: Dims, hidden: int = 128):
+class SequenceDotHead(nn.Module):
+    """The sequence expert (expert 0, the causal self-attention encoder) as a plain two-tower."""
+
+    def __init__(self, d: Dims):
         super().__init__()
-        self.d, self.hidden = d, hidden
-        self.mix = nn.Linear(d.experts * d.dim, d.dim)
-        self.mlp = nn.Sequential(nn.Linear(3 * d.dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
+        self.d = d
 
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
-        u = _user_vector(self.mix, state)[:, None, :].expand(-1, stored.shape[0], -1)
-        a = stored[None, :, : self.d.dim].float().expand(u.shape[0], -1, -1)
-        return self.mlp(torch.cat([u, a, u * a], -1)).squeeze(-1)
+        return state.experts[:, 0] @ stored[:, : self.d.dim].float().T + self.d.bias(stored)
 
     def flops_per_pair(self) -> int:
-        D, H = self.d.dim, self.hidden
-        return D + 2 * 3 * D * H + H + 2 * H  # product, layer 1, activation, layer 2
+        return 2 * self.d.dim + 1
 
 
 class RankerHead(nn.Module):
@@ -85,7 +83,7 @@ class RankerHead(nn.Module):
     sum_{e,d} W[h, e, d] u_e[d] a[d] = a . (sum_e W[h, e, :] * u_e) is one (D x H1) matrix per user.
     """
 
-    def __init__(self, d: Dims, hidden: tuple[int, int] = (512, 256)):
+    def __init__(self, d: Dims, hidden: tuple[int, int] = (256, 192)):
         super().__init__()
         self.d, self.hidden = d, hidden
         self.wide = MoEHead(d)
@@ -93,6 +91,8 @@ class RankerHead(nn.Module):
         self.width = 2 * d.experts * d.dim + d.stored + d.dim
         self.mlp = nn.Sequential(nn.Linear(self.width, hidden[0]), nn.GELU(), nn.Linear(hidden[0], hidden[1]), nn.GELU(),
                                  nn.Linear(hidden[1], 1))
+        nn.init.zeros_(self.mlp[-1].weight)  # the deep part starts silent: a ranker warm-started from a
+        nn.init.zeros_(self.mlp[-1].bias)  # MoE's towers starts as that MoE and can only learn to add to it
 
     def first_layer(self, state: UserState, stored: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """(B, n, H1) pre-activations of the first layer."""
@@ -120,4 +120,4 @@ class RankerHead(nn.Module):
         return deep + self.wide.flops_per_pair() + 1
 
 
-HEADS = {"moe": MoEHead, "two_tower": DotHead, "dense": DenseHead, "ranker": RankerHead}
+HEADS = {"moe": MoEHead, "two_tower": DotHead, "sasrec": SequenceDotHead, "ranker": RankerHead}

@@ -60,7 +60,16 @@ class RecData:
     def train_examples(self) -> np.ndarray:
         """(n, 2) int64: (user, position of the target); history is everything before it."""
         rows = [(u, p) for u, seq in enumerate(self.users.items) for p in range(1, len(seq) - 2)]
-        return np.array(rows, dtype=np.int64)
+        return np.array(rows, dtype=np.int64).reshape(-1, 2)
+
+    def train_sequences(self) -> list[np.ndarray]:
+        """Per user the items engaged before their validation engagement: all that models and baselines fit on."""
+        return [seq[: max(self.split(u)[0], 0)] for u, seq in enumerate(self.users.items)]
+
+    def train_items(self) -> np.ndarray:
+        """Sorted item rows engaged in training: the items a model can learn an identity for; every
+        other item is new to it (cold)."""
+        return np.unique(np.concatenate(self.train_sequences() or [np.zeros(0, np.int64)])).astype(np.int64)
 
 
 def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:

@@ -1,4 +1,7 @@
-"""RetrievalModel = ad tower + user expert towers + one interaction head; safetensors checkpoints."""
+"""RetrievalModel = ad tower + user expert towers + one interaction head; safetensors checkpoints.
+
+The model knows the external ids of the ads it learned an identity for (`item_ids`, sorted); any
+other ad is embedded from its content alone."""
 from __future__ import annotations
 
 import json
@@ -14,27 +17,40 @@ from andromeda_core.models.heads import HEADS
 from andromeda_core.models.recdata import Items, RecData
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
-MODEL_VERSION = "2"  # 2: the ranker gained its wide (MoE) term
-HISTORY = 30  # most recent engagements a user tower reads
+MODEL_VERSION = "3"  # 3: learned ad ids, ad bias, sequence expert
 CO_ITEMS = 8
 COHORTS = 8
 
 
 class RetrievalModel(nn.Module):
-    def __init__(self, kind: str, dims: Dims):
+    def __init__(self, kind: str, dims: Dims, item_ids: np.ndarray | torch.Tensor = ()):
         super().__init__()
         if kind not in HEADS:
             raise ValueError(f"model must be one of {sorted(HEADS)}, got {kind!r}")
         self.kind, self.dims = kind, dims
-        self.ad_tower = AdTower(dims)
+        self.register_buffer("item_ids", torch.as_tensor(np.sort(np.asarray(item_ids, np.int64))))
+        self.ad_tower = AdTower(dims, len(self.item_ids))
         self.user_towers = UserTowers(dims)
         self.head = HEADS[kind](dims)
+        self.eval()  # dropout only where train() asks for it
 
-    def item_vectors(self, items: Items, rows: np.ndarray | None = None) -> torch.Tensor:
-        """(n, S) stored vectors of the items at `rows` (every item when None)."""
+    def id_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) external ad ids -> (n,) rows of their learned identity, -1 for ads without one."""
+        ids = ids.to(self.item_ids.device)
+        if not len(self.item_ids):
+            return torch.full_like(ids, -1)
+        rows = torch.searchsorted(self.item_ids, ids).clamp(max=len(self.item_ids) - 1)
+        return torch.where(self.item_ids[rows] == ids, rows, -1)
+
+    def item_vectors(self, items: Items, rows: np.ndarray | None = None, known: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, S) stored vectors of the items at `rows` (every item when None); known (n,) bool, when
+        given, keeps the learned identity only where True (False: as an ad created after training)."""
         rows = np.arange(len(items.ids)) if rows is None else rows
+        id_rows = self.id_rows(torch.from_numpy(items.ids[rows]))
+        if known is not None:
+            id_rows = torch.where(known, id_rows, -1)
         return self.ad_tower(torch.from_numpy(items.text[rows]), torch.from_numpy(items.category[rows]),
-                             torch.from_numpy(items.advertiser[rows]), torch.from_numpy(items.bid[rows]))
+                             torch.from_numpy(items.advertiser[rows]), torch.from_numpy(items.bid[rows]), id_rows)
 
     def users(self, inputs: UserInputs) -> UserState:
         return self.user_towers(inputs)
@@ -57,8 +73,9 @@ class RetrievalModel(nn.Module):
             config = json.loads(f.metadata()["config"])
         if config.get("model_version") != MODEL_VERSION:
             raise ValueError(f"{path}: model version {config.get('model_version')} is not {MODEL_VERSION}")
-        model = cls(config["model"], Dims(**config["dims"]))
-        model.load_state_dict(load_file(str(path)))
+        tensors = load_file(str(path))
+        model = cls(config["model"], Dims(**config["dims"]), tensors["item_ids"])
+        model.load_state_dict(tensors)
         return model.eval(), config
 
 
@@ -70,14 +87,17 @@ def _pad(rows: list[np.ndarray], width: int, fill: int) -> np.ndarray:
     return out
 
 
-def user_inputs(data: RecData, stored: torch.Tensor, users: np.ndarray, positions: np.ndarray) -> UserInputs:
-    """Inputs of users (B,) as of their engagement at positions (B,): history = everything before it."""
-    u = data.users
-    hist = [u.items[a][:p] for a, p in zip(users, positions)]
-    hist_rows = _pad(hist, HISTORY, -1)
-    events = _pad([u.events[a][:p] for a, p in zip(users, positions)], HISTORY, 0)
+def user_inputs(data: RecData, stored: torch.Tensor, users: np.ndarray, positions: np.ndarray,
+                length: int = Dims.history, keep: int | None = None) -> UserInputs:
+    """Inputs of users (B,) as of their engagement at positions (B,): history = the `length` (or `keep`,
+    when smaller: a short-history user) most recent engagements before it."""
+    u, length = data.users, min(length, keep or length)
+    starts = [max(0, p - length) for p in positions]
+    length = max(1, min(length, max((p - s for s, p in zip(starts, positions)), default=1)))  # padding is inert
+    hist_rows = _pad([u.items[a][s:p] for a, s, p in zip(users, starts, positions)], length, -1)
+    events = _pad([u.events[a][s:p] for a, s, p in zip(users, starts, positions)], length, 0)
     at = np.array([u.times[a][p] if p < len(u.times[a]) else u.now[a] for a, p in zip(users, positions)])
-    times = _pad([u.times[a][:p] for a, p in zip(users, positions)], HISTORY, 0)
+    times = _pad([u.times[a][s:p] for a, s, p in zip(users, starts, positions)], length, 0)
     mask = hist_rows >= 0
     co_rows = _pad([u.co_items[a] for a in users], CO_ITEMS, -1)
     cohorts = _pad([u.cohorts[a] for a in users], COHORTS, -1)

@@ -1,7 +1,8 @@
 """A trained RetrievalModel behind the retriever's Scorer interface.
 
 encode_ads runs the ad tower (MiniLM text embedding of title and body, creative category,
-advertiser, bid) at publish time; the index stores its (S,) output. encode_users runs the user
+advertiser, bid, and the ad's learned identity when the model was trained on its id; content alone
+for an ad created after training) at publish time; the index stores its (S,) output. encode_users runs the user
 towers once per request on the stored vectors of the ads in the user's history and cross-surface
 engagements (looked up in the index), the cohorts and the serving context. score applies the head.
 """
@@ -15,7 +16,7 @@ import torch
 
 from andromeda_core.models import EmbeddingLookup
 from andromeda_core.models.recdata import EVENTS
-from andromeda_core.models.retrieval import CO_ITEMS, COHORTS, HISTORY, MODEL_VERSION, RetrievalModel
+from andromeda_core.models.retrieval import CO_ITEMS, COHORTS, MODEL_VERSION, RetrievalModel
 from andromeda_core.models.text import encode_texts
 from andromeda_core.models.towers import UserInputs, UserState
 from andromeda_core.schema import Schema
@@ -56,7 +57,8 @@ class ModelScorer:
         category = [self.categories.get(a.creative.category, len(self.categories)) for a in ads]
         stored = self.model.ad_tower(text, torch.tensor(category, device=self.device),
                                      torch.tensor([a.advertiser_id for a in ads], device=self.device),
-                                     torch.tensor([a.bid for a in ads], dtype=torch.float32, device=self.device))
+                                     torch.tensor([a.bid for a in ads], dtype=torch.float32, device=self.device),
+                                     self.model.id_rows(torch.tensor([a.ad_id for a in ads], device=self.device)))
         return stored.cpu()
 
     def _context(self, r: RetrieveRequest, now: int) -> list[int]:
@@ -73,21 +75,22 @@ class ModelScorer:
 
     def _inputs(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> UserInputs:
         """The user towers' inputs (CPU) for B requests: history and co-engagements looked up in the index."""
-        B, S = len(requests), self.dim
-        hist = torch.zeros((B, HISTORY, S))
-        hist_event = torch.zeros((B, HISTORY), dtype=torch.int64)
-        hist_age = torch.zeros((B, HISTORY))
-        hist_mask = torch.zeros((B, HISTORY), dtype=torch.bool)
+        B, S, L = len(requests), self.dim, self.model.dims.history
+        hist = torch.zeros((B, L, S))
+        hist_event = torch.zeros((B, L), dtype=torch.int64)
+        hist_age = torch.zeros((B, L))
+        hist_mask = torch.zeros((B, L), dtype=torch.bool)
         co = torch.zeros((B, CO_ITEMS, S))
         co_mask = torch.zeros((B, CO_ITEMS), dtype=torch.bool)
         cohorts = torch.full((B, COHORTS), -1, dtype=torch.int64)
         for b, r in enumerate(requests):
-            events = sorted(r.user.history, key=lambda h: h.ts)[-HISTORY:]
-            if events:
+            events = sorted(r.user.history, key=lambda h: h.ts)
+            if events:  # the last L engagements with ads the index holds, oldest first, as in training
                 vectors, found = lookup([h.ad_id for h in events])
-                n = len(events)
-                hist[b, :n], hist_mask[b, :n] = vectors, found
-                hist_event[b, :n] = torch.tensor([EVENTS.index(h.event) for h in events])
+                keep = found.nonzero().flatten()[-L:].tolist()
+                events, n = [events[i] for i in keep], len(keep)
+                hist[b, :n], hist_mask[b, :n] = vectors[keep], True
+                hist_event[b, :n] = torch.tensor([EVENTS.index(h.event) for h in events], dtype=torch.int64)
                 hist_age[b, :n] = torch.tensor([max(0, now[b] - h.ts) / 3600 for h in events])
             engaged = r.user.co_engagement[-CO_ITEMS:]
             if engaged:

@@ -3,14 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from andromeda_core.models.evaluate import CUTOFFS
-
-
-def per_user_metrics(target_rank: np.ndarray) -> dict[str, np.ndarray]:
-    """target_rank (U,) 0-based -> HR@K (U,) 0/1 for each cutoff and NDCG@10 (U,) per user."""
-    rank = np.asarray(target_rank)
-    return {**{f"HR@{k}": (rank < k).astype(np.float64) for k in CUTOFFS},
-            "NDCG@10": np.where(rank < 10, 1 / np.log2(rank + 2.0), 0.0)}
 
 
 def bootstrap_ci(values: np.ndarray, n_boot: int = 2000, seed: int = 0,

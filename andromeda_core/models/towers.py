@@ -1,12 +1,18 @@
 """Ad tower and user expert towers of the retrieval models.
 
-Stored ad vector (S = D + G + M): [a (D) unit-norm ad embedding | q (G) gating query | s (M) unit-norm
-semantic projection of the creative's MiniLM text embedding]. The index stores it; user towers read
-the stored vectors of the ads a user engaged with, so serving needs no other per-ad data.
+Stored ad vector (S = D + G + M + 1): [a (D) ad embedding | q (G) gating query | s (M) unit-norm
+semantic projection of the creative's MiniLM text embedding | b (1) ad bias]. The index stores it;
+user towers read the stored vectors of the ads a user engaged with, so serving needs no other per-ad data.
 
-User experts (E = interests + 3), each an embedding u_e (D) and a gating key k_e (G):
-  interests x sequence expert: attention of learned interest queries over recent engagements
-                               (stored vector + event type + recency),
+Item identity: a and b are content (MiniLM text, category, advertiser, bid) plus a learned residual per
+ad id seen in training. An ad the model has no id row for (created after training) gets the content
+part alone; training drops each ad's id row with some probability (`id_dropout`), so the content
+tower learns to stand in for the id (the fallback is content-only, not hashing).
+
+User experts (E = interests + 4), each an embedding u_e (D) and a gating key k_e (G):
+  sequence expert: causal self-attention (SASRec style) over the engagement sequence, read at its
+                   most recent position; tokens = stored vector + event + position + time gap,
+  interests experts: attention of learned interest queries over the same contextualised sequence,
   cohort expert: mean of hashed cohort-id embeddings,
   semantic expert: attention-pooled semantic parts (s) of the engaged ads,
   co-engagement expert: pooled stored vectors of ads engaged on other surfaces.
@@ -24,6 +30,7 @@ from torch import nn
 from andromeda_core.models.text import TEXT_DIM
 
 N_EVENTS = 6
+GAP_BUCKETS = 24  # log2-spaced buckets of hours between engagements (and since the last one)
 
 
 @dataclass(frozen=True)
@@ -31,20 +38,27 @@ class Dims:
     dim: int = 64  # D
     gate: int = 16  # G
     semantic: int = 32  # M
-    interests: int = 3  # sequence experts
+    interests: int = 2  # interest experts
     categories: int = 64
     advertiser_buckets: int = 4096
     cohort_buckets: int = 4096
     surfaces: int = 16
     placements: int = 32
+    history: int = 50  # most recent engagements the user towers read
+    layers: int = 2  # self-attention blocks of the sequence expert
+    heads: int = 2
 
     @property
     def stored(self) -> int:
-        return self.dim + self.gate + self.semantic
+        return self.dim + self.gate + self.semantic + 1
 
     @property
     def experts(self) -> int:
-        return self.interests + 3
+        return self.interests + 4
+
+    def bias(self, stored: torch.Tensor) -> torch.Tensor:
+        """(n, S) stored vectors -> (n,) ad biases."""
+        return stored[:, -1].float()
 
 
 class Tensors:
@@ -57,9 +71,10 @@ class Tensors:
 
 @dataclass
 class UserInputs(Tensors):
-    """hist (B, L, S) stored vectors of engaged ads, hist_event (B, L) int64, hist_age (B, L) hours,
-    hist_mask (B, L); cohorts (B, C) int64 bucket (mask (B, C)); co (B, M, S) with co_mask (B, M);
-    context (B, 3) int64 surface+1, placement+1 (0 = unknown), hour."""
+    """hist (B, L, S) stored vectors of engaged ads, oldest first, padded at the end; hist_event (B, L)
+    int64, hist_age (B, L) hours before the request, hist_mask (B, L); cohorts (B, C) int64 bucket
+    (mask (B, C)); co (B, M, S) with co_mask (B, M); context (B, 3) int64 surface+1, placement+1
+    (0 = unknown), hour."""
 
     hist: torch.Tensor
     hist_event: torch.Tensor
@@ -86,29 +101,66 @@ class UserState(Tensors):
 
 
 class AdTower(nn.Module):
-    def __init__(self, d: Dims):
+    """Content tower plus learned per-id residuals for `ids` ads ((ids, D + 1) table: embedding and bias)."""
+
+    def __init__(self, d: Dims, ids: int = 0):
         super().__init__()
         self.d = d
         self.text = nn.Linear(TEXT_DIM, 128)
         self.category = nn.Embedding(d.categories, 32)
         self.advertiser = nn.Embedding(d.advertiser_buckets, 16)
-        self.mlp = nn.Sequential(nn.Linear(128 + 32 + 16 + 1, 128), nn.GELU(), nn.Linear(128, d.dim + d.gate))
+        self.mlp = nn.Sequential(nn.Linear(128 + 32 + 16 + 1, 128), nn.GELU(), nn.Linear(128, d.dim + d.gate + 1))
         self.semantic = nn.Linear(TEXT_DIM, d.semantic)
+        self.identity = nn.Embedding(ids + 1, d.dim + 1, padding_idx=ids)  # last row: no id (content only)
+        nn.init.normal_(self.identity.weight, std=0.01)
+        with torch.no_grad():
+            self.identity.weight[ids] = 0
 
-    def forward(self, text: torch.Tensor, category: torch.Tensor, advertiser: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
-        """text (N, 384), category/advertiser (N,) int64, bid (N,) -> stored vectors (N, S)."""
-        text = text.float()
-        h = torch.cat([F.gelu(self.text(text)), self.category(category.clamp(0, self.d.categories - 1)),
-                       self.advertiser(advertiser % self.d.advertiser_buckets), torch.log1p(bid.clamp(min=0))[:, None]], 1)
+    def forward(self, text: torch.Tensor, category: torch.Tensor, advertiser: torch.Tensor, bid: torch.Tensor,
+                id_rows: torch.Tensor) -> torch.Tensor:
+        """text (N, 384), category/advertiser (N,) int64, bid (N,), id_rows (N,) int64 (-1: no id) -> (N, S)."""
+        d, text = self.d, text.float()
+        h = torch.cat([F.gelu(self.text(text)), self.category(category.clamp(0, d.categories - 1)),
+                       self.advertiser(advertiser % d.advertiser_buckets), torch.log1p(bid.clamp(min=0))[:, None]], 1)
         out = self.mlp(h)
-        a, q = F.normalize(out[:, : self.d.dim], dim=1), out[:, self.d.dim:]
-        return torch.cat([a, q, F.normalize(self.semantic(text), dim=1)], 1)
+        no_id = self.identity.num_embeddings - 1
+        ident = self.identity(torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id))
+        a = out[:, : d.dim] + ident[:, : d.dim]
+        bias = out[:, -1:] + ident[:, -1:]
+        return torch.cat([a, out[:, d.dim: d.dim + d.gate], F.normalize(self.semantic(text), dim=1), bias], 1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x (B, L, F), mask (B, L) -> (B, F); zeros where nothing is masked in."""
     w = mask.float()[..., None]
     return (x * w).sum(1) / w.sum(1).clamp(min=1)
+
+
+def gap_buckets(hours: torch.Tensor) -> torch.Tensor:
+    """(...) non-negative hours -> (...) int64 log2 buckets in [0, GAP_BUCKETS)."""
+    return torch.log2(hours.clamp(min=0) + 1).floor().long().clamp(max=GAP_BUCKETS - 1)
+
+
+class SequenceEncoder(nn.Module):
+    """Causal self-attention over engagements (SASRec/HSTU style, pre-norm blocks).
+
+    tokens (B, L, D), mask (B, L) bool (real engagements first, padding after) -> (B, L, D): position i
+    sees positions <= i only, so a later engagement cannot change an earlier position's output."""
+
+    def __init__(self, d: Dims):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d.dim, d.heads, 2 * d.dim, dropout=0.1, activation="gelu", batch_first=True,
+                                       norm_first=True) for _ in range(d.layers))
+        self.norm = nn.LayerNorm(d.dim)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        L = tokens.shape[1]
+        causal = torch.triu(torch.full((L, L), float("-inf"), device=tokens.device), diagonal=1)
+        x = tokens
+        for block in self.blocks:
+            x = block(x, src_mask=causal, is_causal=True)
+        return self.norm(x) * mask[..., None]
 
 
 class UserTowers(nn.Module):
@@ -118,7 +170,11 @@ class UserTowers(nn.Module):
         D, S = d.dim, d.stored
         self.item = nn.Linear(S, D)
         self.event = nn.Embedding(N_EVENTS, D)
-        self.recency = nn.Linear(1, D)
+        self.position = nn.Embedding(d.history, D)  # 0 = most recent
+        self.gap = nn.Embedding(GAP_BUCKETS, D)  # hours since the previous engagement
+        self.age = nn.Embedding(GAP_BUCKETS, D)  # hours before the request
+        self.sequence = SequenceEncoder(d)
+        self.empty = nn.Parameter(torch.zeros(D))  # the sequence expert of a user with no history
         self.interest_queries = nn.Parameter(torch.randn(d.interests, D) / D**0.5)
         self.interest_out = nn.Linear(D, D)
         self.cohort = nn.EmbeddingBag(d.cohort_buckets, D, mode="sum")
@@ -132,30 +188,43 @@ class UserTowers(nn.Module):
         self.keys = nn.Linear(D, d.gate)
         self.expert_bias = nn.Parameter(torch.zeros(d.experts, D))
 
+    def tokens(self, x: UserInputs) -> torch.Tensor:
+        """(B, L, D) input tokens: stored vector + event + position from the end + time gap + age."""
+        n = x.hist_mask.sum(1, keepdim=True)
+        steps = torch.arange(x.hist.shape[1], device=x.hist.device)[None]
+        position = (n - 1 - steps).clamp(0, self.d.history - 1)
+        previous = torch.cat([x.hist_age[:, :1], x.hist_age[:, :-1]], 1)
+        return (self.item(x.hist) + self.event(x.hist_event) + self.position(position)
+                + self.gap(gap_buckets(previous - x.hist_age)) + self.age(gap_buckets(x.hist_age)))
+
     def forward(self, x: UserInputs) -> UserState:
         d = self.d
         B = x.hist.shape[0]
-        # Sequence experts: interest queries attend over engagements (item + event + recency).
-        tokens = self.item(x.hist) + self.event(x.hist_event) + self.recency(torch.log1p(x.hist_age.clamp(min=0))[..., None])
-        logits = torch.einsum("id,bld->bil", self.interest_queries, tokens) / d.dim**0.5
+        has_hist = x.hist_mask.any(1)
+        # Sequence expert: the causal encoder's output at the most recent engagement.
+        seq = self.sequence(self.tokens(x), x.hist_mask)  # (B, L, D)
+        last = (x.hist_mask.sum(1) - 1).clamp(min=0)
+        sequence = torch.where(has_hist[:, None], seq[torch.arange(B), last], self.empty)
+        # Interest experts: learned queries attend over the contextualised sequence.
+        logits = torch.einsum("id,bld->bil", self.interest_queries, seq) / d.dim**0.5
         logits = logits.masked_fill(~x.hist_mask[:, None, :], float("-inf"))
         attn = torch.nan_to_num(torch.softmax(logits, -1))  # rows with no history are all zeros
-        interests = self.interest_out(torch.einsum("bil,bld->bid", attn, tokens))
+        interests = self.interest_out(torch.einsum("bil,bld->bid", attn, seq))
         # Cohort expert.
         cohorts = x.cohorts.clamp(min=0) % d.cohort_buckets
         weights = x.cohort_mask.float() / x.cohort_mask.float().sum(1, keepdim=True).clamp(min=1)
         cohort = self.cohort(cohorts, per_sample_weights=weights) if cohorts.shape[1] \
             else x.hist.new_zeros((B, d.dim))
         # Semantic expert: attention-pooled semantic parts of engaged ads.
-        sem = x.hist[..., d.dim + d.gate:]
+        sem = x.hist[..., d.dim + d.gate: d.dim + d.gate + d.semantic]
         sem_logits = self.semantic_query(sem).squeeze(-1).masked_fill(~x.hist_mask, float("-inf"))
         sem_pool = torch.einsum("bl,blm->bm", torch.nan_to_num(torch.softmax(sem_logits, -1)), sem)
         semantic = self.semantic_out(sem_pool)
         co = self.co_out(masked_mean(x.co, x.co_mask))
-        experts = torch.cat([interests, cohort[:, None], semantic[:, None], co[:, None]], 1) + self.expert_bias
-        has_hist = x.hist_mask.any(1)
-        mask = torch.stack([has_hist] * d.interests + [x.cohort_mask.any(1), has_hist, x.co_mask.any(1)], 1)
-        mask[:, 0] = True  # the first interest expert always answers (its bias covers empty histories)
+        experts = torch.cat([sequence[:, None], interests, cohort[:, None], semantic[:, None], co[:, None]], 1) \
+            + self.expert_bias
+        mask = torch.stack([torch.ones_like(has_hist)] + [has_hist] * d.interests
+                           + [x.cohort_mask.any(1), has_hist, x.co_mask.any(1)], 1)
         context = self.surface(x.context[:, 0]) + self.placement(x.context[:, 1]) + self.hour(x.context[:, 2] % 24)
         experts = experts * (1 + torch.tanh(self.context_gain(context)))[:, None, :]
         return UserState(experts, self.keys(experts), mask)

@@ -1,11 +1,17 @@
-"""Training with sampled softmax: each row's positive against every row's positive and shared
-uniformly sampled negatives (none for the dense head); accidental hits are masked.
+"""Training with a logQ-corrected sampled softmax over mixed negatives.
 
-Rows are engagements (the next item a user engaged with) and, with a teacher, distillation rows:
-a user state and one item drawn uniformly from the ranker's top-k for it, weighted by `distill`.
+Each row (an engagement: a user's state before it and the item engaged) scores its positive against
+every row's positive (in-batch negatives, drawn as often as items are engaged) and shared uniformly
+sampled negatives; accidental hits are masked. Every candidate's logit is corrected by the log of its
+expected count in the candidate set (logQ), so popular items are not pushed down for being sampled
+often. With a teacher, distillation rows follow: a user state and one item drawn uniformly from the
+ranker's top-k for it, weighted by `distill`. Ad ids are dropped with probability `id_dropout` so the
+content tower learns to stand in for them. Training stops early on the validation split (the
+engagement before each user's test one, never a training target) and keeps the best weights.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from andromeda_core.models.distill import Teacher
+from andromeda_core.models.evaluate import hit_metrics, rank_items
 from andromeda_core.models.recdata import RecData
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import Dims
@@ -21,26 +28,31 @@ from andromeda_core.models.towers import Dims
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1600
+    steps: int = 1000  # at most; early stopping may end sooner
     batch: int = 256
     negatives: int = 512  # shared uniformly sampled negatives per step
     lr: float = 2e-3
     seed: int = 0
-    distill: float = 1.0  # weight of the distillation rows (used only with a teacher)
-    teacher_rows: int = 256  # distillation rows per step (used only with a teacher)
+    distill: float = 0.0  # weight of the distillation rows (used only with a teacher)
+    teacher_rows: int = 128  # distillation rows per step (used only with a teacher)
+    logq: bool = True  # correct every candidate's logit by log of its expected count in the candidate set
+    balanced: bool = False  # sample users uniformly (then one of their engagements), not engagements
+    id_dropout: float = 0.1  # share of ads embedded from content alone in each step
+    validate_every: int = 250  # steps between validations (0: never; train all steps)
+    validation_users: int = 1000
+    patience: int = 2  # validations without improvement before stopping
 
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
 
 
-def default_config(kind: str, seed: int = 0) -> TrainConfig:
-    """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x B pairs per step."""
-    if kind == "ranker":  # the quality ceiling: uniform negatives teach it to rank the full corpus
-        return TrainConfig(steps=1000, batch=96, negatives=256, lr=2e-3, seed=seed)
-    if kind == "dense":
-        return TrainConfig(steps=1600, batch=96, negatives=0, lr=1e-3, seed=seed, teacher_rows=96)
-    return TrainConfig(seed=seed)
+def default_config(kind: str, seed: int = 0, distill: float = 0.0) -> TrainConfig:
+    """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x C pairs per step."""
+    if kind == "ranker":  # warm-started from the MoE's towers: only its head learns
+        return TrainConfig(steps=1000, batch=128, negatives=512, lr=1e-3, seed=seed, validate_every=100,
+                           validation_users=400, patience=3)
+    return TrainConfig(seed=seed, distill=distill)
 
 
 WARMUP = 0.1  # share of the steps over which the one-cycle schedule warms up
@@ -55,11 +67,35 @@ def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_
     return torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0)
 
 
-def _rows(data: RecData, examples: np.ndarray, teacher: Teacher | None, cfg: TrainConfig,
+def example_weights(data: RecData, examples: np.ndarray, balanced: bool) -> np.ndarray:
+    """(n,) probability of drawing each training example: uniform, or each user equally often."""
+    if not balanced:
+        return np.full(len(examples), 1 / len(examples))
+    per_user = np.bincount(examples[:, 0], minlength=len(data.users.items))
+    w = 1 / per_user[examples[:, 0]]
+    return w / w.sum()
+
+
+def item_probability(rows: np.ndarray, weights: np.ndarray, n_items: int) -> np.ndarray:
+    """(N,) probability that one draw of a row (weights (R,)) has each item (rows (R,)) as its positive."""
+    return np.bincount(rows, weights=weights, minlength=n_items)
+
+
+def log_q(candidates: np.ndarray, engaged: np.ndarray, taught: np.ndarray | None, cfg: TrainConfig,
+          n_items: int) -> torch.Tensor:
+    """(C,) log of each candidate's expected count in one step's candidate set: batch draws from the
+    engagement distribution engaged (N,), teacher_rows from the teacher's taught (N,), negatives uniform."""
+    expected = cfg.batch * engaged[candidates] + cfg.negatives / n_items
+    if taught is not None:
+        expected = expected + cfg.teacher_rows * taught[candidates]
+    return torch.from_numpy(np.log(expected)).float()
+
+
+def _rows(data: RecData, examples: np.ndarray, draw: np.ndarray, teacher: Teacher | None, cfg: TrainConfig,
           rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One step's rows: users (R,), positions (R,), positives (R,), known positives (R, K) padded
     with -1 (masked as accidental hits), loss weights (R,). Teacher rows follow the engagement rows."""
-    batch = examples[rng.integers(0, len(examples), cfg.batch)]
+    batch = examples[rng.choice(len(examples), cfg.batch, p=draw)]
     users, positions = batch[:, 0], batch[:, 1]
     positives = np.array([data.users.items[u][p] for u, p in batch])
     known, weights = positives[:, None], np.ones(cfg.batch, np.float32)
@@ -83,32 +119,56 @@ def _accidental_hits(known: np.ndarray, candidates: torch.Tensor, n_items: int) 
     return marks[:, candidates]
 
 
-def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None,
+def validation_score(model: RetrievalModel, data: RecData, users: np.ndarray) -> float:
+    """Mean of HR@10, HR@50, HR@200 and NDCG@10 at the users' validation engagements."""
+    model.eval()
+    metrics = hit_metrics(rank_items(model, data, users, split=0, progress=False))
+    model.train()
+    return float(np.mean(list(metrics.values())))
+
+
+def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None, init: RetrievalModel | None = None,
           progress: bool = True) -> RetrievalModel:
+    """A `kind` model trained on data; init: a trained model whose towers it starts from (the ranker
+    starts from the MoE's: it then begins as good as the MoE on validation and keeps that if it can't do better)."""
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=1e-5)
-    sched = lr_schedule(opt, cfg)
     examples = data.train_examples()
-    text = torch.from_numpy(data.items.text).float()
     n_items = len(data.items.ids)
+    model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1), data.items.ids[data.train_items()])
+    val_users = data.eval_users()[: cfg.validation_users]
+    best, best_state, since_best = -1.0, None, 0
+    if init is not None:  # the towers come trained and stay as they are: only the head learns
+        model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("head.")}, strict=False)
+        model.ad_tower.requires_grad_(False)
+        model.user_towers.requires_grad_(False)
+        if cfg.validate_every:
+            best, best_state = validation_score(model, data, val_users), copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=1e-5)
+    sched = lr_schedule(opt, cfg)
+    draw = example_weights(data, examples, cfg.balanced)
+    engaged = item_probability(np.array([data.users.items[u][p] for u, p in examples]), draw, n_items)
+    taught = None if teacher is None else np.bincount(teacher.top.ravel(), minlength=n_items) / teacher.top.size
+    text = torch.from_numpy(data.items.text).float()
     model.train()
-    label = f"train {kind} on {data.name}" + (" (distilled)" if teacher is not None else "")
+    label = f"train {kind} on {data.name}" + (f" (distilled, {cfg.distill:g})" if teacher is not None else "")
     bar = tqdm(range(cfg.steps), desc=label, disable=not progress)
-    for _ in bar:
-        users, positions, positives, known, weights = _rows(data, examples, teacher, cfg, rng)
+    for step in bar:
+        users, positions, positives, known, weights = _rows(data, examples, draw, teacher, cfg, rng)
         candidates = np.concatenate([positives, rng.integers(0, n_items, cfg.negatives)])
         # Run the ad tower only on the items this step reads (histories, co-engagements, candidates).
-        needed = np.unique(np.concatenate([candidates, *(data.users.items[u][:p] for u, p in zip(users, positions)),
+        needed = np.unique(np.concatenate([candidates, *(data.users.items[u][max(0, p - model.dims.history):p]
+                                                         for u, p in zip(users, positions)),
                                            *(data.users.co_items[u] for u in users)]).astype(np.int64))
-        stored = torch.zeros((n_items, model.dims.stored)).index_put((torch.from_numpy(needed),),
-                                                                     model.item_vectors(data.items, needed))
-        state = model.users(user_inputs(data, stored, users, positions))
-        candidates = torch.from_numpy(candidates)
+        with_id = torch.from_numpy(rng.random(len(needed)) >= cfg.id_dropout)
+        stored = torch.zeros((n_items, model.dims.stored)).index_put(
+            (torch.from_numpy(needed),), model.item_vectors(data.items, needed, with_id))
+        state = model.users(user_inputs(data, stored, users, positions, model.dims.history))
         logits = model.score(state, stored[candidates], text[candidates])
+        if cfg.logq:
+            logits = logits - log_q(candidates, engaged, taught, cfg, n_items)
         rows = torch.arange(len(users))
-        hit = _accidental_hits(known, candidates, n_items)
+        hit = _accidental_hits(known, torch.from_numpy(candidates), n_items)
         hit[rows, rows] = False  # each row's own positive stays
         losses = F.cross_entropy(logits.masked_fill(hit, float("-inf")), rows, reduction="none")
         weights_t = torch.from_numpy(weights)
@@ -118,5 +178,15 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
         opt.step()
         sched.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{best:.4f}", refresh=False)
+        if cfg.validate_every and ((step + 1) % cfg.validate_every == 0 or step + 1 == cfg.steps):
+            score = validation_score(model, data, val_users)
+            if score > best:
+                best, best_state, since_best = score, copy.deepcopy(model.state_dict()), 0
+            else:
+                since_best += 1
+                if since_best >= cfg.patience:
+                    break
+    if best_state is not None:
+        model.load_state_dict(best_state)
     return model.eval()

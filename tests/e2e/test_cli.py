@@ -62,16 +62,17 @@ def test_bad_event_line_exits_2_naming_line_and_field(world, tmp_path):
 
 
 def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tmp_path):
-    ranker, checkpoint = tmp_path / "ranker.safetensors", tmp_path / "moe.safetensors"
+    base, ranker, checkpoint = (tmp_path / f"{name}.safetensors" for name in ("base", "ranker", "moe"))
     env = {**os.environ, "ANDROMEDA_CACHE": str(tmp_path / "cache")}
-    for args in (["--model", "ranker", "--out", str(ranker)],
-                 ["--model", "moe", "--teacher", str(ranker), "--out", str(checkpoint)]):
+    for args in (["--model", "moe", "--out", str(base)],
+                 ["--model", "ranker", "--init", str(base), "--out", str(ranker)],
+                 ["--model", "moe", "--teacher", str(ranker), "--distill", "0.25", "--out", str(checkpoint)]):
         result = subprocess.run([sys.executable, "-m", "andromeda_cli", "train", "--data", "synthetic",
                                  "--world", str(world), "--steps", "3", *args],
                                 capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stderr
     config = RetrievalModel.load(checkpoint)[1]
-    assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 1.0
+    assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 0.25
     request = tmp_path / "req.json"
     request.write_text((world / "requests.jsonl").read_text().splitlines()[0])
     out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(request), "--k", "3",

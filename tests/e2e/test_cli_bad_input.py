@@ -141,7 +141,7 @@ def test_every_option_has_help_and_eval_warns_of_its_cost():
     for name in ("synth", "retrieve", "publish", "train", "eval", "demo"):
         assert all(a.help for a in commands.choices[name]._actions), name
     (eval_help,) = [a.help for a in commands._choices_actions if a.dest == "eval"]
-    assert "docs/quality.md" in eval_help and "hour" in eval_help
+    assert "docs/quality.md" in eval_help and "45 minutes" in eval_help
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from andromeda_core.models.baselines import item_knn, most_popular, ranking_from_scores, training_matrix
+from andromeda_core.models.baselines import item_knn, most_popular, training_matrix
+from andromeda_core.models.evaluate import ranking_from_scores
 from andromeda_core.models.recdata import Items, RecData, Users
 
 HAND = [[0, 1, 0, 2, 3, 4], [1, 2, 5, 6, 7], [0, 2, 5, 3, 6, 7], [1, 5, 4, 7], [3, 0, 1, 2, 6, 5, 4]]

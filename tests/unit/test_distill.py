@@ -7,7 +7,7 @@ import torch
 
 from andromeda_core.models.distill import Teacher, ask_teacher
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
-from andromeda_core.models.train import TrainConfig, _rows, train
+from andromeda_core.models.train import TrainConfig, _rows, example_weights, train
 from tests.unit.test_models import DIMS, tiny_data
 
 
@@ -18,7 +18,8 @@ def test_teacher_targets_are_the_rankers_top_k_at_the_validation_state():
     assert teacher.top.shape == (12, 7) and teacher.positions.tolist() == [4] * 12
     with torch.no_grad():
         stored, text = ranker.item_vectors(data.items), torch.from_numpy(data.items.text).float()
-        scores = ranker.score(ranker.users(user_inputs(data, stored, teacher.users, teacher.positions)), stored, text)
+        scores = ranker.score(ranker.users(user_inputs(data, stored, teacher.users, teacher.positions,
+                                                       ranker.dims.history)), stored, text)
     for i, (u, p) in enumerate(zip(teacher.users, teacher.positions)):
         history = data.users.items[u][:p]
         assert not set(teacher.top[i]) & set(history.tolist())
@@ -41,7 +42,8 @@ def test_training_rows_add_weighted_teacher_rows():
     teacher = fixed_teacher(data, [35, 36, 37, 38, 39])
     examples = data.train_examples()
     cfg = TrainConfig(batch=8, teacher_rows=4, distill=0.25)
-    users, positions, positives, known, weights = _rows(data, examples, teacher, cfg, np.random.default_rng(0))
+    draw = example_weights(data, examples, balanced=False)
+    users, positions, positives, known, weights = _rows(data, examples, draw, teacher, cfg, np.random.default_rng(0))
     assert len(users) == len(positions) == len(positives) == len(known) == len(weights) == 12
     assert weights.tolist() == [1.0] * 8 + [0.25] * 4
     assert (known[:8, 0] == positives[:8]).all() and (known[:8, 1:] == -1).all()
@@ -54,14 +56,15 @@ def share_in_top(model: RetrievalModel, data, items: list[int], k: int = 5) -> f
     users = data.eval_users()
     with torch.no_grad():
         stored = model.item_vectors(data.items)
-        state = model.users(user_inputs(data, stored, users, np.array([data.split(u)[1] for u in users])))
+        state = model.users(user_inputs(data, stored, users, np.array([data.split(u)[1] for u in users]),
+                                        model.dims.history))
         top = model.score(state, stored).topk(k, dim=1).indices
     return float(torch.isin(top, torch.tensor(items)).float().mean())
 
 
 def test_distillation_pulls_the_teachers_favourites_into_the_students_top():
     data, favourites = tiny_data(), [35, 36, 37, 38, 39]
-    cfg = TrainConfig(steps=120, batch=16, negatives=16, lr=5e-3, seed=1, distill=2.0, teacher_rows=8)
+    cfg = TrainConfig(steps=120, batch=16, negatives=16, lr=5e-3, seed=1, distill=2.0, teacher_rows=8, validate_every=0)
     plain = train(data, "moe", cfg, progress=False)
     distilled = train(data, "moe", cfg, fixed_teacher(data, favourites), progress=False)
     assert share_in_top(distilled, data, favourites) >= 0.6 > 0.3 >= share_in_top(plain, data, favourites)

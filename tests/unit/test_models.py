@@ -1,4 +1,5 @@
-"""Retrieval models: shapes, masking, determinism, top-n routing, overfitting, checkpoints, int8."""
+"""Retrieval models: shapes, masking, causality, learned ids and their content fallback, logQ, determinism,
+top-n routing, overfitting, warm start, checkpoints, int8."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,8 @@ from andromeda_core.quantization import quantize_int8, round_trip
 from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
-from andromeda_core.models.towers import Dims, UserState
-from andromeda_core.models.train import TrainConfig, lr_schedule, train
+from andromeda_core.models.towers import Dims, SequenceEncoder, UserState
+from andromeda_core.models.train import TrainConfig, item_probability, log_q, lr_schedule, train, validation_score
 
 DIMS = Dims(dim=16, gate=8, semantic=8, interests=2, categories=5)
 
@@ -28,22 +29,67 @@ def tiny_data(n_items: int = 40, n_users: int = 12, seed: int = 0) -> RecData:
     return RecData("tiny", items, users)
 
 
-@pytest.mark.parametrize("kind", ["moe", "two_tower", "dense", "ranker"])
+KINDS = ["moe", "two_tower", "sasrec", "ranker"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_shapes_and_masking(kind):
     torch.manual_seed(0)
-    data, model = tiny_data(), RetrievalModel(kind, DIMS)
+    data, model = tiny_data(), RetrievalModel(kind, DIMS, np.arange(1, 21)).eval()
     stored = model.item_vectors(data.items)
     assert stored.shape == (40, DIMS.stored)
-    inputs = user_inputs(data, stored, np.array([0, 1, 2]), np.array([3, 0, 5]))
-    assert inputs.hist.shape == (3, 30, DIMS.stored) and inputs.hist_mask.sum(1).tolist() == [3, 0, 5]
+    inputs = user_inputs(data, stored, np.array([0, 1, 2]), np.array([3, 0, 5]), DIMS.history)
+    assert inputs.hist.shape == (3, 5, DIMS.stored) and inputs.hist_mask.sum(1).tolist() == [3, 0, 5]  # to the longest
     state = model.users(inputs)
     assert state.experts.shape == (3, DIMS.experts, DIMS.dim) and state.keys.shape == (3, DIMS.experts, DIMS.gate)
-    assert state.mask[1].tolist() == [True, False, True, False, True]  # no history: only interest 0, cohort, co
-    scores = model.score(state, stored, torch.from_numpy(data.items.text).float())
+    # No history: the sequence expert (its empty-history vector), cohort and co-engagement answer.
+    assert state.mask[1].tolist() == [True, False, False, True, False, True]
+    text = torch.from_numpy(data.items.text).float()
+    scores = model.score(state, stored, text)
     assert scores.shape == (3, 40) and torch.isfinite(scores).all()
-    # Padding is inert: the same history with different padded-out values scores the same.
+    # Padding is inert: the same histories with different padded-out values score the same.
     inputs.hist[1] = torch.randn_like(inputs.hist[1])
-    assert torch.allclose(model.score(model.users(inputs), stored, torch.from_numpy(data.items.text).float())[1], scores[1])
+    inputs.hist[0, 3:], inputs.hist_age[0, 3:], inputs.hist_event[0, 3:] = torch.randn_like(inputs.hist[0, 3:]), 7.0, 4
+    assert torch.allclose(model.score(model.users(inputs), stored, text), scores, atol=1e-6)
+
+
+def test_the_sequence_encoder_is_causal():
+    """A later engagement cannot change an earlier position's output; it does change its own."""
+    torch.manual_seed(0)
+    encoder = SequenceEncoder(DIMS).eval()
+    tokens, mask = torch.randn(2, 7, DIMS.dim), torch.ones(2, 7, dtype=torch.bool)
+    changed = tokens.clone()
+    changed[:, 4:] = torch.randn(2, 3, DIMS.dim)
+    before, after = encoder(tokens, mask), encoder(changed, mask)
+    assert torch.allclose(before[:, :4], after[:, :4], atol=1e-6)
+    assert not torch.allclose(before[:, 4:], after[:, 4:], atol=1e-3)
+
+
+def test_an_ad_without_a_learned_id_gets_its_content_vector():
+    """Ads 1-20 have learned ids; ad 25 was created after training: the content tower alone embeds it,
+    exactly as it embeds a known ad whose id is withheld, and a learned id moves a known ad's vector."""
+    torch.manual_seed(0)
+    data, model = tiny_data(), RetrievalModel("moe", DIMS, np.array([3, 1, 2] + list(range(4, 21))))
+    with torch.no_grad():
+        model.ad_tower.identity.weight.normal_()  # as after training
+        assert model.id_rows(torch.tensor([1, 20, 25, 0])).tolist() == [0, 19, -1, -1]
+        with_ids = model.item_vectors(data.items)
+        content = model.item_vectors(data.items, known=torch.zeros(40, dtype=torch.bool))
+    assert torch.equal(with_ids[20:], content[20:])  # ids 21-40: never learned
+    assert not torch.allclose(with_ids[:20, : DIMS.dim], content[:20, : DIMS.dim])
+    assert torch.equal(with_ids[:20, DIMS.dim: -1], content[:20, DIMS.dim: -1])  # gating query, semantic: content
+
+
+def test_log_q_is_the_log_of_each_candidates_expected_count():
+    """3 items; engagements drawn with item probabilities [0.5, 0.3, 0.2]; 4 rows, 6 uniform negatives,
+    2 teacher rows drawn from [0, 0.5, 0.5]: expected counts 4 * p + 6 / 3 + 2 * t."""
+    engaged = item_probability(np.array([0, 0, 1, 2, 0, 1]), np.array([0.2, 0.2, 0.15, 0.2, 0.1, 0.15]), 3)
+    assert np.allclose(engaged, [0.5, 0.3, 0.2])
+    cfg = TrainConfig(batch=4, negatives=6, teacher_rows=2)
+    candidates = np.array([2, 0, 1, 1])
+    assert torch.allclose(log_q(candidates, engaged, None, cfg, 3), torch.log(torch.tensor([2.8, 4.0, 3.2, 3.2])))
+    taught = np.array([0.0, 0.5, 0.5])
+    assert torch.allclose(log_q(candidates, engaged, taught, cfg, 3), torch.log(torch.tensor([3.8, 4.0, 4.2, 4.2])))
 
 
 def test_gating_routes_each_candidate_to_its_top_n_experts():
@@ -80,7 +126,7 @@ def test_training_is_deterministic_for_a_seed():
 def test_training_learns_at_the_configured_rate_for_any_step_count(steps):
     data, cfg = tiny_data(), TrainConfig(steps=steps, batch=8, negatives=4, seed=2)
     torch.manual_seed(cfg.seed)  # train() draws its initial weights the same way
-    start = RetrievalModel("moe", Dims(categories=len(data.items.categories) + 1))
+    start = RetrievalModel("moe", Dims(categories=len(data.items.categories) + 1), data.items.ids[data.train_items()])
     model = train(data, "moe", cfg, progress=False)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     moved = max((b - a).abs().max().item() for a, b in zip(start.parameters(), model.parameters()))
@@ -111,17 +157,18 @@ def train_hit_rate(model: RetrievalModel, data: RecData, k: int = 3) -> float:
     examples = data.train_examples()
     with torch.no_grad():
         stored = model.item_vectors(data.items)
-        state = model.users(user_inputs(data, stored, examples[:, 0], examples[:, 1]))
+        state = model.users(user_inputs(data, stored, examples[:, 0], examples[:, 1], model.dims.history))
         scores = model.score(state, stored, torch.from_numpy(data.items.text).float())
     targets = torch.tensor([data.users.items[u][p] for u, p in examples])
     return float((scores.topk(k, dim=1).indices == targets[:, None]).any(1).float().mean())
 
 
-@pytest.mark.parametrize("kind", ["moe", "two_tower", "dense", "ranker"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_tiny_model_overfits_tiny_data(kind):
     data = tiny_data()
     before = train_hit_rate(RetrievalModel(kind, DIMS), data)
-    model = train(data, kind, TrainConfig(steps=250, batch=16, negatives=16, lr=5e-3, seed=1), progress=False)
+    model = train(data, kind, TrainConfig(steps=250, batch=16, negatives=16, lr=5e-3, seed=1, validate_every=0),
+                  progress=False)
     after = train_hit_rate(model, data)
     assert after >= 0.9 > before
 
@@ -132,6 +179,7 @@ def test_checkpoint_round_trip(tmp_path):
     model.save(tmp_path / "m.safetensors", {"data": "tiny", "schema_version": 1})
     loaded, config = RetrievalModel.load(tmp_path / "m.safetensors")
     assert config["model"] == "moe" and config["data"] == "tiny" and config["dims"]["dim"] == 64
+    assert torch.equal(loaded.item_ids, model.item_ids) and len(model.item_ids) == len(data.train_items())
     with torch.no_grad():
         assert torch.equal(model.item_vectors(data.items), loaded.item_vectors(data.items))
 
@@ -155,7 +203,8 @@ def test_ranker_factored_first_layer_equals_the_plain_mlp():
     torch.manual_seed(3)
     data, model = tiny_data(), RetrievalModel("ranker", DIMS)
     stored, text = model.item_vectors(data.items), torch.from_numpy(data.items.text).float()
-    state = model.users(user_inputs(data, stored, np.array([0, 1, 2]), np.array([3, 0, 5])))
+    state = model.users(user_inputs(data, stored, np.array([0, 1, 2]), np.array([3, 0, 5]), DIMS.history))
+    torch.nn.init.normal_(model.head.mlp[-1].weight)  # the deep part starts silent; make it speak
     experts = state.experts * state.mask[..., None]
     products = torch.einsum("bed,nd->bned", experts, stored[:, : DIMS.dim]).flatten(2)
     ad = torch.cat([stored, model.head.text(text)], 1)
@@ -165,3 +214,18 @@ def test_ranker_factored_first_layer_equals_the_plain_mlp():
         wide = model.head.wide.score(state, stored)
         assert wide.abs().sum() > 0 and torch.allclose(model.score(state, stored, text), model.head.mlp(pair).squeeze(-1) + wide,
                                                        atol=1e-5)
+
+
+def test_a_warm_started_ranker_starts_as_the_moe_and_keeps_its_validation_score():
+    data = tiny_data()
+    moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
+    stored, text = moe.item_vectors(data.items), torch.from_numpy(data.items.text).float()
+    state = moe.users(user_inputs(data, stored, np.array([0, 4]), np.array([3, 5]), moe.dims.history))
+    start = RetrievalModel("ranker", moe.dims, moe.item_ids)
+    start.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
+    with torch.no_grad():
+        assert torch.allclose(start.eval().score(state, stored, text), moe.score(state, stored, text))
+    ranker = train(data, "ranker", TrainConfig(steps=20, batch=16, negatives=16, seed=1, validate_every=10),
+                   init=moe, progress=False)
+    users = data.eval_users()
+    assert validation_score(ranker, data, users) >= validation_score(moe, data, users)

@@ -42,7 +42,7 @@ def state_tensors(users) -> list[torch.Tensor]:
     return [users.experts, users.keys, users.mask] if isinstance(users, UserState) else [users]
 
 
-@pytest.mark.parametrize("kind", ["moe", "two_tower", "dense"])
+@pytest.mark.parametrize("kind", ["moe", "two_tower", "sasrec"])
 def test_model_scorer_builds_user_state_and_scores_on_its_device(default_schema, kind):
     scorer = model_scorer(default_schema, kind, META)
     assert scorer.device == META and all(p.device == META for p in scorer.model.parameters())

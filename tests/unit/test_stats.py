@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from andromeda_core.models.pareto import plot_quality_vs_flops
-from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, per_user_metrics, significant
+from andromeda_core.models.evaluate import per_user_metrics
+from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
 
 
 def test_per_user_metrics_follow_the_rank():

@@ -1,0 +1,55 @@
+"""The quality report end to end on a tiny data set: every section, interval and plot is written."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from andromeda_core.models import quality
+from andromeda_core.models.train import TrainConfig
+from tests.unit.test_models import tiny_data
+
+
+@pytest.fixture
+def tiny_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANDROMEDA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(quality, "load_data", lambda name, world=None: tiny_data(n_items=60, n_users=30))
+    monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0: TrainConfig(
+        steps=12, batch=16, negatives=16, seed=seed, distill=distill, teacher_rows=8, validate_every=6))
+    out = tmp_path / "docs" / "quality.md"
+    return quality.quality_report(("tiny",), out), out
+
+
+def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
+    text, out = tiny_report
+    assert out.read_text() == text
+    for name in ("most popular", "item-kNN", "sasrec", "two_tower", "moe", "ranker"):
+        assert re.search(rf"^\| {re.escape(name)} \|", text, re.M), name
+    assert "int8 + exact rescoring of the top 2x" in text
+    assert (out.parent / "quality-tiny.png").stat().st_size > 0
+    cells = re.findall(r"(\d\.\d{4}) \[(\d\.\d{4}), (\d\.\d{4})\]", text)
+    assert cells and all(float(low) <= float(mean) <= float(high) for mean, low, high in cells)
+    assert "### Is the MoE's lead real?" in text and ("within noise" in text or "better" in text or "worse" in text)
+    assert "### Cold start" in text and "Short histories" in text and "Every ad new" in text
+    assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5)\. ", text)
+    assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
+
+
+def test_a_second_run_reuses_the_checkpoints(tiny_report, monkeypatch):
+    _, out = tiny_report
+    monkeypatch.setattr(quality, "train", lambda *a, **k: pytest.fail("trained again"))
+    assert "Models trained in this run: none" in quality.quality_report(("tiny",), out)
+
+
+def test_the_oracle_ranks_by_the_worlds_true_affinity():
+    data = tiny_data()
+    rng = np.random.default_rng(0)
+    data.truth = {"user_latent": rng.standard_normal((12, 2, 4)), "ad_latent": rng.standard_normal((40, 4)),
+                  "ad_quality": rng.standard_normal(40)}
+    users = data.eval_users()
+    ranking = quality.oracle_ranking(data, users)
+    for i, u in enumerate(users):
+        truth = 4 * (data.truth["ad_latent"] @ data.truth["user_latent"][u].T).max(1) + data.truth["ad_quality"]
+        truth[data.users.items[u][:5]] = -np.inf
+        assert ranking.top[i, :5].tolist() == np.argsort(-truth, kind="stable")[:5].tolist()
