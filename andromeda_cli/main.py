@@ -138,6 +138,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if args.distill is not None and args.teacher is None:
         raise InvalidInput("--distill needs --teacher (the ranker checkpoint to distil)", "--distill")
+    if args.init is not None and args.model != "ranker":
+        raise InvalidInput("only a ranker starts from another model's towers (--model ranker)", "--init")
     with checkpoint("--teacher", args.teacher):  # a bad --teacher or --init fails before the data is loaded
         ranker = RetrievalModel.load(args.teacher)[0] if args.teacher else None
     with checkpoint("--init", args.init):
@@ -149,7 +151,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     teacher = ask_teacher(ranker, data) if ranker is not None else None
     with checkpoint("--init", args.init):  # a model of other data or shape does not fit
-        model = train(data, args.model, cfg, teacher, init)
+        fits = init is None or init.state_dict()["item_ids"].shape == (len(data.train_items()),)
+    if not fits:
+        raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
+    model = train(data, args.model, cfg, teacher, init)
     out = args.out or checkpoint_path(data.name, args.model, distill)
     model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill))
     print(f"wrote {out}")

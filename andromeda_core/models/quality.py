@@ -31,6 +31,7 @@ WORLDS = {"synthetic": WorldConfig(ads=10000, users=4000, seed=5),
           "synthetic-b": WorldConfig(ads=12000, users=3000, seed=11, latent_dim=16, clusters=5)}
 DATASETS = ("movielens", *WORLDS)
 EVAL_USERS = 2000  # per data set (MovieLens has 610)
+TRUE_RECALL_TARGET = {"synthetic": 0.28}  # twice the 0.14 every model had on this world before learned ids
 DISTILL_GRID = (0.0, 0.5)  # distillation weights tried for the students; validation picks one
 SHORT_HISTORY = 5
 STORAGE_ROWS = (("fp16", 0), ("int8", 0), ("fp16", RESCORE), ("int8", RESCORE))  # the MoE as stored and served
@@ -131,16 +132,16 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
     if data.truth:
         rows.insert(0, Row("oracle (true affinity)", "-", oracle_ranking(data, users)))
 
+    counted = {kind: counted_flops_per_pair(model, data) for kind, model in m.items()}
+
     def learned(kind: str, dtype: str = "fp32", rescore: int = 0, **how) -> Row:
         model = m[kind]
         return Row(kind, storage_label(dtype, rescore), rank_items(model, data, users, dtype, rescore=rescore, **how),
-                   model.head.flops_per_pair(), counted_flops_per_pair(model, data), bytes_per_ad(model, dtype, rescore),
-                   kind)
+                   model.head.flops_per_pair(), counted[kind], bytes_per_ad(model, dtype, rescore), kind)
 
     rows += [learned(kind) for kind in ("sasrec", "two_tower", "moe")]
     rows += [learned("moe", dtype, rescore) for dtype, rescore in STORAGE_ROWS] + [learned("ranker")]
-    short = [next(r for r in rows if r.name == "most popular"),
-             Row("item-kNN", "-", item_knn(data, users, recent=SHORT_HISTORY))]
+    short = [Row("item-kNN", "-", item_knn(data, users, recent=SHORT_HISTORY))]
     short += [learned(kind, keep=SHORT_HISTORY) for kind in ("sasrec", "two_tower", "moe", "ranker")]
     every_ad_new = [learned(kind, content_only=True) for kind in ("sasrec", "two_tower", "moe", "ranker")]
     return rows, {"short": short, "content_only": every_ad_new}
@@ -192,29 +193,40 @@ def comparisons(moe: Row, others: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def mean_metric(r: Ranking, name: str) -> float:
-    return float(per_user_metrics(r.target_rank)[name].mean())
+def versus(a: Row, b: Row) -> tuple[int, int, int]:
+    """(metrics where a's mean is above b's, where a is significantly above, significantly below)."""
+    ours, theirs = per_user_metrics(a.ranking.target_rank), per_user_metrics(b.ranking.target_rank)
+    intervals = [paired_difference(ours[m], theirs[m]) for m in METRICS]
+    return (sum(diff > 0 for diff, _, _ in intervals), sum(low > 0 for _, low, _ in intervals),
+            sum(high < 0 for _, _, high in intervals))
 
 
-def targets(rows: list[Row], ranker_top: np.ndarray, truth: np.ndarray | None) -> list[str]:
-    """The quality targets, judged on the measured rows (storage: as served, with rescoring)."""
+def targets(rows: list[Row], ranker_top: np.ndarray, truth_target: float | None, truth: np.ndarray | None) -> list[str]:
+    """The quality targets, judged on the measured rows (storage: as served, with rescoring). "Beats":
+    a higher mean on all four metrics; "matches": significantly worse on none."""
     by = {(r.name, r.storage): r for r in rows}
     moe, ranker = by[("moe", "fp32")], by[("ranker", "fp32")]
     checks = []
-    for name in ("most popular", "item-kNN", "sasrec"):
-        other = by[(name, "-" if name != "sasrec" else "fp32")]
-        wins = [m for m in METRICS if mean_metric(moe.ranking, m) > mean_metric(other.ranking, m)]
-        checks.append((len(wins) == len(METRICS), f"MoE above {name} on {len(wins)} of {len(METRICS)} metrics"))
-    beaten = [m for m in METRICS if mean_metric(ranker.ranking, m) > mean_metric(moe.ranking, m)]
-    checks.append((len(beaten) == len(METRICS), f"ranker above the MoE on {len(beaten)} of {len(METRICS)} metrics"))
+    for name in ("most popular", "item-kNN"):
+        above, better, worse = versus(moe, by[(name, "-")])
+        checks.append((above == len(METRICS), f"MoE beats {name}: higher on {above} of {len(METRICS)} metrics "
+                                              f"({better} significantly, {worse} significantly lower)"))
+    above, better, worse = versus(moe, by[("sasrec", "fp32")])
+    checks.append((worse == 0, f"MoE matches or beats the SASRec-style two-tower: higher on {above} of "
+                               f"{len(METRICS)} ({better} significantly), significantly lower on {worse}"))
+    above, better, worse = versus(ranker, moe)
+    checks.append((above == len(METRICS), f"ranker beats the MoE: higher on {above} of {len(METRICS)} metrics "
+                                          f"({better} significantly, {worse} significantly lower)"))
     recall = recall_within(ranker_top, moe.ranking.top)
-    checks.append((recall >= 0.9, f"MoE finds {recall:.1%} of the ranker's top-100 in its top-1000 (target >= 90%)"))
+    checks.append((recall >= 0.9, f"MoE finds {recall:.1%} of the ranker's top-100 in its top-1000 (target >= 90%; "
+                                  f"the ranker shares the MoE's towers, so this measures what its deep part reorders)"))
     checks.append((ranker.flops >= 100 * moe.flops,
                    f"ranker / MoE FLOPs per pair = {ranker.flops / moe.flops:.0f}x (target >= 100x)"))
-    if truth is not None:
+    if truth is not None and truth_target is not None:
         true = recall_within(truth, moe.ranking.top)
-        checks.append((true >= 0.28, f"MoE finds {true:.1%} of the true top-100 in its top-1000 (target >= 28%, "
-                                     f"twice the 14% before learned ids)"))
+        checks.append((true >= truth_target, f"MoE finds {true:.1%} of the true top-100 in its top-1000 (target >= "
+                                             f"{truth_target:.0%}: twice the {truth_target / 2:.0%} of the models before "
+                                             f"learned ids on this world)"))
     served = [by[("moe", storage_label(d, RESCORE))] for d in ("fp16", "int8")]
     moved = max(crossings(r.ranking, moe.ranking) for r in served)
     checks.append((moved <= 0.01 * len(moe.ranking.target_rank),
@@ -230,7 +242,10 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
     ranker_top = next(r for r in rows if r.name == "ranker").ranking.top[:, :100]
     truth = true_top100(data, users) if data.truth else None
     by_name = {r.name: r for r in rows if r.storage in ("-", "fp32")}
-    cold = np.array([data.users.items[u][-1] not in set(data.train_items().tolist()) for u in users])
+    known = set(data.train_items().tolist())
+    cold = np.array([data.users.items[u][-1] not in known for u in users])
+    short = np.array([data.split(u)[1] <= SHORT_HISTORY for u in users])
+    others = [r for r in by_name.values() if r.name not in ("moe", "oracle (true affinity)")]
     plot = plot_quality_vs_flops(
         [{"name": r.name, "flops": r.flops, **dict(zip(("mean", "low", "high"),
                                                         bootstrap_ci(per_user_metrics(r.ranking.target_rank)["HR@10"])))}
@@ -241,19 +256,24 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"{', '.join(trained.trained) or 'none (all from checkpoints of the same defaults)'}. "
             f"The MoE's weight of distillation from the ranker's top-{TEACHER_TOP}, chosen on the validation "
             f"split (mean of the four metrics at each user's second-to-last engagement): {tuning}; chosen: "
-            f"{trained.chosen:g}. "
+            f"{trained.chosen:g} (the teacher is asked at those same states, which favours distillation a little). "
             f"Cells: mean [95% bootstrap interval over users].\n\n"
             f"{main_table(rows, ranker_top, truth)}\n\n![quality against FLOPs]({plot.name})\n\n"
-            f"### Is the MoE's lead real? Paired bootstrap over the same users\n\n"
-            f"{comparisons(by_name['moe'], [r for r in by_name.values() if r.name not in ('moe', 'oracle (true affinity)')])}"
+            f"### The MoE against every other row: paired bootstrap over the same users\n\n"
+            f"Difference of means [95% interval]; significant where the interval excludes 0. With "
+            f"{len(others) * len(METRICS)} comparisons, about one may look significant by chance.\n\n"
+            f"{comparisons(by_name['moe'], others)}"
             f"\n\n### Cold start\n\nNew items: the {int(cold.sum())} users whose held-out item was never engaged in "
             f"training (no learned id: embedded from content alone).\n\n"
             f"{subset_table([r for r in by_name.values() if r.name != 'oracle (true affinity)'], cold)}\n\n"
             f"Every ad new: the whole corpus embedded from content alone (as if every ad were created after "
             f"training).\n\n{subset_table(subsets['content_only'])}\n\n"
-            f"Short histories: every user's towers read only their last {SHORT_HISTORY} engagements "
-            f"(item-kNN: its last {SHORT_HISTORY}).\n\n{subset_table(subsets['short'])}\n\n"
-            f"Targets:\n" + "\n".join(targets(rows, ranker_top, truth)))
+            f"Short histories: the {int(short.sum())} users with at most {SHORT_HISTORY} engagements before their "
+            f"held-out one.\n\n{subset_table(list(by_name.values()), short)}\n\n"
+            f"Short histories, simulated for every user: the towers read only the last {SHORT_HISTORY} engagements "
+            f"(item-kNN sums over its last {SHORT_HISTORY}; cohorts and co-engagements stay; the whole history is "
+            f"still excluded from the ranking).\n\n{subset_table(subsets['short'])}\n\n"
+            f"Targets:\n" + "\n".join(targets(rows, ranker_top, TRUE_RECALL_TARGET.get(data.name), truth)))
 
 
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None) -> str:

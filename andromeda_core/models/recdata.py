@@ -3,7 +3,8 @@
 Items: per item its text (MiniLM embedding), category, advertiser and bid. Users: engagement
 sequences of item rows in time order, plus cohorts, cross-surface engagements and serving context.
 Protocol: per user the last engagement is the test target, the one before it the validation
-target; every earlier position (with its prefix as history) is a training example.
+target; every earlier position (with its prefix as history) is a training example. Cross-surface
+engagements never include a user's two held-out items (they would hand them to the co-engagement expert).
 """
 from __future__ import annotations
 
@@ -99,7 +100,9 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
             events.append(np.array([EVENTS.index(h["event"]) for h in hist], np.int64))
             times.append(np.array([h["ts"] for h in hist], np.int64))
             cohorts.append(r["user"]["cohorts"])
-            co.append([row[c["ad_id"]] for c in r["user"]["co_engagement"] if c["ad_id"] in row])
+            held_out = set(seqs[-1][-2:].tolist())  # the world draws them from the same pool as the clicks
+            co.append([row[c["ad_id"]] for c in r["user"]["co_engagement"]
+                       if c["ad_id"] in row and row[c["ad_id"]] not in held_out])
             ctx = r["context"]
             context.append([surfaces.value_index(ctx["surface"]) + 1, placements.value_index(ctx["placement"]) + 1,
                             ctx["ts"] // 3600 % 24])

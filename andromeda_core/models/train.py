@@ -120,11 +120,22 @@ def _accidental_hits(known: np.ndarray, candidates: torch.Tensor, n_items: int) 
 
 
 def validation_score(model: RetrievalModel, data: RecData, users: np.ndarray) -> float:
-    """Mean of HR@10, HR@50, HR@200 and NDCG@10 at the users' validation engagements."""
+    """Mean of HR@10, HR@50, HR@200 and NDCG@10 at the users' validation engagements (in eval mode;
+    the model's modes are restored after)."""
+    modes = {m: m.training for m in model.modules()}
     model.eval()
     metrics = hit_metrics(rank_items(model, data, users, split=0, progress=False))
-    model.train()
+    for m, training in modes.items():
+        m.train(training)
     return float(np.mean(list(metrics.values())))
+
+
+def learn_mode(model: RetrievalModel, frozen: bool) -> None:
+    """Train mode (dropout on), except in frozen towers, which run as they will at inference."""
+    model.train()
+    if frozen:
+        model.ad_tower.eval()
+        model.user_towers.eval()
 
 
 def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None, init: RetrievalModel | None = None,
@@ -138,8 +149,14 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
     model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1), data.items.ids[data.train_items()])
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
-    if init is not None:  # the towers come trained and stay as they are: only the head learns
-        model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("head.")}, strict=False)
+    frozen = init is not None
+    if frozen:  # the towers come trained and stay as they are: only the head learns
+        if not any(p.requires_grad for p in model.head.parameters()):
+            raise ValueError(f"a {kind} model has no parameters outside its towers: only a ranker starts from another model")
+        missing, _ = model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("head.")},
+                                           strict=False)
+        if any(not k.startswith("head.") for k in missing):
+            raise ValueError(f"the model to start from lacks {[k for k in missing if not k.startswith('head.')][:3]}")
         model.ad_tower.requires_grad_(False)
         model.user_towers.requires_grad_(False)
         if cfg.validate_every:
@@ -150,7 +167,7 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
     engaged = item_probability(np.array([data.users.items[u][p] for u, p in examples]), draw, n_items)
     taught = None if teacher is None else np.bincount(teacher.top.ravel(), minlength=n_items) / teacher.top.size
     text = torch.from_numpy(data.items.text).float()
-    model.train()
+    learn_mode(model, frozen)
     label = f"train {kind} on {data.name}" + (f" (distilled, {cfg.distill:g})" if teacher is not None else "")
     bar = tqdm(range(cfg.steps), desc=label, disable=not progress)
     for step in bar:
@@ -160,7 +177,7 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
         needed = np.unique(np.concatenate([candidates, *(data.users.items[u][max(0, p - model.dims.history):p]
                                                          for u, p in zip(users, positions)),
                                            *(data.users.co_items[u] for u in users)]).astype(np.int64))
-        with_id = torch.from_numpy(rng.random(len(needed)) >= cfg.id_dropout)
+        with_id = torch.from_numpy(rng.random(len(needed)) >= (0.0 if frozen else cfg.id_dropout))
         stored = torch.zeros((n_items, model.dims.stored)).index_put(
             (torch.from_numpy(needed),), model.item_vectors(data.items, needed, with_id))
         state = model.users(user_inputs(data, stored, users, positions, model.dims.history))

@@ -30,9 +30,12 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
     assert (out.parent / "quality-tiny.png").stat().st_size > 0
     cells = re.findall(r"(\d\.\d{4}) \[(\d\.\d{4}), (\d\.\d{4})\]", text)
     assert cells and all(float(low) <= float(mean) <= float(high) for mean, low, high in cells)
-    assert "### Is the MoE's lead real?" in text and ("within noise" in text or "better" in text or "worse" in text)
+    comparisons = text.split("### The MoE against every other row")[1].split("###")[0]
+    assert len(re.findall(r"^\| (most popular|item-kNN|sasrec|two_tower|ranker) \|", comparisons, re.M)) == 5
+    assert len(re.findall(r"[-+]\d\.\d{4} \[[-+]\d\.\d{4}, [-+]\d\.\d{4}\] (\*\*better\*\*|\*\*worse\*\*|within noise)",
+                          comparisons)) == 20
     assert "### Cold start" in text and "Short histories" in text and "Every ad new" in text
-    assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5)\. ", text)
+    assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5) \(", text)
     assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
 
 
