@@ -175,6 +175,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
     run_service(config, world, note)
 
 
+def cached_model_loads(path: Path) -> bool:
+    """Whether `path` holds a checkpoint this version of the code loads (an older model version does not)."""
+    from safetensors import SafetensorError
+
+    from andromeda_core.models.retrieval import RetrievalModel
+
+    try:
+        RetrievalModel.load(path)
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        if path.exists():
+            print(f"not using the cached demo model ({str(exc).splitlines()[0]})", file=sys.stderr)
+        return False
+    return True
+
+
 def demo_model(world: Path) -> Path:
     """A small MoE trained on the demo world's engagements (cached). Loading the world's data also
     keeps its ads' text embeddings in memory, so publishing the demo ads needs no second MiniLM pass."""
@@ -184,7 +199,7 @@ def demo_model(world: Path) -> Path:
 
     path = world / "moe.safetensors"
     data = load_synthetic(world)
-    if not path.exists():
+    if not cached_model_loads(path):
         print(f"training the demo MoE on {world} ({DEMO_TRAIN_STEPS} steps)", file=sys.stderr)
         model = train(data, "moe", TrainConfig(steps=DEMO_TRAIN_STEPS))
         model.save(path, checkpoint_meta(data, 0))
