@@ -42,6 +42,13 @@ def rescored(model: RetrievalModel, state, scan: torch.Tensor, exact: torch.Tens
     return torch.full_like(scan, float("-inf")).scatter(1, short.indices, scores)
 
 
+def without_history(scores: torch.Tensor, data: RecData, users: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    """scores (B, N) with each user's history before their position set to -inf, in place; returns scores."""
+    for i, (u, p) in enumerate(zip(users, positions)):
+        scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
+    return scores
+
+
 def ranking_from_scores(scores: torch.Tensor, data: RecData, users: np.ndarray,
                         positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """scores (B, N) float for users (B,) at positions (B,) -> (top (B, min(TOP, N)), target_rank (B,)).
@@ -49,9 +56,7 @@ def ranking_from_scores(scores: torch.Tensor, data: RecData, users: np.ndarray,
     History items items[u][:p] score -inf; the target is items[u][p]. Ties go to the lower item row,
     in top and in target_rank alike (target_rank < k iff the target is in top[:k]): counting only
     strictly higher scores would put a target tied with thousands of zero-score items near the top."""
-    scores = scores.clone()
-    for i, (u, p) in enumerate(zip(users, positions)):
-        scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
+    scores = without_history(scores.clone(), data, users, positions)
     targets = torch.tensor([data.users.items[u][p] for u, p in zip(users, positions)])
     target_scores = scores[torch.arange(len(users)), targets][:, None]
     tied_before = (scores == target_scores) & (torch.arange(scores.shape[1]) < targets[:, None])
@@ -79,10 +84,8 @@ def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: s
         state = model.users(user_inputs(data, exact if rescore else stored, us, positions, model.dims.history, keep))
         scores = torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk])
                             for a in range(0, len(stored), chunk)], 1)
-        for i, (u, p) in enumerate(zip(us, positions)):
-            scores[i, torch.from_numpy(data.users.items[u][:p])] = float("-inf")
-        if rescore:
-            scores = rescored(model, state, scores, exact, rescore * TOP)
+        if rescore:  # the shortlist is of items the user may be shown
+            scores = rescored(model, state, without_history(scores, data, us, positions), exact, rescore * TOP)
         top, rank = ranking_from_scores(scores, data, us, positions)
         tops.append(top)
         ranks.append(rank)

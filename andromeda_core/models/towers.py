@@ -101,7 +101,8 @@ class UserState(Tensors):
 
 
 class AdTower(nn.Module):
-    """Content tower plus learned per-id residuals for `ids` ads ((ids, D + 1) table: embedding and bias)."""
+    """Content tower plus learned per-id residuals for `ids` ads ((ids + 1, D + 1) table: embedding and
+    bias; the last row, zero and never trained, stands for "no id")."""
 
     def __init__(self, d: Dims, ids: int = 0):
         super().__init__()

@@ -191,6 +191,7 @@ def test_checkpoint_round_trip(tmp_path):
     loaded, config = RetrievalModel.load(tmp_path / "m.safetensors")
     assert config["model"] == "moe" and config["data"] == "tiny" and config["dims"]["dim"] == 64
     assert torch.equal(loaded.item_ids, model.item_ids) and len(model.item_ids) == len(data.train_items())
+    assert not model.ad_tower.identity.weight[-1].any()  # the "no id" row stays zero through training
     with torch.no_grad():
         assert torch.equal(model.item_vectors(data.items), loaded.item_vectors(data.items))
 
