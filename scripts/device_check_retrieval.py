@@ -32,11 +32,13 @@ requests = [parse_request({**json.loads(l), "k": 50}) for l in (world / "request
 print(f"{len(base)} ops, {len(requests)} requests on {torch.cuda.get_device_name() if DEV == 'cuda' else DEV}", flush=True)
 
 torch.manual_seed(0)
-moe = RetrievalModel("moe", Dims()).eval()
 upserts = [op for op in base if isinstance(op, PreparedAd)]
+moe = RetrievalModel("moe", Dims(), [op.ad.ad_id for op in upserts[::2]]).eval()  # half the ads with learned ids
 with torch.no_grad():
+    moe.ad_tower.identity.weight[:-1].normal_()
     stored = moe.ad_tower(torch.randn(len(upserts), 384), torch.randint(0, 60, (len(upserts),)),
-                          torch.tensor([op.ad.advertiser_id for op in upserts]), torch.tensor([op.ad.bid for op in upserts]))
+                          torch.tensor([op.ad.advertiser_id for op in upserts]), torch.tensor([op.ad.bid for op in upserts]),
+                          moe.id_rows(torch.tensor([op.ad.ad_id for op in upserts])))
 moe_vec = {id(op): v.numpy() for op, v in zip(upserts, stored)}
 moe_ops = [PreparedAd(op.ad, op.targeting, moe_vec[id(op)]) if isinstance(op, PreparedAd) else op for op in base]
 scorers = {"two_tower": (lambda d: HashedTwoTower(device=d), base), "moe": (lambda d: ModelScorer(copy.deepcopy(moe), [], schema, device=d), moe_ops)}
