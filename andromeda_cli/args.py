@@ -1,11 +1,15 @@
-"""argparse types: a bad flag value is a one-line usage error (exit 2) naming the flag, before any work."""
+"""argparse types: a bad flag value is a one-line usage error (exit 2) naming the flag, before any work;
+and the one check of a checkpoint file named by an option."""
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
-from andromeda_core.errors import shown
+from safetensors import SafetensorError
+
+from andromeda_core.errors import InvalidInput, shown
 
 
 def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -44,3 +48,15 @@ def output_dir(text: str) -> Path:
 
 POSITIVE = int_in(1)
 NON_NEGATIVE = int_in(0)
+
+
+@contextmanager
+def checkpoint(option: str, path: Path | None) -> Iterator[None]:
+    """Loading the checkpoint `path` given by `option`: a file that is not one is an error naming both."""
+    try:
+        yield
+    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        if path is None:  # no checkpoint was read
+            raise
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InvalidInput(f"{path} is not a checkpoint written by `andromeda train` ({reason})", option) from None

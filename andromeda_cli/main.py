@@ -6,16 +6,14 @@ import argparse
 import json
 import signal
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError
 from tqdm import tqdm
 
-from andromeda_cli.args import NON_NEGATIVE, POSITIVE, input_file, int_in, output_dir
+from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in, output_dir
 from andromeda_cli.request_file import read_requests
 from andromeda_cli.service import add_commands as add_service_commands
 
@@ -58,18 +56,6 @@ def local_device(settings: Settings) -> str:
         raise InvalidInput(f"{settings.device} is not here: this machine has {torch.cuda.device_count()} CUDA "
                            f"device(s) (torch {torch.__version__})", "ANDROMEDA_DEVICE")
     return settings.device
-
-
-@contextmanager
-def checkpoint(option: str, path: Path | None) -> Iterator[None]:
-    """Loading the checkpoint `path` given by `option`: a file that is not one is an error naming both."""
-    try:
-        yield
-    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        if path is None:  # no checkpoint was read
-            raise
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InvalidInput(f"{path} is not a checkpoint written by `andromeda train` ({reason})", option) from None
 
 
 def cmd_schema(args: argparse.Namespace) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
+from andromeda_cli.args import checkpoint
 from andromeda_core.config import load_settings
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
@@ -54,6 +55,11 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
     for name, path in (("model", config.model), ("schema_path", config.schema_path)):
         if path and not Path(path).is_file():
             raise InvalidInput(f"{path} is not a file", f"config {name}")
+    if config.model:  # every replica would fail to start on it
+        from andromeda_core.models.retrieval import RetrievalModel
+
+        with checkpoint("config model", Path(config.model)):
+            RetrievalModel.load(config.model)
     paths = {"model": config.model, "schema_path": config.schema_path, "snapshot_dir": config.snapshot_dir}
     return config.model_copy(update={k: str(Path(v).resolve()) for k, v in paths.items() if v})  # Ray workers' cwd may differ
 
