@@ -16,7 +16,6 @@ from andromeda_core.models import score_each
 from andromeda_core.models.recdata import RecData
 from andromeda_core.quantization import int8_blocks, round_trip
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
-from andromeda_core.synth import truth_scores
 
 TOP = 1000
 
@@ -114,16 +113,6 @@ def crossings(r: Ranking, reference: Ranking) -> int:
 def recall_within(reference_top100: np.ndarray, model_top: np.ndarray) -> float:
     """Mean share of each user's reference top-100 found inside the model's top-1000."""
     return float(np.mean([len(set(ref) & set(top)) / len(ref) for ref, top in zip(reference_top100, model_top)]))
-
-
-def true_top100(data: RecData, users: np.ndarray) -> np.ndarray:
-    """(U, 100) item rows with the highest true affinity, history excluded (synthetic data only)."""
-    out = []
-    for u in users:
-        truth = truth_scores(data.truth["user_latent"][u], data.truth["ad_latent"], data.truth["ad_quality"])
-        truth[data.users.items[u][: data.split(u)[1]]] = -np.inf
-        out.append(np.argsort(-truth, kind="stable")[:100])
-    return np.array(out)
 
 
 def counted_flops_per_pair(model: RetrievalModel, data: RecData, n: int = 512) -> float:

@@ -15,8 +15,7 @@ from andromeda_core.config import IndexConfig, load_settings
 from andromeda_core.models.baselines import item_knn, most_popular
 from andromeda_core.models.distill import TEACHER_TOP, Teacher, ask_teacher
 from andromeda_core.models.evaluate import (CUTOFFS, Ranking, bytes_per_ad, counted_flops_per_pair, crossings,
-                                            per_user_metrics, rank_items, ranking_from_scores, recall_within,
-                                            true_top100)
+                                            per_user_metrics, rank_items, ranking_from_scores, recall_within)
 from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
 from andromeda_core.models.retrieval import RetrievalModel
@@ -34,6 +33,7 @@ EVAL_USERS = 2000  # per data set (MovieLens has 610)
 TRUE_RECALL_TARGET = {"synthetic": 0.28}  # twice the 0.14 every model had on this world before learned ids
 DISTILL_GRID = (0.0, 0.5)  # distillation weights tried for the students; validation picks one
 SHORT_HISTORY = 5
+ORACLE = "oracle (true affinity)"
 STORAGE_ROWS = (("fp16", 0), ("int8", 0), ("fp16", RESCORE), ("int8", RESCORE))  # the MoE as stored and served
 
 
@@ -130,7 +130,7 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
     m = trained.models
     rows = [Row("most popular", "-", most_popular(data, users)), Row("item-kNN", "-", item_knn(data, users))]
     if data.truth:
-        rows.insert(0, Row("oracle (true affinity)", "-", oracle_ranking(data, users)))
+        rows.insert(0, Row(ORACLE, "-", oracle_ranking(data, users)))
 
     counted = {kind: counted_flops_per_pair(model, data) for kind, model in m.items()}
 
@@ -178,25 +178,26 @@ def subset_table(rows: list[Row], mask: np.ndarray | None = None) -> str:
     return "\n".join(lines)
 
 
+def paired_intervals(a: Row, b: Row) -> list[tuple[float, float, float]]:
+    """Per metric of METRICS: a minus b over the same users, (mean, low, high) of the paired bootstrap."""
+    ours, theirs = per_user_metrics(a.ranking.target_rank), per_user_metrics(b.ranking.target_rank)
+    return [paired_difference(ours[m], theirs[m]) for m in METRICS]
+
+
 def comparisons(moe: Row, others: list[Row]) -> str:
     """MoE minus each other row per metric: paired bootstrap 95% interval and whether it excludes 0."""
     lines = ["| MoE minus | " + " | ".join(METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
-    ours = per_user_metrics(moe.ranking.target_rank)
     for row in others:
-        theirs = per_user_metrics(row.ranking.target_rank)
-        cells = []
-        for name in METRICS:
-            diff, low, high = paired_difference(ours[name], theirs[name])
-            verdict = ("**better**" if low > 0 else "**worse**") if significant(low, high) else "within noise"
-            cells.append(f"{diff:+.4f} [{low:+.4f}, {high:+.4f}] {verdict}")
+        cells = [f"{diff:+.4f} [{low:+.4f}, {high:+.4f}] "
+                 + (("**better**" if low > 0 else "**worse**") if significant(low, high) else "within noise")
+                 for diff, low, high in paired_intervals(moe, row)]
         lines.append(f"| {row.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def versus(a: Row, b: Row) -> tuple[int, int, int]:
     """(metrics where a's mean is above b's, where a is significantly above, significantly below)."""
-    ours, theirs = per_user_metrics(a.ranking.target_rank), per_user_metrics(b.ranking.target_rank)
-    intervals = [paired_difference(ours[m], theirs[m]) for m in METRICS]
+    intervals = paired_intervals(a, b)
     return (sum(diff > 0 for diff, _, _ in intervals), sum(low > 0 for _, low, _ in intervals),
             sum(high < 0 for _, _, high in intervals))
 
@@ -240,12 +241,12 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
     users = data.eval_users()[:EVAL_USERS]
     rows, subsets = rankings(data, trained, users)
     ranker_top = next(r for r in rows if r.name == "ranker").ranking.top[:, :100]
-    truth = true_top100(data, users) if data.truth else None
     by_name = {r.name: r for r in rows if r.storage in ("-", "fp32")}
+    truth = by_name[ORACLE].ranking.top[:, :100] if data.truth else None  # the true top-100, history excluded
     known = set(data.train_items().tolist())
     cold = np.array([data.users.items[u][-1] not in known for u in users])
     short = np.array([data.split(u)[1] <= SHORT_HISTORY for u in users])
-    others = [r for r in by_name.values() if r.name not in ("moe", "oracle (true affinity)")]
+    others = [r for r in by_name.values() if r.name not in ("moe", ORACLE)]
     plot = plot_quality_vs_flops(
         [{"name": r.name, "flops": r.flops, **dict(zip(("mean", "low", "high"),
                                                         bootstrap_ci(per_user_metrics(r.ranking.target_rank)["HR@10"])))}
@@ -265,7 +266,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"{comparisons(by_name['moe'], others)}"
             f"\n\n### Cold start\n\nNew items: the {int(cold.sum())} users whose held-out item was never engaged in "
             f"training (no learned id: embedded from content alone).\n\n"
-            f"{subset_table([r for r in by_name.values() if r.name != 'oracle (true affinity)'], cold)}\n\n"
+            f"{subset_table([r for r in by_name.values() if r.name != ORACLE], cold)}\n\n"
             f"Every ad new: the whole corpus embedded from content alone (as if every ad were created after "
             f"training).\n\n{subset_table(subsets['content_only'])}\n\n"
             f"Short histories: the {int(short.sum())} users with at most {SHORT_HISTORY} engagements before their "
