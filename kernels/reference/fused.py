@@ -1,0 +1,80 @@
+"""Reference of the fused retrieval pass over the compact ad table: it defines what every fused kernel
+(Triton on CUDA, the compiled CPU path) must return. Raw tensors in, tensors out.
+
+Table of n slots:
+  status (n,) int8      LIVE | ACTIVE | SATISFIABLE bits (match.py); servable when all three are set
+  start, end (n,) int64 the ad serves while start <= now < end
+  refs (n, C) int32     clause references, ref = 2 * clause + negate: the ad matches a request when, for
+                        every ref, (the request holds a value of `clause`) XOR negate. Clause 0 is never
+                        held, so ref ALWAYS (= 1) pads a row.
+  vectors (n, S)        stored ad vectors: float32, float16, or int8 with scales (n, ceil(S / 16)) float32,
+                        one symmetric scale per block of SCALE_BLOCK dims (x = q * scale)
+Request side, B requests:
+  now (B,) int64; truth (B, W) int32 bit-packed: bit c % 32 of word c // 32 set when the request's user
+  holds a value of clause c (W * 32 > every clause id in refs).
+Head (a mixture of logits; the dot product is E = 1, G = 0): with a = vectors[:, :D], q = vectors[:, D:D + G]
+and bias = vectors[:, bias_col] (0 when bias_col < 0), each candidate's gating logits keys[b, e] . q over
+the experts with mask[b, e] pick its top_n experts; softmax over those gives the gates (experts beyond the
+usable ones get gate 0) and score = sum_e gate_e * <experts[b, e], a> + bias.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.reference.match import time_status_match
+
+SCALE_BLOCK = 16  # int8 vectors: dims per scale
+ALWAYS = 1  # the ref that pads a row of refs: "does not hold clause 0", true for every request
+
+
+def dequantize(vectors: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """(n, S) stored vectors (float32 / float16, or int8 with scales (n, ceil(S / 16))) -> (n, S) float32."""
+    if vectors.dtype != torch.int8:
+        return vectors.float()
+    return vectors.float() * scales.repeat_interleave(SCALE_BLOCK, dim=1)[:, : vectors.shape[1]]
+
+
+def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
+                 truth: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    """Eligibility (B, n) bool of n slots for B requests (shapes in the module docstring)."""
+    clause = (refs >> 1).long()
+    negate = (refs & 1).bool()
+    held = ((truth[:, clause >> 5] >> (clause & 31).int()) & 1).bool()  # (B, n, C)
+    return time_status_match(status, start, end, now) & (held ^ negate).all(-1)
+
+
+def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: torch.Tensor, keys: torch.Tensor,
+                mask: torch.Tensor, bias_col: int, top_n: int) -> torch.Tensor:
+    """(B, n) float32 scores: vectors (n, S), experts (B, E, D), keys (B, E, G), mask (B, E) bool."""
+    D, G = experts.shape[2], keys.shape[2]
+    x = dequantize(vectors, scales)
+    logits = torch.einsum("beg,ng->ben", keys.float(), x[:, D: D + G]).masked_fill(~mask[:, :, None], float("-inf"))
+    top = logits.topk(min(top_n, logits.shape[1]), dim=1)
+    chosen = torch.full_like(logits, float("-inf")).scatter(1, top.indices, top.values)
+    gates = torch.nan_to_num(torch.softmax(chosen, dim=1))  # no usable expert: all gates 0
+    score = (gates * torch.einsum("bed,nd->ben", experts.float(), x[:, :D])).sum(1)
+    return score + x[:, bias_col] if bias_col >= 0 else score
+
+
+def order_slots(scores: torch.Tensor, ok: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores (B, n), ok (B, n) bool -> the m best eligible (slots (B, m) int64, -1 padded; scores (B, m),
+    -inf padded) by score descending, then slot ascending; NaN scores rank as -inf."""
+    scores = torch.nan_to_num(scores.float(), nan=float("-inf")).masked_fill(~ok, float("-inf"))
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :m]  # stable: equal scores by slot
+    slots = torch.where(ok.gather(1, order), order, -1)
+    best = scores.gather(1, order).masked_fill(slots < 0, float("-inf"))
+    pad = m - slots.shape[1]
+    if pad > 0:
+        slots = torch.cat([slots, slots.new_full((slots.shape[0], pad), -1)], 1)
+        best = torch.cat([best, best.new_full((best.shape[0], pad), float("-inf"))], 1)
+    return slots, best
+
+
+def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
+               vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
+               experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
+               m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pass: match, score, top-m -> (slots (B, m) int64, scores (B, m) float32, eligible (B,) int64)."""
+    ok = clause_match(status, start, end, refs, truth, now)
+    slots, best = order_slots(head_scores(vectors, scales, experts, keys, mask, bias_col, top_n), ok, m)
+    return slots, best, ok.sum(1)
