@@ -4,8 +4,9 @@ Columns (N = capacity slots): ad_id, version, advertiser_id (N,) int64; status (
 (kernels.reference.match.LIVE | ACTIVE | SATISFIABLE); start, end (N,) int64 seconds (start <= now < end);
 bid (N,) float32; embedding (N, D) in the scan's storage format (fp32, fp16 or int8 + per-block
 embedding_scale); when that format is not fp32 and the index keeps an exact copy, embedding_exact
-(N, D) float32, read only for the few rows a request rescores and for user-history lookups; the
-targeting columns of andromeda_core.targeting.
+(N, D) float32, read only for the few rows a request rescores and for user-history lookups; refs (N, C)
+int32, the ad's targeting as references into the index's clause dictionary (andromeda_core.clauses).
+The scan reads status, start, end, refs and the head's part of the embedding (kernels.reference.fused).
 
 Every operation is idempotent by (ad_id, version): an event whose version is not newer than the
 indexed one (or than the version that deleted or expired the ad) is a no-op.
@@ -18,25 +19,29 @@ part of a batch.
 """
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Sequence, Union
 
 import numpy as np
 import torch
 
+from andromeda_core.clauses import ClauseDictionary, row_clauses
 from andromeda_core.errors import InvalidInput, NotFound
 from andromeda_core.quantization import dequantize, int8_blocks, quantize_int8
 from andromeda_core.schema import Schema
-from andromeda_core.targeting import ColumnSpec, CompiledTargeting, MatchInputs, targeting_columns
+from andromeda_core.targeting import ColumnSpec, CompiledTargeting, UserValues, targeting_columns
 from andromeda_core.types import Ad, DeleteEvent, StatusEvent
-from kernels.reference.match import ACTIVE, LIVE, SATISFIABLE, targeting_match
+from kernels.reference.fused import ALWAYS, clause_match
+from kernels.reference.match import ACTIVE, LIVE, SATISFIABLE
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 UPSERT, DELETE, PAUSE, RESUME = 0, 1, 2, 3
 OP_CODES = {"upsert": UPSERT, "delete": DELETE, "pause": PAUSE, "resume": RESUME}
 CORE_ROW_COLUMNS = ("ad_id", "advertiser_id", "start", "end", "bid", "status", "embedding")  # in every upsert row
+REFS_WIDTH = 6  # clause refs per ad; an ad with more keeps 5 and a compound of the rest
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,7 @@ class OpBatch:
                        {name: values[kept] for name, values in self.rows.items()})
 
 
-def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool) -> dict[str, ColumnSpec]:
+def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool, refs_width: int) -> dict[str, ColumnSpec]:
     extra = {"embedding_scale": ColumnSpec((int8_blocks(dim),), torch.float32, 0)} if embedding_dtype == torch.int8 else {}
     if exact_copy and embedding_dtype != torch.float32:
         extra["embedding_exact"] = ColumnSpec((dim,), torch.float32, 0)
@@ -159,6 +164,7 @@ def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool) -> di
         "end": ColumnSpec((), torch.int64, INT64_MAX),
         "bid": ColumnSpec((), torch.float32, 0),
         "embedding": ColumnSpec((dim,), embedding_dtype, 0),
+        "refs": ColumnSpec((refs_width,), torch.int32, ALWAYS),
     }
 
 
@@ -290,20 +296,19 @@ class _Plan:
 
 class AdIndex:
     def __init__(self, schema: Schema, dim: int, capacity: int = 1024, device: str | torch.device = "cpu",
-                 embedding_dtype: torch.dtype = torch.float32, exact_copy: bool = True):
+                 embedding_dtype: torch.dtype = torch.float32, exact_copy: bool = True, refs_width: int = REFS_WIDTH):
         if dim < 1 or capacity < 1:
             raise ValueError("dim and capacity must be positive")
         self.schema, self.dim, self.device = schema, dim, torch.device(device)
-        self._targeting = targeting_columns(schema)
-        self.specs = {**core_columns(dim, embedding_dtype, exact_copy), **self._targeting}
+        self._targeting = targeting_columns(schema)  # the compiled rows an upsert brings (turned into refs)
+        self.specs = core_columns(dim, embedding_dtype, exact_copy, refs_width)
         # what an upsert row of each column must look like, whatever the storage format
         self._row_specs = {**{name: self.specs[name] for name in CORE_ROW_COLUMNS},
                            "embedding": ColumnSpec((dim,), torch.float32, 0), **self._targeting}
         self.columns = {name: self._filled(spec, capacity) for name, spec in self.specs.items()}
+        self.clauses = ClauseDictionary(schema, refs_width)
         self._book = SlotBook(capacity)
         self._lock = ReadWriteLock()
-        self._bitset_names = [c.name for c in schema.bitset_categories]
-        self._list_names = [c.name for c in schema.list_categories]
         # value indices a list column may hold: -1 (padding) up to the category's size (exclusive)
         self._list_sizes = {f"{c.name}.{side}": c.size for c in schema.list_categories for side in ("pos", "neg")}
 
@@ -333,22 +338,25 @@ class AdIndex:
         with self._lock.shared():
             yield
 
-    def match(self, inputs: MatchInputs, start: int, stop: int) -> torch.Tensor:
-        """Eligibility (B, stop - start) bool of slots [start, stop). Call inside `reading()`."""
-        c = self.columns
-        return targeting_match(
-            c["status"][start:stop], c["start"][start:stop], c["end"][start:stop], inputs.now,
-            [(c[f"{n}.pos"][start:stop], c[f"{n}.neg"][start:stop]) for n in self._bitset_names], inputs.user_bits,
-            [(c[f"{n}.pos"][start:stop], c[f"{n}.neg"][start:stop]) for n in self._list_names], inputs.user_tables,
-        )
+    def request_inputs(self, values: Sequence[UserValues], now: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(now (B,) int64, clause truth table (B, W) int32) of B requests on the device. Call inside
+        `reading()`: the truth table holds for the refs as they are now."""
+        return torch.tensor(list(now), dtype=torch.int64, device=self.device), self.clauses.truth(values, self.device)
 
-    def eligible(self, inputs: MatchInputs, chunk_size: int = 65536) -> list[list[int]]:
-        """Ad ids eligible for each of the B requests, ascending."""
-        out: list[list[int]] = [[] for _ in range(inputs.now.shape[0])]
+    def match(self, now: torch.Tensor, truth: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Eligibility (B, stop - start) bool of slots [start, stop) for request_inputs' (now, truth)."""
+        c = self.columns
+        return clause_match(c["status"][start:stop], c["start"][start:stop], c["end"][start:stop], c["refs"][start:stop],
+                            truth, now)
+
+    def eligible(self, values: Sequence[UserValues], now: Sequence[int], chunk_size: int = 65536) -> list[list[int]]:
+        """Ad ids eligible for each of B requests (targeting values and time), ascending."""
+        out: list[list[int]] = [[] for _ in range(len(values))]
         with self.reading():
+            inputs = self.request_inputs(values, now)
             for start in range(0, self.high_water, chunk_size):
                 stop = min(start + chunk_size, self.high_water)
-                ok = self.match(inputs, start, stop)
+                ok = self.match(*inputs, start, stop)
                 ids = self.columns["ad_id"][start:stop]
                 for b in range(ok.shape[0]):
                     out[b].extend(ids[ok[b]].tolist())
@@ -421,9 +429,11 @@ class AdIndex:
             total = torch.zeros((), dtype=torch.int64)
             for i, name in enumerate(sorted(self.columns)):
                 col = self.columns[name][: self.high_water][live].cpu()
+                if name == "refs":  # by clause content: clause ids differ between replicas
+                    col = torch.from_numpy(self.clauses.hashes)[col.long() >> 1] * 2 + (col & 1) * (col != ALWAYS)
                 ints = col.view(torch.int32) if col.dtype == torch.float32 else (
                     col.view(torch.int16) if col.dtype in (torch.float16, torch.bfloat16) else col)
-                ints = ints.to(torch.int64).reshape(ints.shape[0], -1)
+                ints = ints.to(torch.int64).reshape(ints.shape[0], math.prod(ints.shape[1:]))
                 weights = torch.arange(1, ints.shape[1] + 1, dtype=torch.int64) * (2 * i + 1)
                 row = (ints * weights).sum(1) + (i + 1) * 0x9E3779B1
                 row = (row ^ (row >> 31)) * 0x2545F4914F6CDD1D
@@ -440,10 +450,11 @@ class AdIndex:
             tombstones = self._book.tombstones()
             tensors["tombstones.ad_id"] = torch.tensor(list(tombstones), dtype=torch.int64)
             tensors["tombstones.version"] = torch.tensor(list(tombstones.values()), dtype=torch.int64)
+            tensors.update(self.clauses.export_state())
             layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
                       "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
                       "embedding_dtype": str(self.specs["embedding"].dtype).removeprefix("torch."),
-                      "exact_copy": str(self.keeps_exact)}
+                      "exact_copy": str(self.keeps_exact), "refs_width": str(self.clauses.width)}
             return tensors, layout
 
     @classmethod
@@ -454,12 +465,14 @@ class AdIndex:
                              f"not {schema.name} v{schema.version}")
         index = cls(schema, int(layout["dim"]), capacity=int(layout["capacity"]), device=device,
                     embedding_dtype=getattr(torch, layout["embedding_dtype"]),
-                    exact_copy=layout.get("exact_copy") == "True")
+                    exact_copy=layout.get("exact_copy") == "True", refs_width=int(layout["refs_width"]))
         book = index._book
         n = book.high_water = int(layout["high_water"])
         for name, col in index.columns.items():
             col[:n] = tensors[f"col.{name}"].to(device)
         live = torch.nonzero((index.columns["status"][:n].to(torch.int32) & LIVE) != 0).flatten().tolist()
+        index.clauses = ClauseDictionary.from_state(schema, index.clauses.width, tensors,
+                                                    index.columns["refs"][live].cpu().numpy())
         ad_ids = index.columns["ad_id"][live].tolist()
         book.slot_of = dict(zip(ad_ids, live))
         book.version = dict(zip(tensors["tombstones.ad_id"].tolist(), tensors["tombstones.version"].tolist()))
@@ -473,7 +486,7 @@ class AdIndex:
         if other.schema != self.schema or other.dim != self.dim:
             raise ValueError("can only adopt an index with the same schema and embedding width")
         with self._lock.exclusive():
-            self.specs, self.columns, self._book = other.specs, other.columns, other._book
+            self.specs, self.columns, self._book, self.clauses = other.specs, other.columns, other._book, other.clauses
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -504,14 +517,17 @@ class AdIndex:
             self._commit(plan, {})
             return len(slots)
 
-    def _stage(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def _stage(self, rows: dict[str, np.ndarray]) -> dict[str, Any]:
         """Upsert rows -> device tensors in the columns' dtypes (the embedding in the storage format, with its
-        scale and exact copy where kept). Raises InvalidInput for rows that do not fit the table."""
+        scale and exact copy where kept) and, under "clauses", each row's clause refs (interned when written).
+        Raises InvalidInput for rows that do not fit the table."""
         self._check_rows(rows)
         if not len(rows["ad_id"]):
             return {}  # no upserts: nothing to convert (and nothing to quantise)
-        staged = {name: torch.from_numpy(np.ascontiguousarray(values)).to(self.device, self.specs[name].dtype)
-                  for name, values in rows.items() if name != "embedding"}
+        staged: dict[str, Any] = {name: torch.from_numpy(np.ascontiguousarray(values)).to(self.device, self.specs[name].dtype)
+                                  for name, values in rows.items() if name in self.specs and name != "embedding"}
+        staged["clauses"] = row_clauses(self.schema, {n: v for n, v in rows.items() if n in self._targeting},
+                                        len(rows["ad_id"]))
         exact = torch.from_numpy(np.ascontiguousarray(rows["embedding"], dtype=np.float32))
         if "embedding_scale" in self.specs:  # on the CPU whatever the device: replicas store the same bytes
             quantized, scale = quantize_int8(exact)
@@ -539,11 +555,19 @@ class AdIndex:
         if not np.isfinite(rows["embedding"]).all():
             raise InvalidInput("embeddings must be finite", "embedding")
 
-    def _commit(self, plan: _Plan, staged: dict[str, torch.Tensor]) -> None:
-        """Make the plan's writes (into grown copies when the batch needs more slots), then commit its bookkeeping."""
+    def _commit(self, plan: _Plan, staged: dict[str, Any]) -> None:
+        """Make the plan's writes (into grown copies when the batch needs more slots), then commit its bookkeeping
+        and drop the clause references of the rows it overwrote or freed."""
         columns = self._grown(plan.capacity_needed)
+        replaced = columns["refs"][torch.tensor([*plan.row_at, *plan.freed], dtype=torch.int64, device=self.device)]
+        if plan.row_at:
+            refs = np.full((len(staged["clauses"]), self.clauses.width), ALWAYS, dtype=np.int32)
+            for row in plan.row_at.values():
+                refs[row] = self.clauses.refs(staged["clauses"][row])
+            staged = {**staged, "refs": torch.from_numpy(refs).to(self.device)}
         for name, slots, values in self._writes(plan, staged, columns):  # computed in full: nothing fails midway
             columns[name][slots] = values
+        self.clauses.release(replaced.cpu().numpy())
         self.columns = columns
         plan.commit(self.capacity)
 
@@ -560,7 +584,7 @@ class AdIndex:
             grown[name][: self.capacity] = self.columns[name]
         return grown
 
-    def _writes(self, plan: _Plan, staged: dict[str, torch.Tensor],
+    def _writes(self, plan: _Plan, staged: dict[str, Any],
                 columns: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.Tensor | int]]:
         """(column, slots, values) for whole rows, freed slots (reset to fill), then status and version."""
         def index(values: list[int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from andromeda_core.errors import AndromedaError
 from andromeda_core.index import AdIndex
 from andromeda_core.models import Scorer, score_each
 from andromeda_core.schema import Schema
-from andromeda_core.targeting import UserValues, compile_user, match_inputs
+from andromeda_core.targeting import UserValues, compile_user
 from andromeda_core.types import RetrieveRequest, RetrieveResponse, ScoredAd
 from kernels.reference.topk import NO_ID, merge_topk, topk_by_score_then_id
 
@@ -122,9 +122,9 @@ class Retriever:
 
     def search(self, query: UserQuery) -> TopK:
         """One pass over the table for B requests, each with its own targeting, time and k."""
-        inputs = match_inputs(self.index.schema, query.values, query.now, self.index.device)
         users = query.users.to(self.index.device)  # a router builds user state on its own device
         with self.index.reading():
+            inputs = self.index.request_inputs(query.values, query.now)
             k = max(1, min(max(query.k), self.index.high_water))  # no request gets more than the table holds
             if self.rescore and self.index.keeps_exact:
                 shortlist, _, eligible = self.scan(inputs, users, self.rescore * k)
@@ -157,13 +157,13 @@ class Retriever:
     def scan(self, inputs, users, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One pass over the table -> (ids (B, k) -1 padded, scores (B, k), eligible counts (B,)).
         Call inside index.reading()."""
-        cols, B = self.index.columns, inputs.now.shape[0]
+        cols, B = self.index.columns, inputs[0].shape[0]
         best_ids = torch.empty((B, 0), dtype=torch.int64, device=self.index.device)
         best_scores = torch.empty((B, 0), dtype=torch.float32, device=self.index.device)
         eligible = torch.zeros(B, dtype=torch.int64, device=self.index.device)
         for start in range(0, self.index.high_water, self.chunk_size):
             stop = min(start + self.chunk_size, self.index.high_water)
-            ok = self.index.match(inputs, start, stop)
+            ok = self.index.match(*inputs, start, stop)
             eligible += ok.sum(1)
             scores = self.scorer.score(users, self.index.embeddings(start, stop))
             ids = cols["ad_id"][start:stop].expand(B, -1)

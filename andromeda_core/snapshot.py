@@ -20,7 +20,7 @@ from andromeda_core.errors import SnapshotCorrupt
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 
-FORMAT = "andromeda-index/1"
+FORMAT = "andromeda-index/2"  # 2: targeting as clause refs plus the clause dictionary
 
 
 def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:

@@ -1,4 +1,5 @@
-"""Targeting compiler: ad rules -> fixed-width column rows, user values -> per-request tensors.
+"""Targeting compiler: ad rules -> fixed-width column rows (the wire form; the index turns them into
+clause refs, andromeda_core.clauses), request attributes -> the values a user holds per category.
 
 Columns per category (N ads, G = max_groups, W = bitset words, L = max_values):
   bitset encoding: `<cat>.pos` (N, G, W) int32, `<cat>.neg` (N, W) int32; an all-zero group is unused.
@@ -150,16 +151,6 @@ def compile_targeting(schema: Schema, targeting: Any, where: str = "targeting") 
     return CompiledTargeting(rows=rows, satisfiable=satisfiable)
 
 
-@dataclass(frozen=True)
-class MatchInputs:
-    """Per-request tensors for the match: now (B,) int64; user_bits[c] (B, W_c) int32 aligned with
-    schema.bitset_categories; user_tables[c] (B, V_c + 1) bool aligned with schema.list_categories."""
-
-    now: torch.Tensor
-    user_bits: list[torch.Tensor]
-    user_tables: list[torch.Tensor]
-
-
 UserValues = dict[str, tuple[int, ...]]
 """Category name -> sorted value indices the user holds (categories without values are absent)."""
 
@@ -199,29 +190,3 @@ def compile_user(schema: Schema, attributes: Mapping[str, Any], context: Mapping
             if held:
                 values[name] = tuple(sorted(held))
     return values, warnings
-
-
-def user_bitsets(cat: Category, users: list[UserValues], device: torch.device | str = "cpu") -> torch.Tensor:
-    """(B, W) int32: bit i of a row set when that user holds value i of `cat`."""
-    out = np.zeros((len(users), cat.words), dtype=np.int32)
-    for b, u in enumerate(users):
-        out[b] = _bitset(cat, frozenset(u.get(cat.name, ())))
-    return torch.from_numpy(out).to(device)
-
-
-def user_tables(cat: Category, users: list[UserValues], device: torch.device | str = "cpu") -> torch.Tensor:
-    """(B, size + 1) bool lookup: [b, i] is True when user b holds value i; column `size` is padding."""
-    out = torch.zeros((len(users), cat.size + 1), dtype=torch.bool)
-    for b, u in enumerate(users):
-        held = u.get(cat.name)
-        if held:
-            out[b, list(held)] = True
-    return out.to(device)
-
-
-def match_inputs(schema: Schema, users: list[UserValues], now: list[int], device: torch.device | str = "cpu") -> MatchInputs:
-    return MatchInputs(
-        now=torch.tensor(now, dtype=torch.int64, device=device),
-        user_bits=[user_bitsets(c, users, device) for c in schema.bitset_categories],
-        user_tables=[user_tables(c, users, device) for c in schema.list_categories],
-    )

@@ -24,20 +24,17 @@ from andromeda_core.index import AdIndex
 from andromeda_core.ingest import load_events, read_events
 from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.schema import load_schema
-from andromeda_core.targeting import MatchInputs, compile_user, match_inputs
+from andromeda_core.targeting import compile_user
 from andromeda_core.types import RetrieveRequest
-from kernels.reference.match import targeting_match
+from kernels.reference.fused import clause_match
 
 GROWTH = 4
 
 
-def match_slots(index: AdIndex, inputs: MatchInputs, slots: torch.Tensor) -> torch.Tensor:
+def match_slots(index: AdIndex, now: torch.Tensor, truth: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Eligibility (B, n) of the ads in `slots` (n,): AdIndex.match on gathered rows instead of a range."""
-    col = {name: c[slots] for name, c in index.columns.items()}
-    return targeting_match(
-        col["status"], col["start"], col["end"], inputs.now,
-        [(col[f"{c.name}.pos"], col[f"{c.name}.neg"]) for c in index.schema.bitset_categories], inputs.user_bits,
-        [(col[f"{c.name}.pos"], col[f"{c.name}.neg"]) for c in index.schema.list_categories], inputs.user_tables)
+    col = {name: index.columns[name][slots] for name in ("status", "start", "end", "refs")}
+    return clause_match(col["status"], col["start"], col["end"], col["refs"], truth, now)
 
 
 class FaissPeer:
@@ -64,12 +61,12 @@ class FaissPeer:
         values, warnings = compile_user(self.schema, request.user.attributes, request.context.targeting_values())
         now = int(time.time()) if request.context.ts is None else request.context.ts
         user = self.scorer.encode_users([request], self.lookup, [now]).numpy()
-        inputs = match_inputs(self.schema, [values], [now])
+        inputs = self.index.request_inputs([values], [now])  # the index is read-only here: no lock needed
         wanted, k_prime = request.k, request.k
         while True:
             k_prime = min(k_prime, self.flat.ntotal)
             scores, slots = self.flat.search(user, k_prime)
-            ok = match_slots(self.index, inputs, torch.from_numpy(slots[0]))[0].numpy()
+            ok = match_slots(self.index, *inputs, torch.from_numpy(slots[0]))[0].numpy()
             hits = [(self.ad_id[s], float(x)) for s, x, good in zip(slots[0], scores[0], ok) if good][:wanted]
             if len(hits) == wanted or k_prime == self.flat.ntotal:
                 break

@@ -25,7 +25,7 @@ from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.retriever import Retriever
 from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
-from andromeda_core.targeting import compile_user, match_inputs
+from andromeda_core.targeting import compile_user
 from andromeda_core.types import parse_request
 from benchmarks.common import machine, matmul_gflops, median_seconds, read_bandwidth_gbs, write_section
 from kernels.reference.topk import merge_topk
@@ -49,11 +49,12 @@ def stage_times(retriever: Retriever, requests, repeats: int) -> dict[str, float
     index, scorer = retriever.index, retriever.scorer
     schema, chunk = index.schema, retriever.chunk_size
     users = [compile_user(schema, r.user.attributes, r.context.targeting_values())[0] for r in requests]
-    inputs = match_inputs(schema, users, [r.context.ts for r in requests])
-    user_state = scorer.encode_users(requests, index.embeddings_of, inputs.now.tolist())
+    now = [r.context.ts for r in requests]
+    inputs = index.request_inputs(users, now)
+    user_state = scorer.encode_users(requests, index.embeddings_of, now)
     spans = [(s, min(s + chunk, index.high_water)) for s in range(0, index.high_water, chunk)]
     ids = index.columns["ad_id"]
-    oks = [index.match(inputs, a, b) for a, b in spans]
+    oks = [index.match(*inputs, a, b) for a, b in spans]
     scores = [scorer.score(user_state, index.embeddings(a, b)) for a, b in spans]
     B = len(requests)
 
@@ -64,7 +65,7 @@ def stage_times(retriever: Retriever, requests, repeats: int) -> dict[str, float
             best_ids, best = merge_topk(best_ids, best, ids[a:b].expand(B, -1), sc, ok, K)
 
     return {
-        "match": median_seconds(lambda: [index.match(inputs, a, b) for a, b in spans], repeats),
+        "match": median_seconds(lambda: [index.match(*inputs, a, b) for a, b in spans], repeats),
         "score": median_seconds(lambda: [scorer.score(user_state, index.embeddings(a, b)) for a, b in spans], repeats),
         "topk": median_seconds(topk_only, repeats),
         "total": median_seconds(lambda: retriever.retrieve(requests), repeats),

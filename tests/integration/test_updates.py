@@ -12,7 +12,7 @@ from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex, PreparedAd
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.sharding import shard_of
-from andromeda_core.targeting import CompiledTargeting, compile_user, match_inputs
+from andromeda_core.targeting import CompiledTargeting, compile_user
 from andromeda_core.types import parse_event
 from index_updater.consumer import ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
@@ -26,7 +26,7 @@ SHARD0 = shard_stream(DEFAULT_STREAM, 0)
 
 def eligible(index: AdIndex, attributes: dict | None = None, now: int = NOW) -> list[int]:
     user = compile_user(index.schema, attributes or {}, {})[0]
-    return index.eligible(match_inputs(index.schema, [user], [now]))[0]
+    return index.eligible([user], [now])[0]
 
 
 def test_create_edit_pause_resume_delete(setup):

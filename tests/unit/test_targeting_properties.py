@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from andromeda_core.index import AdIndex
 from andromeda_core.retriever import Retriever
-from andromeda_core.targeting import compile_user, match_inputs
+from andromeda_core.targeting import compile_user
 from andromeda_core.types import parse_request
 from tests.conftest import SMALL_SCHEMA, apply_events, upsert
 from tests.naive import naive_eligible
@@ -92,7 +92,7 @@ def _drop_unknown(attributes: dict) -> dict:
 
 def _eligible_ids(schema, index, user_list, now) -> list[list[int]]:
     compiled = [compile_user(schema, a, c)[0] for a, c in user_list]
-    return index.eligible(match_inputs(schema, compiled, [now] * len(user_list)), chunk_size=5)
+    return index.eligible(compiled, [now] * len(user_list), chunk_size=5)
 
 
 @pytest.mark.parametrize("name", sorted(CATS))
@@ -112,13 +112,14 @@ def test_every_rule_kind_of_every_category(small_schema, scorer, name, data):
     assert _eligible_ids(small_schema, index, [user], NOW) == [want]
 
 
+@pytest.mark.parametrize("refs_width", [2, 6])  # 2: most ads keep one ref and a compound of the rest
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(1, 10**6), min_size=1, max_size=8, unique=True).flatmap(
     lambda ids: st.tuples(*(ads(i) for i in ids))), st.lists(users(), min_size=1, max_size=4),
     st.integers(NOW - 4, NOW + 4))
-def test_index_matches_naive_evaluator(small_schema, scorer, ad_list, user_list, now):
+def test_index_matches_naive_evaluator(small_schema, scorer, refs_width, ad_list, user_list, now):
     # Ids in the index of ids, users in the index of users: every pair is checked.
-    index = AdIndex(small_schema, scorer.dim, capacity=3)
+    index = AdIndex(small_schema, scorer.dim, capacity=3, refs_width=refs_width)
     assert all(apply_events(index, scorer, [{"op": "upsert", "ad": ad} for ad in ad_list]))
     got = _eligible_ids(small_schema, index, user_list, now)
     for (attributes, context), eligible in zip(user_list, got):
@@ -148,3 +149,46 @@ def test_retrieve_returns_best_eligible_in_order(small_schema, scorer, ad_list, 
                for i in eligible}
         worst = got[-1]
         assert all((-s, i) >= (-worst[1], worst[0]) for i, s in emb.items() if i not in {g[0] for g in got})
+
+
+@st.composite
+def churn(draw) -> list[dict]:
+    """Upserts (new targeting each time), deletes and pauses of a few ads, versions increasing."""
+    events = []
+    for version in range(1, draw(st.integers(1, 25)) + 1):
+        ad_id, op = draw(st.integers(1, 4)), draw(st.sampled_from(["upsert", "upsert", "delete", "pause"]))
+        if op == "upsert":
+            ad = draw(ads(ad_id))
+            events.append({"op": "upsert", "ad": {**ad, "version": version}})
+        else:
+            events.append({"op": op, "ad_id": ad_id, "version": version})
+    return events
+
+
+@pytest.mark.parametrize("refs_width", [2, 6])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(churn(), st.lists(users(), min_size=1, max_size=3))
+def test_clauses_follow_updates_and_snapshots(small_schema, scorer, refs_width, events, user_list):
+    """After any churn the dictionary holds exactly the clauses live ads refer to (recycled ids included),
+    the index still equals the naive evaluator over its live ads, and a state round trip keeps both."""
+    index = AdIndex(small_schema, scorer.dim, capacity=2, refs_width=refs_width)
+    for event in events:  # one batch per event: rows are overwritten and freed across batches
+        apply_events(index, scorer, [event])
+    live = {}
+    for event in events:
+        ad_id = event["ad"]["ad_id"] if event["op"] == "upsert" else event["ad_id"]
+        if event["op"] == "upsert":
+            live[ad_id] = dict(event["ad"])
+        elif event["op"] == "delete":
+            live.pop(ad_id, None)
+        elif ad_id in live:
+            live[ad_id]["status"] = "paused"
+    restored = AdIndex.from_state(small_schema, *index.export_state())
+    assert restored.digest() == index.digest() and len(restored.clauses) == len(index.clauses)
+    for target in (index, restored):
+        got = _eligible_ids(small_schema, target, user_list, NOW)
+        for (attributes, context), eligible in zip(user_list, got):
+            assert eligible == sorted(i for i, ad in live.items()
+                                      if naive_eligible(small_schema, ad, _drop_unknown(attributes), context, NOW))
+        apply_events(target, scorer, [{"op": "delete", "ad_id": i, "version": 100} for i in live])
+        assert len(target.clauses) == 0  # nothing leaked: every reference was dropped with its row
