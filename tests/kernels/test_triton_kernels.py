@@ -1,0 +1,295 @@
+"""The Triton match and fused scan against kernels.reference.fused, at odd sizes (not multiples of BLOCK).
+
+Without CUDA they run in Triton's interpreter (conftest.py), so the tables stay small.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.reference import fused as reference  # noqa: E402
+from kernels.reference.fused import ALWAYS, SCALE_BLOCK  # noqa: E402
+from kernels.triton import fused  # noqa: E402
+from kernels.triton.match import clause_match_count  # noqa: E402
+
+NOW = 1_000
+W = 2  # truth words per request: clause ids < 64
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # without CUDA, Triton's interpreter (conftest.py)
+
+
+def make_table(gen, n, C, S, dtype):
+    """A random table of n slots: (status, start, end, refs, vectors, scales); mostly servable around NOW, each row
+    0..C real refs (either sign) then ALWAYS padding."""
+    status = torch.tensor([7, 7, 7, 7, 7, 7, 0, 1, 3, 5])[torch.randint(0, 10, (n,), generator=gen)].to(torch.int8)
+    start = NOW + torch.randint(-20, 3, (n,), generator=gen)
+    end = start + torch.randint(1, 40, (n,), generator=gen)
+    refs = 2 * torch.randint(1, W * 32, (n, C), generator=gen) + torch.randint(0, 2, (n, C), generator=gen)
+    used = torch.randint(0, C + 1, (n, 1), generator=gen)
+    refs = torch.where(torch.arange(C) < used, refs, ALWAYS).to(torch.int32)
+    if dtype == torch.int8:
+        vectors = torch.randint(-127, 128, (n, S), generator=gen).to(torch.int8)
+        scales = torch.rand((n, math.ceil(S / SCALE_BLOCK)), generator=gen) / 50 + 1e-3
+    else:
+        vectors, scales = torch.randn((n, S), generator=gen).to(dtype), None
+    return status, start, end, refs, vectors, scales
+
+
+def servable_table(n):
+    """(status, start, end, refs) of n slots every request at NOW can be served."""
+    return (torch.full((n,), 7, dtype=torch.int8), torch.zeros(n, dtype=torch.int64),
+            torch.full((n,), 2 * NOW, dtype=torch.int64), torch.ones((n, 1), dtype=torch.int32))
+
+
+def make_requests(gen, B, E, D, G):
+    """B random requests: (now (B,), truth (B, W) with sign bits set, experts (B, E, D), keys (B, E, G), mask (B, E));
+    expert 0 usable, some others masked, and with B > 1 the last request has none usable."""
+    now = NOW + torch.randint(-3, 3, (B,), generator=gen)
+    truth = torch.randint(-2**31, 2**31, (B, W), generator=gen, dtype=torch.int64).to(torch.int32)
+    truth[:, 0] &= ~1  # clause 0 is never held: ALWAYS pads
+    mask = torch.rand((B, E), generator=gen) < 0.6
+    mask[:, 0] = True
+    if B > 1:
+        mask[-1] = False
+    return now, truth, torch.randn((B, E, D), generator=gen), torch.randn((B, E, G), generator=gen), mask
+
+
+def assert_same(got, want):
+    """(slots, scores, eligible) of the kernel equal the reference's: slots and counts exactly, scores closely."""
+    assert got[0].dtype == torch.int64 and got[1].dtype == torch.float32 and got[2].dtype == torch.int64
+    assert torch.equal(got[2], want[2])
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+
+
+def on_device(args):
+    """The tensors among args moved to DEVICE, where the kernels run."""
+    return [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def both(*args):
+    """fused_scan's arguments -> (the kernel's result, the reference's), on the CPU."""
+    got = fused.fused_scan(*on_device(args))
+    return [t.cpu() for t in got], reference.fused_scan(*args)
+
+
+def run_match(*args):
+    """clause_match_count on DEVICE -> (mask, counts) on the CPU."""
+    return [t.cpu() for t in clause_match_count(*on_device(args))]
+
+
+@pytest.mark.parametrize("n, B, C", [(1, 1, 1), (37, 3, 3), (301, 5, 4), (1000, 2, 6)])
+def test_match_equals_reference(n, B, C):
+    gen = torch.Generator().manual_seed(n)
+    status, start, end, refs, _, _ = make_table(gen, n, C, 1, torch.float32)
+    now, truth, *_ = make_requests(gen, B, 1, 1, 0)
+    got, counts = run_match(status, start, end, refs, truth, now)
+    want = reference.clause_match(status, start, end, refs, truth, now)
+    assert torch.equal(got, want)
+    assert torch.equal(counts, want.sum(1))
+    assert 0 < int(counts.sum()) < B * n or n < 100  # the draw exercises both outcomes at the larger sizes
+
+
+def test_every_rule_and_slot_kind():
+    truth = torch.tensor([[(1 << 3) | -2**31, 1]], dtype=torch.int32)  # clauses 3, 31 (the sign bit) and 32 held
+    rows = [  # (refs, status, start, end, eligible)
+        ([6, 1, 1], 7, 0, 2000, True),  # held clause
+        ([8, 1, 1], 7, 0, 2000, False),  # clause not held
+        ([7, 1, 1], 7, 0, 2000, False),  # negated held clause
+        ([9, 1, 1], 7, 0, 2000, True),  # negated clause not held
+        ([62, 1, 1], 7, 0, 2000, True),  # clause 31: bit 31 of a negative word
+        ([63, 1, 1], 7, 0, 2000, False),
+        ([64, 62, 6], 7, 0, 2000, True),  # every ref holds
+        ([64, 62, 8], 7, 0, 2000, False),  # all refs must hold
+        ([127, 61, 1], 7, 0, 2000, True),  # negated clauses 63 and 30 not held
+        ([1, 1, 1], 7, NOW, NOW + 1, True),  # padding only; the window's both ends
+        ([1, 1, 1], 7, 0, NOW, False),  # expired
+        ([1, 1, 1], 7, NOW + 1, 2000, False),  # not started
+        ([1, 1, 1], 5, 0, 2000, False),  # paused: not ACTIVE
+        ([1, 1, 1], 3, 0, 2000, False),  # not SATISFIABLE
+        ([1, 1, 1], 6, 0, 2000, False),  # not LIVE
+        ([1, 1, 1], 0, 0, 2000, False),  # tombstoned
+    ]
+    refs = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+    status = torch.tensor([r[1] for r in rows], dtype=torch.int8)
+    start, end = torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows])
+    expected = torch.tensor([[r[4] for r in rows]])
+    now = torch.tensor([NOW])
+    got, counts = run_match(status, start, end, refs, truth, now)
+    assert torch.equal(got, expected) and torch.equal(reference.clause_match(status, start, end, refs, truth, now),
+                                                      expected)
+    assert counts.tolist() == [int(expected.sum())]
+    vectors = torch.randn((len(rows), 8))
+    head = (torch.randn((1, 1, 8)), torch.randn((1, 1, 0)), torch.ones((1, 1), dtype=torch.bool), -1, 1)
+    got, want = both(status, start, end, refs, vectors, None, now, truth, *head, len(rows))
+    assert_same(got, want)
+    assert sorted(s for s in got[0][0].tolist() if s >= 0) == expected[0].nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("n, B, dtype, E, D, G, top_n, bias, m", [
+    (1, 1, torch.float32, 1, 64, 0, 1, False, 3),  # the dot product
+    (37, 3, torch.float16, 1, 64, 0, 1, True, 10),  # fewer eligible than m
+    (301, 5, torch.int8, 6, 64, 16, 2, False, 20),  # the mixture of logits
+    (301, 2, torch.float32, 3, 16, 16, 5, True, 200),  # top_n >= E; m > BLOCK: blocks keep every key
+    (1000, 3, torch.float16, 6, 32, 16, 2, True, 50),
+    (1000, 1, torch.int8, 6, 64, 16, 2, True, 7),
+])
+def test_fused_scan_equals_reference(n, B, dtype, E, D, G, top_n, bias, m):
+    gen = torch.Generator().manual_seed(n * 10 + B)
+    S = D + G + 3  # not a multiple of SCALE_BLOCK
+    status, start, end, refs, vectors, scales = make_table(gen, n, 4, S, dtype)
+    now, truth, experts, keys, mask = make_requests(gen, B, E, D, G)
+    got, want = both(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask,
+                     D + G + 1 if bias else -1, top_n, m)
+    assert_same(got, want)
+
+
+def test_merge_rounds(monkeypatch):
+    """A small merge tile folds the partials over several rounds."""
+    monkeypatch.setattr(fused, "MERGE_TILE", 32)
+    gen = torch.Generator().manual_seed(3)
+    status, start, end, refs, vectors, scales = make_table(gen, 1000, 2, 80, torch.float32)
+    requests = make_requests(gen, 2, 6, 64, 16)
+    for m in (10, 200):
+        got, want = both(status, start, end, refs, vectors, scales, *requests, -1, 2, m)
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_ties_order_by_slot(dtype):
+    """Three distinct rows repeated: each score is tied across the blocks and m cuts inside a tie."""
+    gen = torch.Generator().manual_seed(7)
+    n, S = 301, 37
+    _, _, _, _, rows, row_scales = make_table(gen, 3, 1, S, dtype)
+    vectors = rows[torch.arange(n) % 3]
+    scales = None if row_scales is None else row_scales[torch.arange(n) % 3]
+    now, truth, experts, keys, mask = make_requests(gen, 2, 4, 16, 16)
+    got, want = both(*servable_table(n), vectors, scales, now, truth, experts, keys, mask, 36, 2, 150)
+    assert_same(got, want)
+    tied = got[1][:, 1:] == got[1][:, :-1]
+    assert tied.sum() >= 2 * 148 and (got[0][:, 1:] > got[0][:, :-1])[tied].all()
+
+
+def test_no_eligible_slot():
+    gen = torch.Generator().manual_seed(11)
+    status, start, end, refs, vectors, scales = make_table(gen, 301, 3, 40, torch.float32)
+    status = torch.zeros_like(status)
+    requests = make_requests(gen, 3, 1, 37, 0)
+    got, want = both(status, start, end, refs, vectors, scales, *requests, 39, 1, 12)
+    assert_same(got, want)
+    assert (got[0] == -1).all() and (got[1] == float("-inf")).all() and (got[2] == 0).all()
+
+
+def test_nan_scores_rank_after_the_finite_and_before_the_ineligible():
+    gen = torch.Generator().manual_seed(13)
+    n = 37
+    status, start, end, refs = servable_table(n)
+    status[[0, 5]] = 0
+    vectors = torch.randn((n, 8), generator=gen)
+    vectors[[3, 10]] = float("nan")
+    requests = make_requests(gen, 1, 1, 8, 0)
+    got, want = both(status, start, end, refs, vectors, None, *requests, -1, 1, n + 3)
+    assert_same(got, want)
+    assert got[0][0, n - 4:].tolist() == [3, 10] + [-1] * 5
+
+
+def test_zero_scores_tie_whatever_their_sign():
+    """No usable expert and no bias: every score is 0 * sim, +0.0 or -0.0, and all tie."""
+    gen = torch.Generator().manual_seed(23)
+    n = 37
+    now, truth, experts, keys, mask = make_requests(gen, 1, 1, 8, 0)
+    got, want = both(*servable_table(n), torch.randn((n, 8), generator=gen), None, now, truth, experts, keys,
+                     ~mask, -1, 1, 20)
+    assert_same(got, want)
+    assert got[0][0].tolist() == list(range(20))
+
+
+def test_vectors_may_be_a_strided_view():
+    gen = torch.Generator().manual_seed(17)
+    status, start, end, refs, wide, _ = make_table(gen, 37, 2, 60, torch.float16)
+    requests = make_requests(gen, 2, 3, 16, 16)
+    view = wide.to(DEVICE)[:, 5:40]
+    got = fused.fused_scan(*on_device([status, start, end, refs]), view, None, *on_device(requests), 34, 2, 9)
+    assert_same([t.cpu() for t in got],
+                reference.fused_scan(status, start, end, refs, wide[:, 5:40], None, *requests, 34, 2, 9))
+
+
+def compile_for_sm90():
+    """Compiles the kernels ahead for an H100 / H200 (sm_90), no GPU needed, and prints ptxas' resource use of each
+    (its STACK is the bytes spilled): run in a process without TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.triton import match
+
+    pointers = {"status_ptr": "*i8", "start_ptr": "*i64", "end_ptr": "*i64", "refs_ptr": "*i32", "now_ptr": "*i64",
+                "truth_ptr": "*i32", "experts_ptr": "*fp32", "keys_ptr": "*fp32", "mask_ptr": "*i8",
+                "scale_ptr": "*fp32", "part_ptr": "*i64", "eligible_ptr": "*i64", "counts_ptr": "*i64",
+                "src_ptr": "*i64", "dst_ptr": "*i64", "slots_ptr": "*i64", "scores_ptr": "*fp32"}
+    head = dict(CP=4, D=64, DP=64, G=16, GP=16, E=6, EP=16, TOP_N=2, HAS_BIAS=1, BLOCK=fused.BLOCK)
+    builds = [(fused._scan_kernel, vec, dict(head, QUANT=vec == "*i8", WIDTH=width), fused.SCAN_WARPS)
+              for vec, width in (("*fp32", 16), ("*fp16", 16), ("*i8", 16), ("*i8", fused.BLOCK))]
+    builds += [(fused._scan_kernel, "*fp16", dict(head, G=0, E=1, TOP_N=1, QUANT=False, WIDTH=16), fused.SCAN_WARPS),
+               (fused._merge_kernel, None, dict(W_IN=128, FAN=16, K=256, FINAL=False), 4),
+               (fused._merge_kernel, None, dict(W_IN=256, FAN=8, K=256, FINAL=True), 4),
+               (match._match_kernel, None, dict(CP=4, BLOCK=match.BLOCK), 4)]
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    for fn, vec, constants, warps in builds:
+        types = dict(pointers, vec_ptr=vec)
+        signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
+        kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps})
+        with tempfile.TemporaryDirectory() as folder:
+            cubin = pathlib.Path(folder) / "kernel.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True,
+                                   check=True).stdout
+        print(fn.__name__, vec, constants, re.search(r"REG:\d+ STACK:\d+", usage).group())
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """The interpreter accepts what a GPU compiler rejects (dot sizes under 16, ...): compile for sm_90 with the
+    ptxas that comes with Triton, and keep the registers from spilling."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", "from tests.kernels.test_triton_kernels import compile_for_sm90; "
+                          "compile_for_sm90()"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    spilled = re.findall(r"STACK:(\d+)", run.stdout)
+    assert len(spilled) == 8 and set(spilled) == {"0"}, run.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernels at realistic sizes")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+def test_fused_scan_on_cuda_at_realistic_sizes(dtype):
+    """On the GPU, scores within float tolerance may order near-ties differently: each returned slot must carry its
+    reference score."""
+    gen = torch.Generator().manual_seed(19)
+    n, B, D, G, m = 100_003, 16, 64, 16, 200
+    table = [t if t is None else t.cuda() for t in make_table(gen, n, 4, D + G + 1, dtype)]
+    requests = [t.cuda() for t in make_requests(gen, B, 6, D, G)]
+    slots, scores, eligible = fused.fused_scan(*table, *requests, D + G, 2, m)
+    want_slots, want_scores, want_eligible = reference.fused_scan(*table, *requests, D + G, 2, m)
+    assert torch.equal(eligible, want_eligible)
+    assert torch.equal(slots < 0, want_slots < 0)
+    torch.testing.assert_close(scores, want_scores, rtol=1e-4, atol=1e-5)
+    status, start, end, refs, vectors, scales = table
+    now, truth, experts, keys, mask = requests
+    ok = reference.clause_match(status, start, end, refs, truth, now)
+    full = reference.head_scores(vectors, scales, experts, keys, mask, D + G, 2)
+    found = slots.clamp(min=0)
+    assert ok.gather(1, found)[slots >= 0].all()
+    torch.testing.assert_close(full.gather(1, found)[slots >= 0], want_scores[slots >= 0], rtol=1e-4, atol=1e-5)
+    assert all(row[row >= 0].unique().numel() == int((row >= 0).sum()) for row in slots)
+    got, counts = clause_match_count(status, start, end, refs, truth, now)
+    assert torch.equal(got, ok) and torch.equal(counts, want_eligible)
