@@ -46,7 +46,7 @@ def build_retriever(schema: Schema, events: Path, progress: bool = True, model: 
     with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", disable=not progress,
               file=sys.stderr, miniters=1 << 20) as bar:
         load_events(index, schema, scorer, read_events(events, on_bytes=bar.update))
-    return Retriever(index, scorer, chunk_size=settings.index.chunk_size, rescore=settings.index.rescore)
+    return Retriever(index, scorer, rescore=settings.index.rescore)
 
 
 def local_device(settings: Settings) -> str:

@@ -45,7 +45,7 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
     settings = load_settings()
     env = {"redis_url": redis_url, "stream": settings.stream, "shards": settings.shards,
            "schema_path": None if args.schema == DEFAULT_SCHEMA_PATH else str(args.schema), "rescore": settings.index.rescore,
-           "chunk_size": settings.index.chunk_size, "initial_capacity": settings.index.initial_capacity}
+           "initial_capacity": settings.index.initial_capacity}
     flags = {"host": args.host, "port": args.port, "shards": args.shards, "replicas": args.replicas,
              "model": str(args.model) if args.model else None, "storage": args.storage}
     config = ServiceConfig.model_validate({**{k: v for k, v in env.items() if v is not None}, **read_config_file(args.config),

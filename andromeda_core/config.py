@@ -42,11 +42,10 @@ class IndexConfig:
 
     initial_capacity: int = 1024
     """Slots allocated up front; the table doubles when full."""
-    chunk_size: int = 65536
-    """Ads per step of the reference scan; bounds the scan's scratch memory to O(batch * chunk)."""
     rescore: int = 2
-    """With fp16/int8 storage: the scan keeps the top rescore * k and rescores them with the exact
-    float32 copy (ANDROMEDA_RESCORE); 0 keeps no copy and returns the scan's own scores."""
+    """The fused pass shortlists rescore * k slots per request and the scorer rescores them (with fp16/int8
+    storage, from an exact float32 copy) (ANDROMEDA_RESCORE); 0 keeps no copy: the shortlist is k and its
+    scores come from the stored vectors."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,6 @@ class Settings:
 def load_settings() -> Settings:
     index = IndexConfig(
         initial_capacity=_env_int("ANDROMEDA_INITIAL_CAPACITY", 1024, 1, 1 << 31),
-        chunk_size=_env_int("ANDROMEDA_CHUNK_SIZE", 65536, 1, 1 << 26),
         rescore=_env_int("ANDROMEDA_RESCORE", 2, 0, 64),
     )
     return Settings(

@@ -34,6 +34,7 @@ from andromeda_core.quantization import dequantize, int8_blocks, quantize_int8
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import ColumnSpec, CompiledTargeting, UserValues, targeting_columns
 from andromeda_core.types import Ad, DeleteEvent, StatusEvent
+from kernels import dispatch
 from kernels.reference.fused import ALWAYS, clause_match
 from kernels.reference.match import ACTIVE, LIVE, SATISFIABLE
 
@@ -349,18 +350,13 @@ class AdIndex:
         return clause_match(c["status"][start:stop], c["start"][start:stop], c["end"][start:stop], c["refs"][start:stop],
                             truth, now)
 
-    def eligible(self, values: Sequence[UserValues], now: Sequence[int], chunk_size: int = 65536) -> list[list[int]]:
+    def eligible(self, values: Sequence[UserValues], now: Sequence[int]) -> list[list[int]]:
         """Ad ids eligible for each of B requests (targeting values and time), ascending."""
-        out: list[list[int]] = [[] for _ in range(len(values))]
         with self.reading():
-            inputs = self.request_inputs(values, now)
-            for start in range(0, self.high_water, chunk_size):
-                stop = min(start + chunk_size, self.high_water)
-                ok = self.match(*inputs, start, stop)
-                ids = self.columns["ad_id"][start:stop]
-                for b in range(ok.shape[0]):
-                    out[b].extend(ids[ok[b]].tolist())
-        return [sorted(ids) for ids in out]
+            status, start, end, refs, _, _ = self.scan_columns()
+            ok = dispatch.clause_match(status, start, end, refs, *reversed(self.request_inputs(values, now)))
+            ids = self.columns["ad_id"][: self.high_water]
+            return [sorted(ids[row].tolist()) for row in ok]
 
     def ad_ids(self) -> list[int]:
         """Ids of the live ads."""
@@ -384,17 +380,28 @@ class AdIndex:
         """(stop - start, D) float32 embeddings of slots [start, stop) as the scan reads them."""
         return self._vectors(slice(start, stop))
 
-    def exact_embeddings(self, ad_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ad_ids (...) int64 -> (full-precision float32 embeddings (..., D), zeros where not indexed;
-        found (...) bool). Rescoring reads these inside `reading()`."""
-        slot_of = self._book.slot_of
-        slots = torch.tensor([slot_of.get(a, -1) for a in ad_ids.flatten().tolist()], dtype=torch.int64,
-                             device=self.device).reshape(ad_ids.shape)
-        found = slots >= 0
+    def scan_columns(self) -> tuple[torch.Tensor, ...]:
+        """(status, start, end, refs, embedding, embedding scale or None) of slots [0, high_water): what the
+        fused pass reads (kernels.reference.fused). Call inside `reading()`."""
+        c, n = self.columns, self.high_water
+        scale = c["embedding_scale"][:n] if "embedding_scale" in c else None
+        return c["status"][:n], c["start"][:n], c["end"][:n], c["refs"][:n], c["embedding"][:n], scale
+
+    def vectors_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots (...) int64, -1 for none -> full-precision float32 embeddings (..., D) (zeros for -1); the
+        exact copy where kept, else the stored vectors. Call inside `reading()`."""
         rows = slots.clamp(min=0)
         vectors = self.columns["embedding_exact"][rows] if self.keeps_exact else self._vectors(rows.flatten()).reshape(
             *rows.shape, self.dim)
-        return vectors * found[..., None], found
+        return vectors * (slots >= 0)[..., None]
+
+    def exact_embeddings(self, ad_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ad_ids (...) int64 -> (full-precision float32 embeddings (..., D), zeros where not indexed;
+        found (...) bool)."""
+        slot_of = self._book.slot_of
+        slots = torch.tensor([slot_of.get(a, -1) for a in ad_ids.flatten().tolist()], dtype=torch.int64,
+                             device=self.device).reshape(ad_ids.shape)
+        return self.vectors_at(slots), slots >= 0
 
     def embeddings_of(self, ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, D) float32 embeddings of `ad_ids` for user towers (zeros where not indexed; full precision

@@ -1,14 +1,15 @@
-"""Reference retrieval pipeline, split the way a sharded service runs it:
+"""The retrieval pipeline, split the way a sharded service runs it:
 
 - `compile_requests`: each request's targeting values and warnings (a bad request is an error of its
   own, never its batch's);
 - `Scorer.encode_users`: the user towers, once per request (a router runs them once for all shards);
-- `Retriever.search(UserQuery) -> TopK`: ONE pass over this index: targeting match -> score ->
-  running exact top-k, per request its own k. Deterministic: ties go to the lower ad id.
+- `Retriever.search(UserQuery) -> TopK`: ONE fused pass over this index (kernels.dispatch: Triton on
+  CUDA, compiled CPU code otherwise): targeting match -> score -> partial top-k, for a batch of requests
+  each with its own targeting, time and k. The pass shortlists max(rescore, 1) * k slots per request;
+  the scorer rescores those few in full precision (from the float32 copy a lossy fp16/int8 table
+  keeps), so results carry the scorer's own scores. Deterministic: ties go to the lower ad id.
 
-With a lossy (fp16/int8) table that keeps an exact copy, the pass keeps each request's top
-rescore * k and those few are rescored from the float32 copy, so results carry full-precision scores
-and order. `Retriever.retrieve` chains the three steps in one process (the offline CLI, tests).
+`Retriever.retrieve` chains the three steps in one process (the offline CLI, tests).
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import torch
 
 from andromeda_core.errors import AndromedaError
 from andromeda_core.index import AdIndex
-from andromeda_core.models import Scorer, score_each
+from andromeda_core.models import KernelHead, Scorer, score_each
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import UserValues, compile_user
 from andromeda_core.types import RetrieveRequest, RetrieveResponse, ScoredAd
-from kernels.reference.topk import NO_ID, merge_topk, topk_by_score_then_id
+from kernels import dispatch
+from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
 
 @dataclass(frozen=True)
@@ -113,27 +115,47 @@ def split_topk(result: TopK, sizes: Sequence[int]) -> list[TopK]:
 
 
 class Retriever:
-    def __init__(self, index: AdIndex, scorer: Scorer, chunk_size: int = 65536, rescore: int = 2):
-        self.index, self.scorer, self.chunk_size, self.rescore = index, scorer, chunk_size, rescore
+    def __init__(self, index: AdIndex, scorer: Scorer, rescore: int = 2):
+        self.index, self.scorer, self.rescore = index, scorer, rescore
 
     def encode(self, requests: Sequence[RetrieveRequest], now: Sequence[int]) -> Any:
         """User towers for B requests, reading history vectors from this index."""
         return self.scorer.encode_users(requests, self.index.embeddings_of, now)
 
     def search(self, query: UserQuery) -> TopK:
-        """One pass over the table for B requests, each with its own targeting, time and k."""
+        """One pass over the table for B requests, each with its own targeting, time and k: the fused kernel
+        shortlists max(rescore, 1) * k slots per request by its own scores, and the scorer rescores them in
+        full precision (the exact copy where the table keeps one)."""
         users = query.users.to(self.index.device)  # a router builds user state on its own device
+        head = self.scorer.kernel_head(users)
         with self.index.reading():
-            inputs = self.index.request_inputs(query.values, query.now)
             k = max(1, min(max(query.k), self.index.high_water))  # no request gets more than the table holds
-            if self.rescore and self.index.keeps_exact:
-                shortlist, _, eligible = self.scan(inputs, users, self.rescore * k)
-                for b, kb in enumerate(query.k):  # each request rescores the shortlist it would have alone
-                    shortlist[b, self.rescore * kb:] = NO_ID
-                ids, scores = self.rescored(users, shortlist, k)
-            else:
-                ids, scores, eligible = self.scan(inputs, users, k)
+            wanted = [max(self.rescore, 1) * min(kb, k) for kb in query.k]
+            slots, eligible = self.shortlist(self.index.request_inputs(query.values, query.now), head, wanted)
+            scores = score_each(self.scorer.score, users, self.index.vectors_at(slots))
+            ids = torch.where(slots >= 0, self.index.columns["ad_id"][slots.clamp(min=0)], NO_ID)
+            ids, scores = topk_by_score_then_id(scores, ids, slots >= 0, k)
         return TopK(ids.cpu(), scores.cpu(), eligible.cpu())
+
+    def shortlist(self, inputs: tuple[torch.Tensor, torch.Tensor], head: KernelHead,
+                  wanted: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best wanted[b] eligible slots of each request by the kernel's scores, and every slot tied with
+        the last of them: (slots (B, m) int64, -1 padded; eligible counts (B,)). The pass keeps one place more
+        than wanted and grows while a tie runs past its end. Call inside index.reading()."""
+        columns, n = self.index.scan_columns(), self.index.high_water
+        if n == 0:
+            return torch.full((len(wanted), 0), -1, device=self.index.device), torch.zeros(len(wanted), dtype=torch.int64)
+        want = torch.tensor(wanted, device=self.index.device)
+        width = min(max(wanted) + 1, n)
+        while True:
+            slots, scores, eligible = dispatch.fused_scan(*columns, *inputs, head.experts, head.keys, head.mask,
+                                                          head.bias_col, head.top_n, width)
+            last = (want.clamp(max=width) - 1)[:, None]
+            threshold = torch.where(slots.gather(1, last) >= 0, scores.gather(1, last), float("inf"))
+            kept = (slots >= 0) & ((scores >= threshold) | (torch.arange(width, device=slots.device) <= last))
+            if width >= n or not (kept[:, -1] & (scores[:, -1] == threshold[:, 0])).any():
+                return torch.where(kept, slots, -1), eligible
+            width = min(4 * width, n)
 
     def retrieve(self, requests: Sequence[RetrieveRequest], now: int | None = None) -> list[RetrieveResponse | AndromedaError]:
         """Answer requests in one process; each gets its response, or its own error."""
@@ -153,28 +175,3 @@ class Retriever:
             out[b] = RetrieveResponse(ads=result.row(row, r.k), eligible=int(result.eligible[row]),
                                       took_ms=took_ms, warnings=compiled[b].warnings)
         return out
-
-    def scan(self, inputs, users, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One pass over the table -> (ids (B, k) -1 padded, scores (B, k), eligible counts (B,)).
-        Call inside index.reading()."""
-        cols, B = self.index.columns, inputs[0].shape[0]
-        best_ids = torch.empty((B, 0), dtype=torch.int64, device=self.index.device)
-        best_scores = torch.empty((B, 0), dtype=torch.float32, device=self.index.device)
-        eligible = torch.zeros(B, dtype=torch.int64, device=self.index.device)
-        for start in range(0, self.index.high_water, self.chunk_size):
-            stop = min(start + self.chunk_size, self.index.high_water)
-            ok = self.index.match(*inputs, start, stop)
-            eligible += ok.sum(1)
-            scores = self.scorer.score(users, self.index.embeddings(start, stop))
-            ids = cols["ad_id"][start:stop].expand(B, -1)
-            best_ids, best_scores = merge_topk(best_ids, best_scores, ids, scores, ok, k)
-        if best_ids.shape[1] < k:
-            best_ids, best_scores = topk_by_score_then_id(best_scores, best_ids, best_ids != NO_ID, k)
-        return best_ids, best_scores, eligible
-
-    def rescored(self, users, shortlist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """shortlist (B, m) ad ids, -1 padded -> their top-k by full-precision score: (ids (B, k), scores (B, k)).
-        Call inside index.reading()."""
-        vectors, found = self.index.exact_embeddings(shortlist)
-        scores = score_each(self.scorer.score, users, vectors)
-        return topk_by_score_then_id(scores, shortlist, found, k)  # found is False for -1 padding

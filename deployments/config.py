@@ -62,7 +62,6 @@ class ServiceConfig(BaseModel):
     """Directory of index snapshots (one sub-directory per shard), shared by the replicas of a shard."""
     snapshot_every_s: float = Field(60.0, gt=0)
     initial_capacity: int = Field(1024, ge=1, le=2**31)
-    chunk_size: int = Field(65536, ge=1, le=2**26)
     rescore: int = Field(2, ge=0, le=64)
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Requests that may share one pass over a shard's table (@serve.batch)."""

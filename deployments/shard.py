@@ -49,7 +49,7 @@ class ShardReplica:
         scorer = load_scorer(cfg.model, schema, device)
         index = AdIndex(schema, scorer.dim, capacity=cfg.initial_capacity, device=device,
                         embedding_dtype=STORAGE[cfg.storage], exact_copy=cfg.rescore > 0)
-        self.retriever = Retriever(index, scorer, chunk_size=cfg.chunk_size, rescore=cfg.rescore)
+        self.retriever = Retriever(index, scorer, rescore=cfg.rescore)
         snapshots = SnapshotStore(Path(cfg.snapshot_dir) / f"shard-{shard}")
         self.consumer = ShardConsumer(redis.Redis.from_url(cfg.resolved_redis_url()), index, scorer.name, shard, cfg.shards,
                                       stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s)

@@ -10,6 +10,7 @@ ads there, and only `encode_ads` returns CPU tensors (the publisher serialises t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -18,6 +19,27 @@ from andromeda_core.types import Ad, RetrieveRequest
 
 EmbeddingLookup = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
 """ad ids (n,) -> (stored vectors (n, D) float32, zeros where not indexed; found (n,) bool)."""
+
+
+@dataclass(frozen=True)
+class KernelHead:
+    """A scorer's head as the fused kernels apply it (kernels.reference.fused) for B requests: experts
+    (B, E, D) float32, keys (B, E, G) float32 (scaled so that keys . q is the gating logit), mask (B, E)
+    bool, bias_col: the stored vector's bias column (-1: none), top_n experts per candidate. The dot
+    product is E = 1, G = 0."""
+
+    experts: torch.Tensor
+    keys: torch.Tensor
+    mask: torch.Tensor
+    bias_col: int
+    top_n: int
+
+
+def dot_head(users: torch.Tensor, bias_col: int) -> KernelHead:
+    """A dot-product head: users (B, D)."""
+    B = users.shape[0]
+    return KernelHead(users.float()[:, None, :], users.new_zeros((B, 1, 0), dtype=torch.float32),
+                      torch.ones((B, 1), dtype=torch.bool, device=users.device), bias_col, 1)
 
 
 class Scorer(Protocol):
@@ -38,6 +60,9 @@ class Scorer(Protocol):
 
     def score(self, users: Any, ads: torch.Tensor) -> torch.Tensor:
         """users for B requests, ads (n, D) on the device -> (B, n) float32 scores on the device."""
+
+    def kernel_head(self, users: Any) -> KernelHead:
+        """`score` as the fused kernels take it; they shortlist with it and `score` rescores the shortlist."""
 
 
 def score_each(score: Callable[[Any, torch.Tensor], torch.Tensor], users: Any, candidates: torch.Tensor) -> torch.Tensor:

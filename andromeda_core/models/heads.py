@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from andromeda_core.models import KernelHead, dot_head
 from andromeda_core.models.text import TEXT_DIM
 from andromeda_core.models.towers import Dims, UserState
 
@@ -37,6 +38,10 @@ class MoEHead(nn.Module):
         sims = torch.einsum("bed,nd->ben", state.experts, a)
         return (self.gates(state, q) * sims).sum(1) + self.d.bias(stored)
 
+    def kernel_head(self, state: UserState) -> KernelHead:
+        return KernelHead(state.experts.float(), state.keys.float() / self.d.gate**0.5, state.mask, self.d.stored - 1,
+                          self.top_n)
+
     def flops_per_pair(self) -> int:
         E, D, G, n = self.d.experts, self.d.dim, self.d.gate, self.top_n
         return 2 * E * G + 2 * E * D + E * n + 4 * n + 2 * n + 1  # gating logits, sims, top-n, softmax, gated sum, bias
@@ -56,6 +61,9 @@ class DotHead(nn.Module):
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         return _user_vector(self.mix, state) @ stored[:, : self.d.dim].float().T + self.d.bias(stored)
 
+    def kernel_head(self, state: UserState) -> KernelHead:
+        return dot_head(_user_vector(self.mix, state), self.d.stored - 1)
+
     def flops_per_pair(self) -> int:
         return 2 * self.d.dim + 1
 
@@ -69,6 +77,9 @@ class SequenceDotHead(nn.Module):
 
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         return state.experts[:, 0] @ stored[:, : self.d.dim].float().T + self.d.bias(stored)
+
+    def kernel_head(self, state: UserState) -> KernelHead:
+        return dot_head(state.experts[:, 0], self.d.stored - 1)
 
     def flops_per_pair(self) -> int:
         return 2 * self.d.dim + 1

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from andromeda_core.models import EmbeddingLookup
+from andromeda_core.models import EmbeddingLookup, KernelHead
 from andromeda_core.models.recdata import EVENTS
 from andromeda_core.models.retrieval import CO_ITEMS, COHORTS, MODEL_VERSION, RetrievalModel
 from andromeda_core.models.text import encode_texts
@@ -29,6 +29,9 @@ class ModelScorer:
 
     def __init__(self, model: RetrievalModel, categories: Sequence[str], schema: Schema,
                  device: str | torch.device = "cpu"):
+        if not hasattr(model.head, "kernel_head"):
+            raise ValueError(f"a {model.kind} model is not served (it is the offline quality ceiling): "
+                             "serve a moe, two_tower or sasrec checkpoint")
         self.model, self.name = model.eval(), f"{model.kind}-v{MODEL_VERSION}"
         self.dim = model.dims.stored
         self.categories = {c: i for i, c in enumerate(categories)}  # unknown -> len(categories)
@@ -105,6 +108,10 @@ class ModelScorer:
     def score(self, users: UserState, ads: torch.Tensor) -> torch.Tensor:
         """users on the device (B requests), ads (n, S) on the device -> (B, n) float32 scores."""
         return self.model.score(users, ads)
+
+    @torch.no_grad()
+    def kernel_head(self, users: UserState) -> KernelHead:
+        return self.model.head.kernel_head(users)
 
 
 def load_scorer(path: str | Path | None, schema: Schema, device: str | torch.device = "cpu"):

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from andromeda_core.models import EmbeddingLookup
+from andromeda_core.models import EmbeddingLookup, KernelHead, dot_head
 from andromeda_core.types import Ad, RetrieveRequest
 
 TOKEN = re.compile(r"[a-z0-9]+")
@@ -72,3 +72,6 @@ class HashedTwoTower:
     def score(self, users: torch.Tensor, ads: torch.Tensor) -> torch.Tensor:
         """users (B, D), ads (n, D), both on the device -> (B, n) float32 scores."""
         return users @ ads.float().T
+
+    def kernel_head(self, users: torch.Tensor) -> KernelHead:
+        return dot_head(users, bias_col=-1)

@@ -58,9 +58,10 @@ def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: tor
 
 def order_slots(scores: torch.Tensor, ok: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores (B, n), ok (B, n) bool -> the m best eligible (slots (B, m) int64, -1 padded; scores (B, m),
-    -inf padded) by score descending, then slot ascending; NaN scores rank as -inf."""
+    -inf padded) by score descending, then slot ascending; NaN scores rank as -inf (before the ineligible)."""
     scores = torch.nan_to_num(scores.float(), nan=float("-inf")).masked_fill(~ok, float("-inf"))
-    order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :m]  # stable: equal scores by slot
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)  # stable: equal scores by slot
+    order = order.gather(1, torch.argsort(ok.gather(1, order).to(torch.int8), dim=1, descending=True, stable=True))[:, :m]
     slots = torch.where(ok.gather(1, order), order, -1)
     best = scores.gather(1, order).masked_fill(slots < 0, float("-inf"))
     pad = m - slots.shape[1]

@@ -88,7 +88,7 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
      ("config model", "not_a_checkpoint.safetensors is not a checkpoint")),
     (("train", "--data", "movielens", "--model", "moe", "--init", "{d}/not_a_checkpoint.safetensors"), {},
      ("--init", "only a ranker")),
-    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_CHUNK_SIZE": "abc"}, ("ANDROMEDA_CHUNK_SIZE",)),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_RESCORE": "abc"}, ("ANDROMEDA_RESCORE",)),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_DEVICE": "bogus"}, ("ANDROMEDA_DEVICE",)),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_DEVICE": "cuda:99"},
      ("ANDROMEDA_DEVICE", "CUDA device")),

@@ -61,7 +61,7 @@ def brute_force(scorer, index, vectors, k, among=ELIGIBLE):
 
 
 def served(index, scorer, k, rescore=2):
-    response = Retriever(index, scorer, chunk_size=3, rescore=rescore).retrieve([request(k)])[0]
+    response = Retriever(index, scorer, rescore=rescore).retrieve([request(k)])[0]
     assert response.eligible == len(ELIGIBLE)
     return [(a.ad_id, a.score) for a in response.ads]
 

@@ -20,7 +20,7 @@ def test_ties_break_by_ad_id_whatever_the_slot_order(small_schema, scorer):
     forward, backward = AdIndex(small_schema, scorer.dim, 2), AdIndex(small_schema, scorer.dim, 2)
     apply_events(forward, scorer, events)
     apply_events(backward, scorer, events[::-1])
-    got = [[a.ad_id for a in Retriever(ix, scorer, chunk_size=4).retrieve([request(k=4)])[0].ads] for ix in (forward, backward)]
+    got = [[a.ad_id for a in Retriever(ix, scorer).retrieve([request(k=4)])[0].ads] for ix in (forward, backward)]
     assert got == [[2, 7, 13, 31]] * 2
 
 
@@ -35,7 +35,7 @@ def test_fewer_eligible_than_k_and_empty_index(small_schema, scorer):
 def test_batch_requests_each_get_their_own_k_and_targeting(small_schema, scorer):
     index = AdIndex(small_schema, scorer.dim)
     apply_events(index, scorer, [upsert(i, targeting={"country": {"any_of": ["US" if i % 2 else "CA"]}}) for i in range(1, 21)])
-    us, ca = Retriever(index, scorer, chunk_size=3).retrieve([request(k=3, country="US"), request(k=20, country="CA")])
+    us, ca = Retriever(index, scorer).retrieve([request(k=3, country="US"), request(k=20, country="CA")])
     assert len(us.ads) == 3 and all(a.ad_id % 2 for a in us.ads)
     assert sorted(a.ad_id for a in ca.ads) == list(range(2, 21, 2))
 
@@ -64,11 +64,17 @@ def test_each_request_gets_the_answer_it_would_get_alone(small_schema, scorer, s
     """With rescoring, a request's shortlist must not grow with its batch mates' k."""
     index = AdIndex(small_schema, scorer.dim, embedding_dtype=STORAGE[storage])
     apply_events(index, scorer, [upsert(i, title=f"word{i % 42} shoes") for i in range(1, 60)])
-    # Ads 4 and 46 look alike to the scan; ad 46's exact vector scores 3x higher, so only a
-    # shortlist longer than one request's rescore * k finds it.
-    exact = index.columns["embedding_exact"]
+    # To the scan ad 46 is ad 4 scaled down a little (ranked just below it, not tied: a tie would join the
+    # shortlist); ad 46's exact vector scores 3x higher, so only a shortlist longer than one request's
+    # rescore * k finds it.
+    exact, stored = index.columns["embedding_exact"], index.columns["embedding"]
     exact[index.slot_of(46)] = 3 * exact[index.slot_of(4)]
-    retriever = Retriever(index, scorer, chunk_size=7, rescore=1)
+    stored[index.slot_of(46)] = stored[index.slot_of(4)]
+    if storage == "int8":
+        index.columns["embedding_scale"][index.slot_of(46)] = 0.9 * index.columns["embedding_scale"][index.slot_of(4)]
+    else:
+        stored[index.slot_of(46)] *= 0.9
+    retriever = Retriever(index, scorer, rescore=1)
     body = {"user": {"user_id": 1, "history": [{"ad_id": 4, "event": "click", "ts": 5}]}, "context": {"ts": 100}}
     small, large = parse_request({**body, "k": 1}), parse_request({**body, "k": 25})
     alone = [retriever.retrieve([r])[0] for r in (small, large)]
@@ -80,7 +86,7 @@ def test_each_request_gets_the_answer_it_would_get_alone(small_schema, scorer, s
 def test_queries_concatenate_and_results_split_back(small_schema, scorer):
     index = AdIndex(small_schema, scorer.dim)
     apply_events(index, scorer, [upsert(i, targeting={"country": {"any_of": ["US" if i % 2 else "CA"]}}) for i in range(1, 9)])
-    retriever = Retriever(index, scorer, chunk_size=3)
+    retriever = Retriever(index, scorer)
     reqs = [request(k=2, country="US"), request(k=3, country="CA"), request(k=1)]
     compiled = compile_requests(small_schema, reqs)
     queries = [UserQuery(retriever.encode([r], [c.now]), [c.values], [c.now], [r.k]) for r, c in zip(reqs, compiled)]
@@ -89,3 +95,16 @@ def test_queries_concatenate_and_results_split_back(small_schema, scorer):
         alone = retriever.search(query)
         assert torch.equal(got.ids[:, : query.k[0]], alone.ids[:, : query.k[0]]) and torch.equal(got.eligible, alone.eligible)
     assert [a.ad_id for a in merged[0].row(0, 2)] == [1, 3] and merged[2].row(0, 1) == []
+
+
+def test_a_tie_at_the_shortlist_cut_joins_the_shortlist(small_schema, scorer):
+    """Ads the pass cannot tell apart are all rescored, whatever their slots: the result does not depend on
+    which of them the table happens to hold first."""
+    index = AdIndex(small_schema, scorer.dim, embedding_dtype=torch.float16)
+    apply_events(index, scorer, [upsert(i, title=f"word{i % 42} shoes") for i in range(1, 60)])
+    twins = [46, 20, 33]  # slot order differs from id order
+    for twin in twins:
+        index.columns["embedding"][index.slot_of(twin)] = index.columns["embedding"][index.slot_of(4)]
+    index.columns["embedding_exact"][index.slot_of(33)] *= 3  # only the exact copy tells 33 apart
+    body = {"user": {"user_id": 1, "history": [{"ad_id": 4, "event": "click", "ts": 5}]}, "context": {"ts": 100}, "k": 1}
+    assert [a.ad_id for a in Retriever(index, scorer, rescore=1).retrieve([parse_request(body)])[0].ads] == [33]

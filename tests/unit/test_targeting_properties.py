@@ -92,7 +92,7 @@ def _drop_unknown(attributes: dict) -> dict:
 
 def _eligible_ids(schema, index, user_list, now) -> list[list[int]]:
     compiled = [compile_user(schema, a, c)[0] for a, c in user_list]
-    return index.eligible(compiled, [now] * len(user_list), chunk_size=5)
+    return index.eligible(compiled, [now] * len(user_list))
 
 
 @pytest.mark.parametrize("name", sorted(CATS))
@@ -136,7 +136,7 @@ def test_retrieve_returns_best_eligible_in_order(small_schema, scorer, ad_list, 
     apply_events(index, scorer, [{"op": "upsert", "ad": ad} for ad in ad_list])
     attributes, context = user
     request = parse_request({"user": {"user_id": 1, "attributes": attributes}, "context": {**context, "ts": NOW}, "k": k})
-    response = Retriever(index, scorer, chunk_size=3).retrieve([request])[0]
+    response = Retriever(index, scorer).retrieve([request])[0]
     eligible = {ad["ad_id"] for ad in ad_list if naive_eligible(small_schema, ad, _drop_unknown(attributes), context, NOW)}
     assert response.eligible == len(eligible)
     got = [(a.ad_id, a.score) for a in response.ads]

@@ -1,0 +1,32 @@
+"""One entry point per fused op: Triton on CUDA tensors, the compiled CPU kernel otherwise. Both
+reproduce kernels.reference.fused; the reference itself is what tests compare them with."""
+from __future__ import annotations
+
+import torch
+
+
+def implementation(device: torch.device | str) -> str:
+    """The kernel family the ops below run on `device`."""
+    return "triton" if torch.device(device).type == "cuda" else "numba-cpu"
+
+
+def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
+               vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
+               experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
+               m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Match, score and top-m in one pass (kernels.reference.fused.fused_scan) on the table's device."""
+    if vectors.is_cuda:
+        from kernels.triton.fused import fused_scan as run
+    else:
+        from kernels.cpu import fused_scan as run
+    return run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n, m)
+
+
+def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
+                 truth: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    """Eligibility (B, n) bool (kernels.reference.fused.clause_match) on the table's device."""
+    if status.is_cuda:
+        from kernels.triton.match import clause_match_count
+        return clause_match_count(status, start, end, refs, truth, now)[0]
+    from kernels.cpu import clause_match as run
+    return run(status, start, end, refs, truth, now)
