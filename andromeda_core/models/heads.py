@@ -29,8 +29,8 @@ class MoEHead(nn.Module):
         """(B, E, n) gates: softmax over each candidate's top-n experts by key . query, zero elsewhere."""
         logits = torch.einsum("beg,ng->ben", state.keys, q.float()) / self.d.gate**0.5
         logits = logits.masked_fill(~state.mask[:, :, None], float("-inf"))
-        top = logits.topk(self.top_n, dim=1)
-        chosen = torch.full_like(logits, float("-inf")).scatter(1, top.indices, top.values)
+        top = torch.argsort(logits, dim=1, descending=True, stable=True)[:, : self.top_n]  # ties: the lower expert
+        chosen = torch.full_like(logits, float("-inf")).scatter(1, top, logits.gather(1, top))
         return torch.nan_to_num(torch.softmax(chosen, dim=1))  # fewer than n usable experts: zero gates
 
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:

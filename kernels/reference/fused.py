@@ -14,7 +14,7 @@ Request side, B requests:
   holds a value of clause c (W * 32 > every clause id in refs).
 Head (a mixture of logits; the dot product is E = 1, G = 0): with a = vectors[:, :D], q = vectors[:, D:D + G]
 and bias = vectors[:, bias_col] (0 when bias_col < 0), each candidate's gating logits keys[b, e] . q over
-the experts with mask[b, e] pick its top_n experts; softmax over those gives the gates (experts beyond the
+the experts with mask[b, e] pick its top_n experts (of equal logits, the lower expert); softmax over those gives the gates (experts beyond the
 usable ones get gate 0) and score = sum_e gate_e * <experts[b, e], a> + bias.
 """
 from __future__ import annotations
@@ -49,8 +49,8 @@ def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: tor
     D, G = experts.shape[2], keys.shape[2]
     x = dequantize(vectors, scales)
     logits = torch.einsum("beg,ng->ben", keys.float(), x[:, D: D + G]).masked_fill(~mask[:, :, None], float("-inf"))
-    top = logits.topk(min(top_n, logits.shape[1]), dim=1)
-    chosen = torch.full_like(logits, float("-inf")).scatter(1, top.indices, top.values)
+    top = torch.argsort(logits, dim=1, descending=True, stable=True)[:, :top_n]  # equal logits: the lower expert
+    chosen = torch.full_like(logits, float("-inf")).scatter(1, top, logits.gather(1, top))
     gates = torch.nan_to_num(torch.softmax(chosen, dim=1))  # no usable expert: all gates 0
     score = (gates * torch.einsum("bed,nd->ben", experts.float(), x[:, :D])).sum(1)
     return score + x[:, bias_col] if bias_col >= 0 else score

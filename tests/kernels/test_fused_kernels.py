@@ -1,6 +1,7 @@
-"""The Triton match and fused scan against kernels.reference.fused, at odd sizes (not multiples of BLOCK).
+"""The fused kernels (Triton, and the compiled CPU path) against kernels.reference.fused, at odd sizes (not
+multiples of BLOCK), plus hypothesis-drawn tables for the CPU path.
 
-Without CUDA they run in Triton's interpreter (conftest.py), so the tables stay small.
+Without CUDA the Triton kernels run in Triton's interpreter (conftest.py), so the tables stay small.
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from kernels import cpu  # noqa: E402
 from kernels.reference import fused as reference  # noqa: E402
 from kernels.reference.fused import ALWAYS, SCALE_BLOCK  # noqa: E402
 from kernels.triton import fused  # noqa: E402
@@ -77,30 +81,47 @@ def on_device(args):
     return [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def both(*args):
-    """fused_scan's arguments -> (the kernel's result, the reference's), on the CPU."""
-    got = fused.fused_scan(*on_device(args))
-    return [t.cpu() for t in got], reference.fused_scan(*args)
+def triton_scan(*args):
+    return [t.cpu() for t in fused.fused_scan(*on_device(args))]
 
 
-def run_match(*args):
+def triton_match(*args):
     """clause_match_count on DEVICE -> (mask, counts) on the CPU."""
     return [t.cpu() for t in clause_match_count(*on_device(args))]
 
 
+def cpu_match(*args):
+    ok = cpu.clause_match(*args)
+    return ok, ok.sum(1)
+
+
+KERNELS = {"triton": (triton_scan, triton_match), "cpu": (cpu.fused_scan, cpu_match)}
+
+
+@pytest.fixture(params=sorted(KERNELS))
+def kernel(request):
+    """(fused_scan, match -> (mask, counts)) of one implementation, CPU tensors in and out."""
+    return KERNELS[request.param]
+
+
+def both(kernel, *args):
+    """fused_scan's arguments -> (the kernel's result, the reference's), on the CPU."""
+    return kernel[0](*args), reference.fused_scan(*args)
+
+
 @pytest.mark.parametrize("n, B, C", [(1, 1, 1), (37, 3, 3), (301, 5, 4), (1000, 2, 6)])
-def test_match_equals_reference(n, B, C):
+def test_match_equals_reference(kernel, n, B, C):
     gen = torch.Generator().manual_seed(n)
     status, start, end, refs, _, _ = make_table(gen, n, C, 1, torch.float32)
     now, truth, *_ = make_requests(gen, B, 1, 1, 0)
-    got, counts = run_match(status, start, end, refs, truth, now)
+    got, counts = kernel[1](status, start, end, refs, truth, now)
     want = reference.clause_match(status, start, end, refs, truth, now)
     assert torch.equal(got, want)
     assert torch.equal(counts, want.sum(1))
     assert 0 < int(counts.sum()) < B * n or n < 100  # the draw exercises both outcomes at the larger sizes
 
 
-def test_every_rule_and_slot_kind():
+def test_every_rule_and_slot_kind(kernel):
     truth = torch.tensor([[(1 << 3) | -2**31, 1]], dtype=torch.int32)  # clauses 3, 31 (the sign bit) and 32 held
     rows = [  # (refs, status, start, end, eligible)
         ([6, 1, 1], 7, 0, 2000, True),  # held clause
@@ -125,13 +146,13 @@ def test_every_rule_and_slot_kind():
     start, end = torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows])
     expected = torch.tensor([[r[4] for r in rows]])
     now = torch.tensor([NOW])
-    got, counts = run_match(status, start, end, refs, truth, now)
+    got, counts = kernel[1](status, start, end, refs, truth, now)
     assert torch.equal(got, expected) and torch.equal(reference.clause_match(status, start, end, refs, truth, now),
                                                       expected)
     assert counts.tolist() == [int(expected.sum())]
     vectors = torch.randn((len(rows), 8))
     head = (torch.randn((1, 1, 8)), torch.randn((1, 1, 0)), torch.ones((1, 1), dtype=torch.bool), -1, 1)
-    got, want = both(status, start, end, refs, vectors, None, now, truth, *head, len(rows))
+    got, want = both(kernel, status, start, end, refs, vectors, None, now, truth, *head, len(rows))
     assert_same(got, want)
     assert sorted(s for s in got[0][0].tolist() if s >= 0) == expected[0].nonzero().flatten().tolist()
 
@@ -144,29 +165,30 @@ def test_every_rule_and_slot_kind():
     (1000, 3, torch.float16, 6, 32, 16, 2, True, 50),
     (1000, 1, torch.int8, 6, 64, 16, 2, True, 7),
 ])
-def test_fused_scan_equals_reference(n, B, dtype, E, D, G, top_n, bias, m):
+def test_fused_scan_equals_reference(kernel, n, B, dtype, E, D, G, top_n, bias, m):
     gen = torch.Generator().manual_seed(n * 10 + B)
     S = D + G + 3  # not a multiple of SCALE_BLOCK
     status, start, end, refs, vectors, scales = make_table(gen, n, 4, S, dtype)
     now, truth, experts, keys, mask = make_requests(gen, B, E, D, G)
-    got, want = both(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask,
+    got, want = both(kernel, status, start, end, refs, vectors, scales, now, truth, experts, keys, mask,
                      D + G + 1 if bias else -1, top_n, m)
     assert_same(got, want)
 
 
 def test_merge_rounds(monkeypatch):
-    """A small merge tile folds the partials over several rounds."""
+    """A small merge tile folds the partials over several rounds (Triton)."""
+    kernel = KERNELS["triton"]
     monkeypatch.setattr(fused, "MERGE_TILE", 32)
     gen = torch.Generator().manual_seed(3)
     status, start, end, refs, vectors, scales = make_table(gen, 1000, 2, 80, torch.float32)
     requests = make_requests(gen, 2, 6, 64, 16)
     for m in (10, 200):
-        got, want = both(status, start, end, refs, vectors, scales, *requests, -1, 2, m)
+        got, want = both(kernel, status, start, end, refs, vectors, scales, *requests, -1, 2, m)
         assert_same(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
-def test_ties_order_by_slot(dtype):
+def test_ties_order_by_slot(kernel, dtype):
     """Three distinct rows repeated: each score is tied across the blocks and m cuts inside a tie."""
     gen = torch.Generator().manual_seed(7)
     n, S = 301, 37
@@ -174,23 +196,23 @@ def test_ties_order_by_slot(dtype):
     vectors = rows[torch.arange(n) % 3]
     scales = None if row_scales is None else row_scales[torch.arange(n) % 3]
     now, truth, experts, keys, mask = make_requests(gen, 2, 4, 16, 16)
-    got, want = both(*servable_table(n), vectors, scales, now, truth, experts, keys, mask, 36, 2, 150)
+    got, want = both(kernel, *servable_table(n), vectors, scales, now, truth, experts, keys, mask, 36, 2, 150)
     assert_same(got, want)
     tied = got[1][:, 1:] == got[1][:, :-1]
     assert tied.sum() >= 2 * 148 and (got[0][:, 1:] > got[0][:, :-1])[tied].all()
 
 
-def test_no_eligible_slot():
+def test_no_eligible_slot(kernel):
     gen = torch.Generator().manual_seed(11)
     status, start, end, refs, vectors, scales = make_table(gen, 301, 3, 40, torch.float32)
     status = torch.zeros_like(status)
     requests = make_requests(gen, 3, 1, 37, 0)
-    got, want = both(status, start, end, refs, vectors, scales, *requests, 39, 1, 12)
+    got, want = both(kernel, status, start, end, refs, vectors, scales, *requests, 39, 1, 12)
     assert_same(got, want)
     assert (got[0] == -1).all() and (got[1] == float("-inf")).all() and (got[2] == 0).all()
 
 
-def test_nan_scores_rank_after_the_finite_and_before_the_ineligible():
+def test_nan_scores_rank_after_the_finite_and_before_the_ineligible(kernel):
     gen = torch.Generator().manual_seed(13)
     n = 37
     status, start, end, refs = servable_table(n)
@@ -198,30 +220,40 @@ def test_nan_scores_rank_after_the_finite_and_before_the_ineligible():
     vectors = torch.randn((n, 8), generator=gen)
     vectors[[3, 10]] = float("nan")
     requests = make_requests(gen, 1, 1, 8, 0)
-    got, want = both(status, start, end, refs, vectors, None, *requests, -1, 1, n + 3)
+    got, want = both(kernel, status, start, end, refs, vectors, None, *requests, -1, 1, n + 3)
     assert_same(got, want)
     assert got[0][0, n - 4:].tolist() == [3, 10] + [-1] * 5
 
 
-def test_zero_scores_tie_whatever_their_sign():
+def test_zero_scores_tie_whatever_their_sign(kernel):
     """No usable expert and no bias: every score is 0 * sim, +0.0 or -0.0, and all tie."""
     gen = torch.Generator().manual_seed(23)
     n = 37
     now, truth, experts, keys, mask = make_requests(gen, 1, 1, 8, 0)
-    got, want = both(*servable_table(n), torch.randn((n, 8), generator=gen), None, now, truth, experts, keys,
+    got, want = both(kernel, *servable_table(n), torch.randn((n, 8), generator=gen), None, now, truth, experts, keys,
                      ~mask, -1, 1, 20)
     assert_same(got, want)
     assert got[0][0].tolist() == list(range(20))
 
 
-def test_vectors_may_be_a_strided_view():
+def test_vectors_may_be_a_strided_view(kernel):
     gen = torch.Generator().manual_seed(17)
     status, start, end, refs, wide, _ = make_table(gen, 37, 2, 60, torch.float16)
     requests = make_requests(gen, 2, 3, 16, 16)
-    view = wide.to(DEVICE)[:, 5:40]
-    got = fused.fused_scan(*on_device([status, start, end, refs]), view, None, *on_device(requests), 34, 2, 9)
-    assert_same([t.cpu() for t in got],
-                reference.fused_scan(status, start, end, refs, wide[:, 5:40], None, *requests, 34, 2, 9))
+    got, want = both(kernel, status, start, end, refs, wide[:, 5:40], None, *requests, 34, 2, 9)
+    assert_same(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 400), B=st.integers(1, 4), C=st.integers(1, 6), dtype=st.sampled_from([torch.float32, torch.float16, torch.int8]),
+       E=st.integers(1, 6), D=st.integers(1, 40), G=st.integers(0, 20), top_n=st.integers(1, 4), bias=st.booleans(),
+       m=st.integers(1, 64), seed=st.integers(0, 2**31))
+def test_cpu_scan_equals_reference_on_drawn_tables(n, B, C, dtype, E, D, G, top_n, bias, m, seed):
+    gen = torch.Generator().manual_seed(seed)
+    table = make_table(gen, n, C, D + G + 1, dtype)
+    requests = make_requests(gen, B, E, D, G)
+    assert_same(cpu.fused_scan(*table, *requests, D + G if bias else -1, top_n, m),
+                reference.fused_scan(*table, *requests, D + G if bias else -1, top_n, m))
 
 
 def compile_for_sm90():
@@ -262,7 +294,7 @@ def test_kernels_compile_for_sm90_without_spills():
     """The interpreter accepts what a GPU compiler rejects (dot sizes under 16, ...): compile for sm_90 with the
     ptxas that comes with Triton, and keep the registers from spilling."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", "from tests.kernels.test_triton_kernels import compile_for_sm90; "
+    run = subprocess.run([sys.executable, "-c", "from tests.kernels.test_fused_kernels import compile_for_sm90; "
                           "compile_for_sm90()"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     spilled = re.findall(r"STACK:(\d+)", run.stdout)
