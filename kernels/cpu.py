@@ -22,6 +22,7 @@ from kernels.reference.fused import SCALE_BLOCK
 SERVABLE = 7
 FLAGS = {"contract", "arcp", "reassoc"}  # fast float math that still keeps NaN and inf semantics
 TASKS_PER_THREAD = 4
+BLOCK = 64  # ads a task matches, decodes and scores together (their decoded vectors stay in L1)
 
 
 def _half_table() -> np.ndarray:
@@ -32,7 +33,7 @@ def _half_table() -> np.ndarray:
 HALF = _half_table()
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _matches(status, start, end, refs, truth, now, i, b) -> bool:
     if status[i] & SERVABLE != SERVABLE or not (start[i] <= now[b] < end[i]):
         return False
@@ -44,12 +45,12 @@ def _matches(status, start, end, refs, truth, now, i, b) -> bool:
     return True
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _better(score_a, slot_a, score_b, slot_b) -> bool:
     return score_a > score_b or (score_a == score_b and slot_a < slot_b)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _push(heap_score, heap_slot, size, score, slot) -> int:
     """Offer (score, slot) to a min-heap (root = worst) of capacity len(heap_score); returns its new size."""
     m = heap_score.shape[0]
@@ -81,101 +82,126 @@ def _push(heap_score, heap_slot, size, score, slot) -> int:
         j = worst
 
 
-def _decode(vectors, scales, i, width, bias_col, x):
-    """Row i's first `width` dims into x (float32) -> its bias (0 when bias_col < 0). Compiled per storage:
-    int8 with one scale per SCALE_BLOCK dims, fp16 as its int16 bits, fp32."""
+def _decode(vectors, scales, rows, cnt, width, bias_col, xt, bias) -> None:
+    """The first `width` dims of the cnt ads at `rows`, as float32, into the columns of xt (width, BLOCK), and
+    their biases into bias (0 when bias_col < 0). Compiled per storage: int8 with one scale per SCALE_BLOCK
+    dims, fp16 as its int16 bits, fp32. The ads are the inner loop: stores along a row of xt."""
 
 
 @overload(_decode, inline="always")
-def _decode_for(vectors, scales, i, width, bias_col, x):
+def _decode_for(vectors, scales, rows, cnt, width, bias_col, xt, bias):
     if vectors.dtype == types.int8:
-        def decode(vectors, scales, i, width, bias_col, x):
-            for d in range(width):
-                x[d] = vectors[i, d] * scales[i, d // SCALE_BLOCK]
-            return vectors[i, bias_col] * scales[i, bias_col // SCALE_BLOCK] if bias_col >= 0 else np.float32(0.0)
+        def value(vectors, scales, i, d):
+            return vectors[i, d] * scales[i, d // SCALE_BLOCK]
     elif vectors.dtype == types.int16:
-        def decode(vectors, scales, i, width, bias_col, x):
-            for d in range(width):
-                x[d] = HALF[vectors[i, d] & 0xFFFF]
-            return HALF[vectors[i, bias_col] & 0xFFFF] if bias_col >= 0 else np.float32(0.0)
+        def value(vectors, scales, i, d):
+            return HALF[vectors[i, d] & 0xFFFF]
     else:
-        def decode(vectors, scales, i, width, bias_col, x):
-            for d in range(width):
-                x[d] = vectors[i, d]
-            return np.float32(vectors[i, bias_col]) if bias_col >= 0 else np.float32(0.0)
+        def value(vectors, scales, i, d):
+            return np.float32(vectors[i, d])
+    value = njit(inline="always", error_model="numpy")(value)
+
+    def decode(vectors, scales, rows, cnt, width, bias_col, xt, bias):
+        for d in range(width):
+            row = xt[d]
+            for c in range(cnt):
+                row[c] = value(vectors, scales, rows[c], d)
+        for c in range(cnt):
+            bias[c] = value(vectors, scales, rows[c], bias_col) if bias_col >= 0 else np.float32(0.0)
     return decode
 
 
-@njit(inline="always")
-def _score(x, bias, experts, keys, mask, b, top_n, logits, picked, picked_logit) -> np.float32:
-    """The mixture-of-logits score of one decoded ad x (D + G,) for request b."""
-    E, D, G = experts.shape[1], experts.shape[2], keys.shape[2]
-    for e in range(E):
-        logits[e] = -np.inf
-        if mask[b, e]:
-            acc = np.float32(0.0)
-            for g in range(G):
-                acc += keys[b, e, g] * x[D + g]
-            logits[e] = acc
-    n = 0
-    for _ in range(min(top_n, E)):  # the top-n usable experts by logit, in descending order
-        best = -1
-        for e in range(E):
-            if logits[e] > -np.inf and (best < 0 or logits[e] > logits[best]):
-                best = e
-        if best < 0:
-            break
-        picked[n], picked_logit[n] = best, logits[best]
-        logits[best] = -np.inf
-        n += 1
-    if n == 0:
-        return bias
-    total, score = np.float32(0.0), np.float32(0.0)
-    for j in range(n):
-        weight = np.float32(math.exp(picked_logit[j] - picked_logit[0]))
-        sim = np.float32(0.0)
-        for d in range(D):
-            sim += experts[b, picked[j], d] * x[d]
-        total += weight
-        score += weight * sim
-    return score / total + bias
+@njit(inline="always", error_model="numpy")
+def _products(xt, start, users, b, out) -> None:
+    """out[e, :] = users[b, e] . xt[start:start + len, :] for every expert e: one dot per ad of the block,
+    the ads in the inner loop of fixed length BLOCK so that it runs in SIMD lanes (columns past the block's
+    ads hold leftovers, never read)."""
+    for e in range(users.shape[1]):
+        acc = out[e]
+        for c in range(BLOCK):
+            acc[c] = 0.0
+        for d in range(users.shape[2]):
+            u, column = users[b, e, d], xt[start + d]
+            for c in range(BLOCK):
+                acc[c] += u * column[c]
 
 
-@njit(parallel=True, fastmath=FLAGS, cache=True)
+@njit(parallel=True, fastmath=FLAGS, error_model="numpy", cache=True)
 def _fused(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n, m, tasks):
     """Per task and request its m best (scores (T, B, m), slots (T, B, m); -inf / -1 padded), and the
-    eligible counts (T, B)."""
-    n, B, E = status.shape[0], now.shape[0], experts.shape[1]
-    width = experts.shape[2] + keys.shape[2]
+    eligible counts (T, B). Each task walks its slots in blocks of BLOCK: it matches the block for every
+    request, decodes the ads some request matches into a transposed buffer, computes the gating logits and
+    expert similarities of the block per request, then scores and offers each eligible pair to its heap."""
+    n, B, E, D = status.shape[0], now.shape[0], experts.shape[1], experts.shape[2]
+    width = D + keys.shape[2]
     out_score = np.full((tasks, B, m), -np.inf, dtype=np.float32)
     out_slot = np.full((tasks, B, m), -1, dtype=np.int64)
     counts = np.zeros((tasks, B), dtype=np.int64)
     per = (n + tasks - 1) // tasks
     for t in prange(tasks):
-        x = np.empty(width, dtype=np.float32)
-        logits, picked_logit = np.empty(E, dtype=np.float32), np.empty(E, dtype=np.float32)
-        picked = np.empty(E, dtype=np.int64)
-        ok = np.empty(B, dtype=np.bool_)
-        sizes = np.zeros(B, dtype=np.int64)
-        for i in range(t * per, min(n, (t + 1) * per)):
-            some = False
-            for b in range(B):
-                ok[b] = _matches(status, start, end, refs, truth, now, i, b)
-                some |= ok[b]
-            if not some:  # the vector's bytes are read only for an ad some request matches
+        xt = np.zeros((width, BLOCK), dtype=np.float32)
+        bias = np.empty(BLOCK, dtype=np.float32)
+        rows = np.empty(BLOCK, dtype=np.int64)
+        ok = np.empty((B, BLOCK), dtype=np.bool_)
+        logit, sim = np.empty((E, BLOCK), dtype=np.float32), np.empty((E, BLOCK), dtype=np.float32)
+        picked, picked_logit = np.empty(E, dtype=np.int64), np.empty(E, dtype=np.float32)
+        sizes, eligible = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)  # the task's own: no false sharing
+        for block in range(t * per, min(n, (t + 1) * per), BLOCK):
+            cnt = 0
+            for i in range(block, min(n, (t + 1) * per, block + BLOCK)):
+                some = False
+                for b in range(B):
+                    ok[b, cnt] = _matches(status, start, end, refs, truth, now, i, b)
+                    some |= ok[b, cnt]
+                if some:  # the vector's bytes are read only for an ad some request matches
+                    rows[cnt] = i
+                    cnt += 1
+            if cnt == 0:
                 continue
-            bias = _decode(vectors, scales, i, width, bias_col, x)
+            _decode(vectors, scales, rows, cnt, width, bias_col, xt, bias)
             for b in range(B):
-                if ok[b]:
-                    counts[t, b] += 1
-                    score = _score(x, bias, experts, keys, mask, b, top_n, logits, picked, picked_logit)
-                    if score != score:  # NaN ranks as -inf
-                        score = -np.inf
-                    sizes[b] = _push(out_score[t, b], out_slot[t, b], sizes[b], score, i)
+                _products(xt, D, keys, b, logit)
+                _products(xt, 0, experts, b, sim)
+                for c in range(cnt):
+                    if ok[b, c]:
+                        eligible[b] += 1
+                        score = _gated(logit, sim, mask, b, c, top_n, picked, picked_logit) + bias[c]
+                        if score != score:  # NaN ranks as -inf
+                            score = -np.inf
+                        if sizes[b] < m or _better(score, rows[c], out_score[t, b, 0], out_slot[t, b, 0]):
+                            sizes[b] = _push(out_score[t, b], out_slot[t, b], sizes[b], score, rows[c])
+        counts[t] = eligible
     return out_score, out_slot, counts
 
 
-@njit(parallel=True, cache=True)
+@njit(inline="always", error_model="numpy")
+def _gated(logit, sim, mask, b, c, top_n, picked, picked_logit) -> np.float32:
+    """The gated sum of similarities of ad c of the block for request b: softmax over the top-n usable
+    experts by logit (of equal logits, the lower expert); 0 with no usable expert."""
+    n = 0
+    for e in range(logit.shape[0]):  # one pass, inserting into the sorted top-n so far
+        if not mask[b, e]:
+            continue
+        value = logit[e, c]
+        j = min(n, top_n - 1) if n == top_n else n
+        if n == top_n and not value > picked_logit[j]:
+            continue
+        while j > 0 and value > picked_logit[j - 1]:
+            picked[j], picked_logit[j] = picked[j - 1], picked_logit[j - 1]
+            j -= 1
+        picked[j], picked_logit[j] = e, value
+        n = min(n + 1, top_n)
+    if n == 0:
+        return np.float32(0.0)
+    total, score = np.float32(1.0), sim[picked[0], c]
+    for j in range(1, n):
+        weight = np.float32(math.exp(picked_logit[j] - picked_logit[0]))
+        total += weight
+        score += weight * sim[picked[j], c]
+    return score / total
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
 def _match(status, start, end, refs, truth, now):
     n, B = status.shape[0], now.shape[0]
     out = np.zeros((B, n), dtype=np.bool_)
