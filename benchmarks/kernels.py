@@ -1,0 +1,263 @@
+"""The fused pass (match + MoE score + top-k) beside its peers, on one device, in one run.
+
+The table is the project's synthetic world of --ads ads (events -> compile -> clause dictionary -> index),
+with random ad vectors of the MoE's stored shape (S = 113: D = 64 expert dims, G = 16 gating dims, a
+bias) in fp16 or int8 with block scales; requests are the world's own (their targeting values and times)
+with random user experts (E = 6, top 2). --tile N repeats the table N times for larger corpora (the same
+ads over again: same clauses, same eligible share). Peers, each over the same table and requests:
+
+- reference: kernels.reference.fused, the PyTorch reference, in chunks of 65,536 slots;
+- naive: a multi-kernel PyTorch pipeline per request (mask, gather eligible rows, matmul, top-2 softmax
+  gating, top-k);
+- FAISS IndexFlatIP over the same vectors in fp32 (no targeting; CPU);
+- torch.topk alone over one score per ad.
+
+Reported per (storage, B): ads/s (ads scanned per second, whatever B), user-ad pairs/s, the bytes per
+ad the fused pass reads (status 1 + start 8 + end 8 + refs 4 C, plus the vector bytes of the eligible
+share: int8 D + G + 1 bytes and their scales, fp16 2 (D + G + 1)), the GB/s that makes and its share of
+the copy bandwidth measured in the same run (a 1 GiB torch copy: bytes read + written per second).
+
+    python -m benchmarks.kernels --ads 1000000 --tile 1 10          # CPU
+    python -m benchmarks.kernels --device cuda --ads 1000000 --tile 1 100
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from andromeda_core.index import AdIndex
+from andromeda_core.ingest import load_events, read_events
+from andromeda_core.quantization import quantize_int8
+from andromeda_core.schema import load_schema
+from andromeda_core.synth import WorldConfig, synthesize
+from andromeda_core.targeting import compile_user
+from andromeda_core.types import parse_request
+from benchmarks.common import machine, median_seconds, write_section
+from kernels import dispatch
+from kernels.reference import fused as reference
+
+K = 100
+D, G, E, TOP_N = 64, 16, 6, 2
+S = D + G + 32 + 1  # the MoE's stored vector: experts' dims, gating dims, semantic dims, bias
+CHUNK = 65536
+
+
+class RandomVectors:
+    """Stands in for the ad tower: seeded random stored vectors of the MoE's shape (the scan's cost does
+    not depend on trained values)."""
+
+    name, dim = "bench-moe-shape", S
+
+    def encode_ads(self, ads) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(ads[0].ad_id if ads else 0)
+        return torch.randn((len(ads), S), generator=gen) / S**0.5
+
+
+@dataclass
+class Table:
+    status: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    refs: torch.Tensor
+    vectors: torch.Tensor  # (n, S) float32 (FAISS reads these)
+
+    def stored(self, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return quantize_int8(self.vectors) if storage == "int8" else (self.vectors.half(), None)
+
+    def tiled(self, times: int) -> "Table":
+        return Table(*(t.repeat(times, *([1] * (t.dim() - 1))) for t in
+                       (self.status, self.start, self.end, self.refs, self.vectors)))
+
+
+def build(ads: int, workdir: Path) -> tuple[Table, AdIndex, list]:
+    schema = load_schema()
+    world = synthesize(WorldConfig(ads=ads, users=256, seed=11), workdir / f"world-{ads}", schema)
+    index = AdIndex(schema, S, capacity=ads, exact_copy=False)
+    events = world / "events.jsonl"
+    with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", miniters=1 << 22) as bar:
+        load_events(index, schema, RandomVectors(), read_events(events, batch_size=50000, on_bytes=bar.update))
+    requests = [parse_request(line) for line in (world / "requests.jsonl").read_text().splitlines()]
+    status, start, end, refs, vectors, _ = index.scan_columns()
+    return Table(status, start, end, refs, vectors), index, requests
+
+
+def request_batch(index: AdIndex, requests: list, B: int, gen: torch.Generator):
+    """(now (B,), truth (B, W), experts (B, E, D), keys (B, E, G), mask (B, E)) for the first B requests."""
+    values = [compile_user(index.schema, r.user.attributes, r.context.targeting_values())[0] for r in requests[:B]]
+    now, truth = index.request_inputs(values, [r.context.ts for r in requests[:B]])
+    return (now, truth, torch.randn((B, E, D), generator=gen), torch.randn((B, E, G), generator=gen) / G**0.5,
+            torch.ones((B, E), dtype=torch.bool))
+
+
+def reference_pass(table, vectors, scales, req, m: int):
+    """The reference over CHUNK-slot chunks, partial top-m merged."""
+    slots, scores, eligible = [], [], 0
+    for a in range(0, len(table.status), CHUNK):
+        b = min(a + CHUNK, len(table.status))
+        s, sc, e = reference.fused_scan(table.status[a:b], table.start[a:b], table.end[a:b], table.refs[a:b],
+                                        vectors[a:b], None if scales is None else scales[a:b], *req, S - 1, TOP_N, m)
+        slots.append(torch.where(s >= 0, s + a, -1))
+        scores.append(sc)
+        eligible = eligible + e
+    slots, scores = torch.cat(slots, 1), torch.cat(scores, 1)
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :m]
+    return slots.gather(1, order), scores.gather(1, order), eligible
+
+
+def naive_pass(table, vectors, scales, req, m: int):
+    """Per request: mask, gather the eligible rows, matmuls, top-2 softmax gating, top-k."""
+    now, truth, experts, keys, mask = req
+    out = []
+    for b in range(len(now)):
+        ok = reference.clause_match(table.status, table.start, table.end, table.refs, truth[b:b + 1], now[b:b + 1])[0]
+        rows = ok.nonzero().flatten()
+        x = reference.dequantize(vectors[rows], None if scales is None else scales[rows])
+        logits = x[:, D:D + G] @ keys[b].T  # (n_ok, E)
+        top = logits.topk(TOP_N, dim=1)
+        sims = (x[:, :D] @ experts[b].T).gather(1, top.indices)
+        score = (torch.softmax(top.values, 1) * sims).sum(1) + x[:, S - 1]
+        best = score.topk(min(m, len(rows)))
+        out.append(rows[best.indices])
+    return out
+
+
+def copy_gbs(device: str) -> float:
+    """Bytes read + written per second copying 1 GiB into a buffer already allocated."""
+    src = torch.ones(2**28, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: (dst.copy_(src), sync(device)), 5)
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    return median_seconds(lambda: (fn(), sync(device)), repeats)
+
+
+def vector_bytes(storage: str) -> float:
+    """Bytes of one ad's vector the fused pass reads: the D + G dims and the bias (int8: plus their scales)."""
+    if storage == "int8":
+        blocks = len({d // reference.SCALE_BLOCK for d in [*range(D + G), S - 1]})
+        return D + G + 1 + 4 * blocks
+    return 2 * (D + G + 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ads", type=int, default=1_000_000, help="ads in the synthetic world")
+    p.add_argument("--tile", type=int, nargs="+", default=[1, 10], help="corpus sizes as multiples of the world")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--storage", nargs="+", default=["fp16", "int8"], choices=["fp16", "int8"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peer-pairs", type=float, default=16e6,
+                   help="run the reference and naive peers only up to this many user-ad pairs (they are slow)")
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    import numba
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    dev = args.device
+    gen = torch.Generator().manual_seed(0)
+    copy = copy_gbs(dev)
+    print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), kernels: {dispatch.implementation(dev)}")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        world, index, requests = build(args.ads, Path(tmp))
+        for times in args.tile:
+            table = world.tiled(times)
+            n = len(table.status)
+            faiss_index = faiss_flat(table.vectors) if dev == "cpu" else None
+            scores = torch.randn((max(args.batch), n), generator=gen).to(dev)
+            for storage in args.storage:
+                vectors, scales = table.stored(storage)
+                on = Table(*(t.to(dev) for t in (table.status, table.start, table.end, table.refs, vectors)))
+                scales = None if scales is None else scales.to(dev)
+                for B in args.batch:
+                    req = tuple(t.to(dev) for t in request_batch(index, requests, B, gen))
+                    args_ = (on.status, on.start, on.end, on.refs, on.vectors, scales, *req, S - 1, TOP_N)
+                    ours = timed(lambda: dispatch.fused_scan(*args_, K), dev, args.repeats)
+                    eligible = float(dispatch.fused_scan(*args_, K)[2].float().mean()) / n
+                    peers = n * B <= args.peer_pairs
+                    ref = timed(lambda: reference_pass(on, on.vectors, scales, req, K), dev, 1) if peers else None
+                    naive = timed(lambda: naive_pass(on, on.vectors, scales, req, K), dev, 1) if peers else None
+                    flat = (timed(lambda: faiss_index.search(np.random.rand(B, S).astype(np.float32), K), dev,
+                                  args.repeats) if faiss_index is not None else None)
+                    topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
+                    per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + eligible * vector_bytes(storage)
+                    row = dict(n=n, storage=storage, B=B, ours=ours, eligible=eligible, per_ad=per_ad, ref=ref,
+                               naive=naive, faiss=flat, topk=topk, gbs=n * per_ad / ours / 1e9)
+                    rows.append(row)
+                    print(line(row, copy))
+            del faiss_index
+    if not args.no_write:
+        write_section(f"kernels-{dev}", report(rows, args, copy))
+
+
+def faiss_flat(vectors: torch.Tensor):
+    import faiss
+
+    faiss.omp_set_num_threads(torch.get_num_threads())
+    flat = faiss.IndexFlatIP(vectors.shape[1])
+    flat.add(vectors.numpy())
+    return flat
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def ratio(peer: float | None, ours: float) -> str:
+    return "-" if peer is None else f"{peer / ours:.2f}x"
+
+
+def line(r: dict, copy: float) -> str:
+    return (f"{r['n']:>11,} ads {r['storage']} B={r['B']:<3} ours {ms(r['ours']):>8} ms "
+            f"({r['n'] / r['ours'] / 1e6:8.1f}M ads/s, {r['n'] * r['B'] / r['ours'] / 1e6:9.1f}M pairs/s, "
+            f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / copy:.0%} of copy)  eligible {r['eligible']:.1%}  "
+            f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])})  "
+            f"topk {ms(r['topk'])}")
+
+
+def report(rows: list[dict], args, copy: float) -> str:
+    table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of copy bw | eligible "
+             "| reference ms | naive ms | FAISS ms | FAISS time / ours | torch.topk ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['n']:,} | {r['storage']} | {r['B']} | {ms(r['ours'])} | {r['n'] / r['ours'] / 1e6:.1f}M | "
+                     f"{r['n'] * r['B'] / r['ours'] / 1e6:.1f}M | {r['per_ad']:.0f} | {r['gbs']:.1f} | "
+                     f"{r['gbs'] / copy:.0%} | {r['eligible']:.1%} | {ms(r['ref'])} | {ms(r['naive'])} | "
+                     f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} |")
+    command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, args.tile))} "
+               f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}")
+    return f"""## Fused kernels on {args.device} ({dispatch.implementation(args.device)}) beside their peers
+
+`{command}`
+
+Machine: {machine()}. Copy bandwidth measured in the same run: {copy:.1f} GB/s (read + write).
+Table: the synthetic world of {args.ads:,} ads (tiled for larger corpora), random vectors of the MoE's
+stored shape (S = {S}), the world's requests with random user experts (E = {E}, top {TOP_N}); k = {K}.
+Ours = `kernels.dispatch.fused_scan`; bytes/ad counts what it reads (41 B of status, window and clause
+refs per ad, plus the vector bytes of the eligible share). FAISS = IndexFlatIP over the same vectors in
+fp32 ({S * 4} B/ad, no targeting). Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
+pairs ("-" beyond). Times are medians of {args.repeats} (peers: one run).
+
+{chr(10).join(table)}
+"""
+
+
+if __name__ == "__main__":
+    main()
