@@ -1,5 +1,6 @@
 """The `andromeda` command: schema, synth, retrieve, demo (offline), publish (Redis), train, eval, and the
-service commands of andromeda_cli.service (serve, up, serve-config)."""
+service commands of andromeda_cli.service (serve, up, serve-config) and the Kubernetes manifests'
+generator of andromeda_cli.k8s (k8s-config)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in, output_dir
+from andromeda_cli.k8s import add_commands as add_k8s_commands
 from andromeda_cli.request_file import read_requests
 from andromeda_cli.service import add_commands as add_service_commands
 
@@ -256,6 +258,7 @@ def parser() -> argparse.ArgumentParser:
     add_model_flags(s)
     s.set_defaults(func=cmd_demo)
     add_service_commands(sub)
+    add_k8s_commands(sub)
     return p
 
 
