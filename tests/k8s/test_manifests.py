@@ -25,10 +25,8 @@ from andromeda_cli.main import main
 from deployments.config import ServiceConfig
 from deployments.metrics import ServiceMetrics
 from tests.k8s.kustomize import build
+from tests.k8s.manifests import K8S, OVERLAYS, ROOT, alert_exprs, grafana_exprs, groups, metric_names, one, serve_config
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-dev", "gpu-prod")
 K8S_VERSIONS = ("1.30", "1.37")  # the oldest Kubernetes we support (matchLabelKeys in topology spread) and the newest schema shipped
 BUILTIN_GROUPS = {"", "apps", "policy", "networking.k8s.io"}
 SECRET_ENV = {"REDIS_URL", "ANDROMEDA_WRITE_TOKEN", "REDIS_PASSWORD", "REDISCLI_AUTH"}
@@ -47,22 +45,6 @@ def load_capacity_model():
 @pytest.fixture(scope="module", params=OVERLAYS)
 def overlay(request) -> tuple[str, list[dict]]:
     return request.param, build(K8S / "overlays" / request.param)
-
-
-def one(resources: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [r for r in resources if r["kind"] == kind and (name is None or r["metadata"]["name"] == name)]
-    assert len(found) == 1, f"{len(found)} {kind} {name or ''}"
-    return found[0]
-
-
-def groups(rayservice: dict) -> dict[str, dict]:
-    """Pod groups by name: 'head' and each worker group's groupName."""
-    cluster = rayservice["spec"]["rayClusterConfig"]
-    return {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster.get("workerGroupSpecs", [])}}
-
-
-def serve_config(rayservice: dict) -> dict:
-    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
 
 
 def schema(name: str) -> dict:
@@ -374,29 +356,6 @@ def exported_metric_names() -> set[str]:
         counter.inc()
     text = metrics.render([{name: 1 for name in metrics.shard}]).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
-
-
-def grafana_exprs(dashboard: dict) -> list[str]:
-    """PromQL of every panel target, with Grafana's variables replaced by values PromQL parses."""
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    return [e.replace("$__rate_interval", "5m") for e in exprs]
-
-
-def alert_exprs(resources: list[dict]) -> dict[str, str]:
-    rule = one(resources, "PrometheusRule")
-    return {r.get("alert") or r["record"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
-
-
-def metric_names(expr: str) -> set[str]:
-    names = set()
-
-    def visit(node):
-        if isinstance(node, promql_parser.VectorSelector) and node.name:
-            names.add(node.name)
-        elif isinstance(node, promql_parser.MatrixSelector) and node.vector_selector.name:
-            names.add(node.vector_selector.name)
-    promql_parser.walk(promql_parser.parse(expr), visit)
-    return names
 
 
 def test_metric_names_are_read_from_promql():
