@@ -15,6 +15,7 @@ at a compound clause: the AND of its other refs, evaluated after the simple clau
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Sequence
 
@@ -36,13 +37,13 @@ def _stable_hash(key: Key) -> int:
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 2
 
 
-def _bitset_values(words: np.ndarray) -> tuple[int, ...]:
-    """(W,) int32 bitset -> the value indices whose bits are set."""
-    return tuple(np.flatnonzero(np.unpackbits(words.astype("<i4").view(np.uint8), bitorder="little")).tolist())
-
-
-def _list_values(row: np.ndarray) -> tuple[int, ...]:
-    """(L,) value indices, -1 padded -> the distinct values, sorted."""
+@functools.lru_cache(maxsize=1 << 20)
+def _values(encoding: str, raw: bytes) -> tuple[int, ...]:
+    """The sorted distinct value indices of one group as compiled (its int32 bytes): a bitset's set bits,
+    or a -1 padded list's values. Cached: ads share most of their groups."""
+    row = np.frombuffer(raw, dtype="<i4")
+    if encoding == "bitset":
+        return tuple(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist())
     return tuple(sorted(set(row[row >= 0].tolist())))
 
 
@@ -51,16 +52,15 @@ def row_clauses(schema: Schema, rows: dict[str, np.ndarray], u: int) -> list[lis
     andromeda_core.targeting; a column left out holds nothing), in schema order: positive groups, then none_of."""
     out: list[list[ClauseRef]] = [[] for _ in range(u)]
     for c, cat in enumerate(schema.categories):
-        values = _bitset_values if cat.encoding == "bitset" else _list_values
         empty = 0 if cat.encoding == "bitset" else -1
         for side, negate in (("pos", False), ("neg", True)):
             column = rows.get(f"{cat.name}.{side}")
             if column is None:
                 continue
-            groups = column if side == "pos" else column[:, None]  # (u, G, ...)
+            groups = np.ascontiguousarray(column if side == "pos" else column[:, None], dtype="<i4")  # (u, G, ...)
             used = (groups != empty).reshape(u, groups.shape[1], -1).any(-1)  # (u, G)
             for r, g in zip(*np.nonzero(used)):
-                out[r].append(((c, values(groups[r, g])), negate))
+                out[r].append(((c, _values(cat.encoding, groups[r, g].tobytes())), negate))
     return out
 
 

@@ -20,136 +20,26 @@ part of a batch.
 from __future__ import annotations
 
 import math
-import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Sequence, Union
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from andromeda_core.clauses import ClauseDictionary, row_clauses
 from andromeda_core.errors import InvalidInput, NotFound
+from andromeda_core.locks import ReadWriteLock
+from andromeda_core.ops import INT64_MAX, INT64_MIN, IndexOp, OpBatch
 from andromeda_core.quantization import dequantize, int8_blocks, quantize_int8
 from andromeda_core.schema import Schema
-from andromeda_core.targeting import ColumnSpec, CompiledTargeting, UserValues, targeting_columns
-from andromeda_core.types import Ad, DeleteEvent, StatusEvent
+from andromeda_core.slots import SlotBook, SlotPlan
+from andromeda_core.targeting import ColumnSpec, UserValues, targeting_columns
 from kernels import dispatch
-from kernels.reference.fused import ALWAYS, clause_match
+from kernels.reference.fused import ALWAYS
 from kernels.reference.match import ACTIVE, LIVE, SATISFIABLE
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-UPSERT, DELETE, PAUSE, RESUME = 0, 1, 2, 3
-OP_CODES = {"upsert": UPSERT, "delete": DELETE, "pause": PAUSE, "resume": RESUME}
 CORE_ROW_COLUMNS = ("ad_id", "advertiser_id", "start", "end", "bid", "status", "embedding")  # in every upsert row
 REFS_WIDTH = 6  # clause refs per ad; an ad with more keeps 5 and a compound of the rest
-
-
-@dataclass(frozen=True)
-class PreparedAd:
-    """An upsert ready for the table: the validated ad, its compiled targeting, its ad-tower embedding (D,)."""
-
-    ad: Ad
-    targeting: CompiledTargeting
-    embedding: np.ndarray
-
-
-IndexOp = Union[PreparedAd, DeleteEvent, StatusEvent]
-
-
-class OpRow(NamedTuple):
-    """One op's scalars (code UPSERT, DELETE, PAUSE or RESUME); an upsert's row carries the ad's columns too.
-    Kept instead of the validated event so that a batch of thousands holds no object graphs."""
-
-    code: int
-    ad_id: int
-    version: int
-    advertiser_id: int = -1
-    active: bool = False
-    start: int = INT64_MIN
-    end: int = INT64_MAX
-    bid: float = 0.0
-
-    @classmethod
-    def of(cls, op: Ad | DeleteEvent | StatusEvent) -> "OpRow":
-        """An Ad stands for its upsert."""
-        if not isinstance(op, Ad):
-            return cls(OP_CODES[op.op], op.ad_id, op.version)
-        return cls(UPSERT, op.ad_id, op.version, op.advertiser_id, op.status == "active",
-                   INT64_MIN if op.start_time is None else op.start_time,
-                   INT64_MAX if op.end_time is None else op.end_time, op.bid)
-
-
-_OP_ROW = np.dtype([("code", np.int8), ("ad_id", np.int64), ("version", np.int64), ("advertiser_id", np.int64),
-                    ("active", bool), ("start", np.int64), ("end", np.int64), ("bid", np.float64)])
-
-
-@dataclass(frozen=True)
-class OpBatch:
-    """n ops in columns, applied in order.
-
-    op (n,) int8 (UPSERT, DELETE, PAUSE, RESUME); ad_id, version (n,) int64; row (n,) int64: an upsert's
-    row in `rows`, -1 for the other ops. rows: the u upserts' slot contents by column name: ad_id,
-    advertiser_id, start, end (u,) int64; bid (u,) float32; status (u,) int8; embedding (u, D) float32;
-    any targeting column (u, *shape) int32 (one left out holds its fill value in every row).
-    """
-
-    op: np.ndarray
-    ad_id: np.ndarray
-    version: np.ndarray
-    row: np.ndarray
-    rows: dict[str, np.ndarray]
-
-    def __len__(self) -> int:
-        return len(self.op)
-
-    @classmethod
-    def build(cls, ops: Sequence[OpRow], satisfiable: np.ndarray, embedding: np.ndarray,
-              targeting: dict[str, np.ndarray]) -> "OpBatch":
-        """ops in order; satisfiable (u,) bool, embedding (u, D) float32 and the targeting columns
-        (u, *shape) are the rows of its u upserts in the order they appear."""
-        table = np.array(ops, dtype=_OP_ROW).reshape(len(ops))
-        upsert = table["code"] == UPSERT
-        row = np.full(len(ops), -1, dtype=np.int64)
-        row[upsert] = np.arange(int(upsert.sum()))
-        ads = table[upsert]
-        status = LIVE | np.where(ads["active"], ACTIVE, 0) | np.where(satisfiable, SATISFIABLE, 0)
-        rows = {**{name: ads[name].copy() for name in ("ad_id", "advertiser_id", "start", "end")},  # own, packed memory
-                "bid": ads["bid"].astype(np.float32), "status": status.astype(np.int8),
-                "embedding": np.asarray(embedding, dtype=np.float32), **targeting}
-        return cls(table["code"].copy(), table["ad_id"].copy(), table["version"].copy(), row, rows)
-
-    @classmethod
-    def from_ops(cls, ops: Sequence[IndexOp], dim: int, targeting_specs: dict[str, ColumnSpec]) -> "OpBatch":
-        """Stack prepared ops (embeddings (D,) = (dim,)); `targeting_specs` gives each targeting column's row
-        shape and fill value."""
-        prepared = [op for op in ops if isinstance(op, PreparedAd)]
-        targeting: dict[str, np.ndarray] = {}
-        for i, p in enumerate(prepared):
-            for name, row in p.targeting.rows.items():
-                if name not in targeting:
-                    spec = targeting_specs.get(name)
-                    if spec is None:
-                        raise InvalidInput(f"no targeting column {name} in this index", f"ad {p.ad.ad_id}.targeting")
-                    targeting[name] = np.full((len(prepared), *spec.shape), spec.fill, dtype=np.int32)
-                if np.shape(row) != targeting[name].shape[1:]:
-                    raise InvalidInput(f"row of shape {np.shape(row)}, the column holds {targeting[name].shape[1:]}",
-                                       f"ad {p.ad.ad_id}.targeting.{name}")
-                targeting[name][i] = row
-        satisfiable = np.array([p.targeting.satisfiable for p in prepared], dtype=bool)
-        embedding = np.array([p.embedding for p in prepared], dtype=np.float32).reshape(len(prepared), dim)
-        return cls.build([OpRow.of(p.ad if isinstance(p, PreparedAd) else p) for p in ops], satisfiable, embedding,
-                         targeting)
-
-    def take(self, positions: Sequence[int]) -> "OpBatch":
-        """The ops at `positions`, in that order, with their rows."""
-        pos = np.asarray(positions, dtype=np.int64)
-        row = self.row[pos]
-        kept = row[row >= 0]
-        renumbered = np.full(len(pos), -1, dtype=np.int64)
-        renumbered[row >= 0] = np.arange(len(kept))
-        return OpBatch(self.op[pos], self.ad_id[pos], self.version[pos], renumbered,
-                       {name: values[kept] for name, values in self.rows.items()})
 
 
 def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool, refs_width: int) -> dict[str, ColumnSpec]:
@@ -167,132 +57,6 @@ def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool, refs_
         "embedding": ColumnSpec((dim,), embedding_dtype, 0),
         "refs": ColumnSpec((refs_width,), torch.int32, ALWAYS),
     }
-
-
-class ReadWriteLock:
-    """Any number of readers or one writer. Writer-preferring: once a writer waits, arriving readers wait
-    behind it, so back-to-back scans cannot starve updates. A thread that already reads may read again
-    (a nested read would otherwise deadlock behind a waiting writer); a reader may not start writing."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writing = False
-        self._writers_waiting = 0
-        self._depth = threading.local()  # this thread's nested reads
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        depth = getattr(self._depth, "n", 0)
-        if not depth:
-            with self._cond:
-                self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
-                self._readers += 1
-        self._depth.n = depth + 1
-        try:
-            yield
-        finally:
-            self._depth.n = depth
-            if not depth:
-                with self._cond:
-                    self._readers -= 1
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        if getattr(self._depth, "n", 0):
-            raise RuntimeError("cannot write while this thread holds a read (it would wait for itself)")
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                self._cond.wait_for(lambda: not self._writing and not self._readers)
-            finally:
-                self._writers_waiting -= 1
-            self._writing = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writing = False
-                self._cond.notify_all()
-
-
-class SlotBook:
-    """Host-side bookkeeping of a table, read without touching the device: live ad -> slot, the newest
-    version seen of every ad (live, or deleted / expired: a tombstone), free slots, high-water mark."""
-
-    def __init__(self, capacity: int) -> None:
-        self.slot_of: dict[int, int] = {}
-        self.version: dict[int, int] = {}
-        self.free: list[int] = list(range(capacity - 1, -1, -1))  # popped from the end: lowest slot first
-        self.high_water = 0  # slots >= high_water have never held an ad; scans stop there
-
-    def tombstones(self) -> dict[int, int]:
-        """ad_id -> the version that deleted or expired it."""
-        return {ad: v for ad, v in self.version.items() if ad not in self.slot_of}
-
-
-class _Plan:
-    """One batch's effect, worked out on an overlay of a SlotBook that stays untouched until `commit`."""
-
-    def __init__(self, book: SlotBook, capacity: int) -> None:
-        self.book, self.capacity = book, capacity
-        self.slot_of: dict[int, int | None] = {}  # ad -> slot after the batch, None when released
-        self.version: dict[int, int] = {}  # ad -> newest version after the batch
-        self.row_at: dict[int, int] = {}  # slot -> the batch row written there
-        self.active: dict[int, bool] = {}  # slot -> ACTIVE bit set by a pause / resume after its row, if any
-        self.ad_at: dict[int, int] = {}  # slot -> ad, for every slot whose status and version are rewritten
-        self.freed: list[int] = []
-        self.taken = 0  # new slots: from the end of the free list, then past the capacity
-
-    @property
-    def capacity_needed(self) -> int:
-        return self.capacity + max(0, self.taken - len(self.book.free))
-
-    def op(self, code: int, ad: int, version: int, row: int) -> bool:
-        """Plan one op; False when it is a no-op (stale, or a pause / resume of an ad not indexed)."""
-        slot = self.slot_of[ad] if ad in self.slot_of else self.book.slot_of.get(ad)
-        if version <= self.version.get(ad, self.book.version.get(ad, -1)) or (slot is None and code in (PAUSE, RESUME)):
-            return False
-        if code == DELETE:
-            if slot is not None:
-                self.release(ad, slot, version)
-            self.version[ad] = version  # kept when not indexed too: a late, older upsert must not resurrect it
-            return True
-        if code == UPSERT:
-            slot = self._take() if slot is None else slot
-            self.row_at[slot] = row
-            self.active.pop(slot, None)
-        else:
-            self.active[slot] = code == RESUME
-        self.slot_of[ad], self.ad_at[slot], self.version[ad] = slot, ad, version
-        return True
-
-    def release(self, ad: int, slot: int, version: int) -> None:
-        self.slot_of[ad], self.version[ad] = None, version
-        for pending in (self.row_at, self.active, self.ad_at):
-            pending.pop(slot, None)
-        self.freed.append(slot)
-
-    def _take(self) -> int:
-        i, free = self.taken, self.book.free
-        self.taken += 1
-        return free[-1 - i] if i < len(free) else self.capacity + i - len(free)
-
-    def commit(self, capacity: int) -> None:
-        """Apply the plan to the book, the table now holding `capacity` slots."""
-        book = self.book
-        for ad, slot in self.slot_of.items():
-            if slot is None:
-                book.slot_of.pop(ad, None)
-            else:
-                book.slot_of[ad] = slot
-        book.version.update(self.version)
-        book.free[:0] = range(capacity - 1, self.capacity - 1, -1)  # grown slots come after the old free ones
-        if self.taken:
-            book.high_water = max(book.high_water, max(book.free[-self.taken:]) + 1)
-            del book.free[-self.taken:]
-        book.free.extend(reversed(self.freed))
 
 
 class AdIndex:
@@ -343,12 +107,6 @@ class AdIndex:
         """(now (B,) int64, clause truth table (B, W) int32) of B requests on the device. Call inside
         `reading()`: the truth table holds for the refs as they are now."""
         return torch.tensor(list(now), dtype=torch.int64, device=self.device), self.clauses.truth(values, self.device)
-
-    def match(self, now: torch.Tensor, truth: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Eligibility (B, stop - start) bool of slots [start, stop) for request_inputs' (now, truth)."""
-        c = self.columns
-        return clause_match(c["status"][start:stop], c["start"][start:stop], c["end"][start:stop], c["refs"][start:stop],
-                            truth, now)
 
     def eligible(self, values: Sequence[UserValues], now: Sequence[int]) -> list[list[int]]:
         """Ad ids eligible for each of B requests (targeting values and time), ascending."""
@@ -506,7 +264,7 @@ class AdIndex:
         with self._lock.exclusive():
             if specs is not self.specs:  # adopt() changed the layout meanwhile
                 staged = self._stage(batch.rows)
-            plan = _Plan(self._book, self.capacity)
+            plan = SlotPlan(self._book, self.capacity)
             applied = [plan.op(*op) for op in zip(batch.op.tolist(), batch.ad_id.tolist(), batch.version.tolist(),
                                                   batch.row.tolist())]
             self._commit(plan, staged)
@@ -518,7 +276,7 @@ class AdIndex:
             n = self.high_water
             live = (self.columns["status"][:n].to(torch.int32) & LIVE) != 0
             slots = torch.nonzero(live & (self.columns["end"][:n] <= now)).flatten().tolist()
-            plan = _Plan(self._book, self.capacity)
+            plan = SlotPlan(self._book, self.capacity)
             for ad, slot in zip(self.columns["ad_id"][slots].tolist(), slots):
                 plan.release(ad, slot, self._book.version[ad])
             self._commit(plan, {})
@@ -562,7 +320,7 @@ class AdIndex:
         if not np.isfinite(rows["embedding"]).all():
             raise InvalidInput("embeddings must be finite", "embedding")
 
-    def _commit(self, plan: _Plan, staged: dict[str, Any]) -> None:
+    def _commit(self, plan: SlotPlan, staged: dict[str, Any]) -> None:
         """Make the plan's writes (into grown copies when the batch needs more slots), then commit its bookkeeping
         and drop the clause references of the rows it overwrote or freed."""
         columns = self._grown(plan.capacity_needed)
@@ -591,7 +349,7 @@ class AdIndex:
             grown[name][: self.capacity] = self.columns[name]
         return grown
 
-    def _writes(self, plan: _Plan, staged: dict[str, Any],
+    def _writes(self, plan: SlotPlan, staged: dict[str, Any],
                 columns: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.Tensor | int]]:
         """(column, slots, values) for whole rows, freed slots (reset to fill), then status and version."""
         def index(values: list[int]) -> torch.Tensor:

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 from andromeda_core.errors import InvalidInput
-from andromeda_core.index import IndexOp, PreparedAd
+from andromeda_core.ops import IndexOp, PreparedAd
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import CompiledTargeting, compile_targeting

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,14 +65,18 @@ class Table:
     start: torch.Tensor
     end: torch.Tensor
     refs: torch.Tensor
-    vectors: torch.Tensor  # (n, S) float32 (FAISS reads these)
+    vectors: torch.Tensor  # (n, S) float32 (FAISS reads these), or as stored
+    scales: torch.Tensor | None = None  # int8 storage: (n, ceil(S / 16))
 
-    def stored(self, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return quantize_int8(self.vectors) if storage == "int8" else (self.vectors.half(), None)
+    def stored(self, storage: str) -> "Table":
+        vectors, scales = quantize_int8(self.vectors) if storage == "int8" else (self.vectors.half(), None)
+        return Table(self.status, self.start, self.end, self.refs, vectors, scales)
 
-    def tiled(self, times: int) -> "Table":
-        return Table(*(t.repeat(times, *([1] * (t.dim() - 1))) for t in
-                       (self.status, self.start, self.end, self.refs, self.vectors)))
+    def tiled(self, times: int, device: str) -> "Table":
+        """The table repeated `times` times, on `device` (tiled there: the host holds one copy)."""
+        def tile(t):
+            return None if t is None else t.to(device).repeat(times, *([1] * (t.dim() - 1)))
+        return Table(*(tile(t) for t in (self.status, self.start, self.end, self.refs, self.vectors, self.scales)))
 
 
 def build(ads: int, workdir: Path) -> tuple[Table, AdIndex, list]:
@@ -96,13 +99,14 @@ def request_batch(index: AdIndex, requests: list, B: int, gen: torch.Generator):
             torch.ones((B, E), dtype=torch.bool))
 
 
-def reference_pass(table, vectors, scales, req, m: int):
+def reference_pass(table: Table, req, m: int):
     """The reference over CHUNK-slot chunks, partial top-m merged."""
     slots, scores, eligible = [], [], 0
     for a in range(0, len(table.status), CHUNK):
         b = min(a + CHUNK, len(table.status))
+        scales = None if table.scales is None else table.scales[a:b]
         s, sc, e = reference.fused_scan(table.status[a:b], table.start[a:b], table.end[a:b], table.refs[a:b],
-                                        vectors[a:b], None if scales is None else scales[a:b], *req, S - 1, TOP_N, m)
+                                        table.vectors[a:b], scales, *req, S - 1, TOP_N, m)
         slots.append(torch.where(s >= 0, s + a, -1))
         scores.append(sc)
         eligible = eligible + e
@@ -111,14 +115,14 @@ def reference_pass(table, vectors, scales, req, m: int):
     return slots.gather(1, order), scores.gather(1, order), eligible
 
 
-def naive_pass(table, vectors, scales, req, m: int):
+def naive_pass(table: Table, req, m: int):
     """Per request: mask, gather the eligible rows, matmuls, top-2 softmax gating, top-k."""
     now, truth, experts, keys, mask = req
     out = []
     for b in range(len(now)):
         ok = reference.clause_match(table.status, table.start, table.end, table.refs, truth[b:b + 1], now[b:b + 1])[0]
         rows = ok.nonzero().flatten()
-        x = reference.dequantize(vectors[rows], None if scales is None else scales[rows])
+        x = reference.dequantize(table.vectors[rows], None if table.scales is None else table.scales[rows])
         logits = x[:, D:D + G] @ keys[b].T  # (n_ok, E)
         top = logits.topk(TOP_N, dim=1)
         sims = (x[:, :D] @ experts[b].T).gather(1, top.indices)
@@ -168,8 +172,6 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    import numba
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     dev = args.device
     gen = torch.Generator().manual_seed(0)
     copy = copy_gbs(dev)
@@ -177,23 +179,21 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         world, index, requests = build(args.ads, Path(tmp))
+        stored = {storage: world.stored(storage) for storage in args.storage}
         for times in args.tile:
-            table = world.tiled(times)
-            n = len(table.status)
-            faiss_index = faiss_flat(table.vectors) if dev == "cpu" else None
+            n = times * len(world.status)
+            faiss_index = faiss_flat(world.vectors.repeat(times, 1)) if dev == "cpu" else None
             scores = torch.randn((max(args.batch), n), generator=gen).to(dev)
             for storage in args.storage:
-                vectors, scales = table.stored(storage)
-                on = Table(*(t.to(dev) for t in (table.status, table.start, table.end, table.refs, vectors)))
-                scales = None if scales is None else scales.to(dev)
+                on = stored[storage].tiled(times, dev)
                 for B in args.batch:
                     req = tuple(t.to(dev) for t in request_batch(index, requests, B, gen))
-                    args_ = (on.status, on.start, on.end, on.refs, on.vectors, scales, *req, S - 1, TOP_N)
+                    args_ = (on.status, on.start, on.end, on.refs, on.vectors, on.scales, *req, S - 1, TOP_N)
                     ours = timed(lambda: dispatch.fused_scan(*args_, K), dev, args.repeats)
                     eligible = float(dispatch.fused_scan(*args_, K)[2].float().mean()) / n
                     peers = n * B <= args.peer_pairs
-                    ref = timed(lambda: reference_pass(on, on.vectors, scales, req, K), dev, 1) if peers else None
-                    naive = timed(lambda: naive_pass(on, on.vectors, scales, req, K), dev, 1) if peers else None
+                    ref = timed(lambda: reference_pass(on, req, K), dev, 1) if peers else None
+                    naive = timed(lambda: naive_pass(on, req, K), dev, 1) if peers else None
                     flat = (timed(lambda: faiss_index.search(np.random.rand(B, S).astype(np.float32), K), dev,
                                   args.repeats) if faiss_index is not None else None)
                     topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
@@ -202,7 +202,8 @@ def main() -> None:
                                naive=naive, faiss=flat, topk=topk, gbs=n * per_ad / ours / 1e9)
                     rows.append(row)
                     print(line(row, copy))
-            del faiss_index
+                on = None  # frees the device copy before the next storage
+            faiss_index = None  # frees its copy of the vectors before the next size
     if not args.no_write:
         write_section(f"kernels-{dev}", report(rows, args, copy))
 

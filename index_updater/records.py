@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from andromeda_core.errors import InvalidInput
-from andromeda_core.index import UPSERT, IndexOp, OpBatch, OpRow, PreparedAd
+from andromeda_core.ops import UPSERT, IndexOp, OpBatch, OpRow, PreparedAd
 from andromeda_core.schema import Schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.targeting import targeting_columns

@@ -1,4 +1,4 @@
-"""One entry point per fused op: Triton on CUDA tensors, the compiled CPU kernel otherwise. Both
+"""One entry point per fused op: Triton on CUDA tensors, the compiled C++ CPU kernel otherwise. Both
 reproduce kernels.reference.fused; the reference itself is what tests compare them with."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 def implementation(device: torch.device | str) -> str:
     """The kernel family the ops below run on `device`."""
-    return "triton" if torch.device(device).type == "cuda" else "numba-cpu"
+    return "triton" if torch.device(device).type == "cuda" else "cpp-cpu"
 
 
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,

@@ -1,5 +1,5 @@
 # Sourced by scripts/up.sh and scripts/test.sh: make .venv with everything installed, and make sure
-# redis-server exists. Safe to run again: it reinstalls only when pyproject.toml or requirements change.
+# redis-server and a C++ compiler (for the CPU kernels, compiled on first use) exist. Safe to run again: it reinstalls only when pyproject.toml or requirements change.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -28,4 +28,7 @@ fi
 
 if [ -z "${REDIS_URL:-}" ] && ! command -v redis-server >/dev/null; then
   apt_install redis-server
+fi
+if ! command -v "${CXX:-g++}" >/dev/null; then
+  apt_install g++
 fi

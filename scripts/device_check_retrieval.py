@@ -7,10 +7,10 @@ Run on a GPU machine from the repo root: `python scripts/device_check_retrieval.
 True (docs/benchmarks.md does not hold these numbers: the reference pipeline is not the fused kernel)."""
 import copy, json, sys, tempfile, time
 from pathlib import Path
-import numpy as np
 import torch
 
-from andromeda_core.index import AdIndex, PreparedAd
+from andromeda_core.index import AdIndex
+from andromeda_core.ops import PreparedAd
 from andromeda_core.ingest import prepare_ops, read_events
 from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.serving import ModelScorer

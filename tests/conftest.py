@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter, chosen before any module defines one
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import prepare_ops

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from andromeda_core.models import EmbeddingLookup, KernelHead

@@ -1,7 +1,7 @@
 """The fused kernels (Triton, and the compiled CPU path) against kernels.reference.fused, at odd sizes (not
 multiples of BLOCK), plus hypothesis-drawn tables for the CPU path.
 
-Without CUDA the Triton kernels run in Triton's interpreter (conftest.py), so the tables stay small.
+Without CUDA the Triton kernels run in Triton's interpreter (tests/conftest.py), so the tables stay small.
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from andromeda_core.errors import InvalidInput
-from andromeda_core.index import AdIndex, PreparedAd
+from andromeda_core.index import AdIndex
+from andromeda_core.ops import PreparedAd
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.targeting import CompiledTargeting, compile_targeting, compile_user
 from andromeda_core.types import parse_event
