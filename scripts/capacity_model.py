@@ -232,8 +232,9 @@ def report(inputs: dict) -> str:
         else:
             out.append(f"| {fmt(ads / 1e6, 1)}M | {p.batch} | {p.pass_s * 1e3:.2f} ms | {p.bound} | {p.p99_s * 1e3:.1f} ms | "
                        f"{fmt(p.qps)} |")
-    out += ["", f"Measured on CPU (the only measurement of a replica so far, {raw['measured']['cpu_replica_qps']['source']}):",
-            f"{m['cpu_replica_qps']} QPS over HTTP and {m['cpu_in_process_qps']} in process, for {fmt(m['cpu_ads'])} ads. "
+    out += ["", "Measured on CPU, the only measurement of a replica so far (docs/benchmarks.md, 'Serving under load', one",
+            f"shard replica of 0.5 CPU on the 2-core box): {m['cpu_replica_qps']} QPS over HTTP within the latency limits and "
+            f"{m['cpu_in_process_qps']} in process, for {fmt(m['cpu_ads'])} ads. "
             f"Routers: {m['router_cpu_ms_per_request']} ms of CPU per request measured (plus {m['proxy_cpu_ms_per_request']} ms "
             f"in the Serve proxy), so a {a['router_cores']}-core router takes about "
             f"{fmt(a['router_cores'] * a['utilisation'] * 1000 / m['router_cpu_ms_per_request'])} QPS.", "",
@@ -272,8 +273,9 @@ def report(inputs: dict) -> str:
             "raise router_replicas and the cpu-workers group together",
             "(docs/operations.md, 'Scale replicas'), and measure the router on the production CPUs first.", "",
             "## Network bytes per request", "",
-            f"From the measured message sizes ({raw['measured']['user_query_bytes']['source']}); the shipped-candidate rows",
-            f"use the measured eligible share ({e:.1%}).", "",
+            "From the message sizes measured in docs/benchmarks.md ('Serving under load', 'Bytes per request between",
+            f"router and shards'): request and response JSON, the history lookup, and per shard a UserQuery and a top-100",
+            f"answer; the shipped-candidate columns use the measured eligible share ({e:.1%}).", "",
             "| ads | shards | " + " | ".join(network_bytes(inputs, 1, 1, b)) + " |", "|---|---|---|---|---|"]
     for ads in w["corpora"]:
         d = plans[(ads, w["qps"][-1])]
@@ -281,8 +283,9 @@ def report(inputs: dict) -> str:
     size = entry_bytes(inputs)
     out += ["", "Co-location keeps a request to a few kB whatever the corpus; shipping candidates grows with it.", "",
             "## Update stream per Redis node", "",
-            f"An upsert entry is {size:,} bytes ({raw['measured']['upsert_entry_bytes_64d']['source']}; +4 B per extra",
-            f"dim for the {model['dim']}-dim model). Every replica of a shard reads every entry of its shard's stream, so",
+            f"An upsert entry is {size:,} bytes: {m['upsert_entry_bytes_64d']:,} measured (the fields index_updater.records.encode",
+            "writes for 2,046 synthetic upserts, mean, with the 64-dim baseline vector; not in docs/benchmarks.md) plus",
+            f"4 B per extra dim of the {model['dim']}-dim model. Every replica of a shard reads every entry of its shard's stream, so",
             "a node's egress is the write rate times the replicas per shard. A node's limit is the smaller of its CPU",
             f"({fmt(a['redis_entries_per_s'])} XADDs/s, each reader costing {a['redis_read_cost']} of an XADD per entry) and",
             f"60% of its NIC ({human_bytes(h['redis_node_nic_bytes_per_s'])}/s); both assumed, measure them on the node.", "",
@@ -309,6 +312,10 @@ def report(inputs: dict) -> str:
         out.append(f"- {name}: {storage}, rescore {'on' if rescore else 'off'} ({bb.held} B per slot), "
                    f"{human_bytes(memory)} x {fraction:.0%} shared by {sharing} replica(s): "
                    f"{fmt(headroom_slots(bb.held, memory, fraction, sharing))} slots.")
+    out += ["", "## Inputs and where they come from", "", "| input | value | source |", "|---|---|---|"]
+    for section in ("measured", "assumed"):
+        for name, entry in raw[section].items():
+            out.append(f"| {section}: {name} | {entry['value']:,} | {entry['source']} |")
     return "\n".join(out) + "\n"
 
 
