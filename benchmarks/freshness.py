@@ -191,8 +191,8 @@ def report(args, rates: list[dict], rows: list[dict], ads: int, load_before: flo
 Machine: {machine()}. On this machine at once: one redis-server (AOF, appendfsync always); a publisher
 process writing ad edits to the per-shard streams; the replica process with its consumer of shard 0 of
 {args.shards} (XREAD of its shard's stream, each read decoded at once and applied as one atomic batch) and a
-query thread sending {args.qps:g} retrievals/s (open loop) over its index of {ads:,} ads (reference
-pipeline, 1 torch thread). The 1-minute load average before the run was {load_before:.1f} (above 0, other processes
+query thread sending {args.qps:g} retrievals/s (open loop) over its index of {ads:,} ads (the fused
+pass, 1 thread). The 1-minute load average before the run was {load_before:.1f} (above 0, other processes
 were using the cores too).
 
 Apply rate, a backlog of {args.backlog:,} edits published (those of shard 0 wait in its stream):

@@ -190,6 +190,8 @@ def main() -> None:
                     req = tuple(t.to(dev) for t in request_batch(index, requests, B, gen))
                     args_ = (on.status, on.start, on.end, on.refs, on.vectors, on.scales, *req, S - 1, TOP_N)
                     ours = timed(lambda: dispatch.fused_scan(*args_, K), dev, args.repeats)
+                    match = timed(lambda: dispatch.clause_match(on.status, on.start, on.end, on.refs, req[1], req[0]),
+                                  dev, args.repeats)
                     eligible = float(dispatch.fused_scan(*args_, K)[2].float().mean()) / n
                     peers = n * B <= args.peer_pairs
                     ref = timed(lambda: reference_pass(on, req, K), dev, 1) if peers else None
@@ -198,7 +200,7 @@ def main() -> None:
                                   args.repeats) if faiss_index is not None else None)
                     topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
                     per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + eligible * vector_bytes(storage)
-                    row = dict(n=n, storage=storage, B=B, ours=ours, eligible=eligible, per_ad=per_ad, ref=ref,
+                    row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, per_ad=per_ad, ref=ref,
                                naive=naive, faiss=flat, topk=topk, gbs=n * per_ad / ours / 1e9)
                     rows.append(row)
                     print(line(row, copy))
@@ -229,18 +231,20 @@ def line(r: dict, copy: float) -> str:
     return (f"{r['n']:>11,} ads {r['storage']} B={r['B']:<3} ours {ms(r['ours']):>8} ms "
             f"({r['n'] / r['ours'] / 1e6:8.1f}M ads/s, {r['n'] * r['B'] / r['ours'] / 1e6:9.1f}M pairs/s, "
             f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / copy:.0%} of copy)  eligible {r['eligible']:.1%}  "
+            f"match alone {ms(r['match'])} ms ({r['n'] / r['match'] / 1e9:.2f}G ads/s)  "
             f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])})  "
             f"topk {ms(r['topk'])}")
 
 
 def report(rows: list[dict], args, copy: float) -> str:
     table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of copy bw | eligible "
-             "| reference ms | naive ms | FAISS ms | FAISS time / ours | torch.topk ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| match alone ms (ads/s) | reference ms | naive ms | FAISS ms | FAISS time / ours | torch.topk ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['n']:,} | {r['storage']} | {r['B']} | {ms(r['ours'])} | {r['n'] / r['ours'] / 1e6:.1f}M | "
                      f"{r['n'] * r['B'] / r['ours'] / 1e6:.1f}M | {r['per_ad']:.0f} | {r['gbs']:.1f} | "
-                     f"{r['gbs'] / copy:.0%} | {r['eligible']:.1%} | {ms(r['ref'])} | {ms(r['naive'])} | "
+                     f"{r['gbs'] / copy:.0%} | {r['eligible']:.1%} | {ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
+                     f"{ms(r['ref'])} | {ms(r['naive'])} | "
                      f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} |")
     command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, args.tile))} "
                f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}")
@@ -251,7 +255,8 @@ def report(rows: list[dict], args, copy: float) -> str:
 Machine: {machine()}. Copy bandwidth measured in the same run: {copy:.1f} GB/s (read + write).
 Table: the synthetic world of {args.ads:,} ads (tiled for larger corpora), random vectors of the MoE's
 stored shape (S = {S}), the world's requests with random user experts (E = {E}, top {TOP_N}); k = {K}.
-Ours = `kernels.dispatch.fused_scan`; bytes/ad counts what it reads (41 B of status, window and clause
+Ours = `kernels.dispatch.fused_scan`; "match alone" = `kernels.dispatch.clause_match` (the standalone
+match: the (B, n) eligibility mask); bytes/ad counts what the fused pass reads (41 B of status, window and clause
 refs per ad, plus the vector bytes of the eligible share). FAISS = IndexFlatIP over the same vectors in
 fp32 ({S * 4} B/ad, no targeting). Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
 pairs ("-" beyond). Times are medians of {args.repeats} (peers: one run).
