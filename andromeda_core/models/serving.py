@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from andromeda_core.errors import InvalidInput
 from andromeda_core.models import EmbeddingLookup, KernelHead
 from andromeda_core.models.recdata import EVENTS
 from andromeda_core.models.retrieval import CO_ITEMS, COHORTS, MODEL_VERSION, RetrievalModel
@@ -29,8 +30,8 @@ class ModelScorer:
     def __init__(self, model: RetrievalModel, categories: Sequence[str], schema: Schema,
                  device: str | torch.device = "cpu"):
         if not hasattr(model.head, "kernel_head"):
-            raise ValueError(f"a {model.kind} model is not served (it is the offline quality ceiling): "
-                             "serve a moe, two_tower or sasrec checkpoint")
+            raise InvalidInput(f"a {model.kind} checkpoint is not served (the ranker is the offline quality "
+                               "ceiling): serve a moe, two_tower or sasrec checkpoint", "model")
         self.model, self.name = model.eval(), f"{model.kind}-v{MODEL_VERSION}"
         self.dim = model.dims.stored
         self.categories = {c: i for i, c in enumerate(categories)}  # unknown -> len(categories)

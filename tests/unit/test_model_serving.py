@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.models.retrieval import RetrievalModel
@@ -114,3 +115,10 @@ def test_history_lookup_masks_unknown_ads(default_schema, scorer, events):
     assert found.tolist() == [True, False, True] and vectors[1].abs().sum() == 0
     state = scorer.encode_users([request()], index.embeddings_of, [3600 * 30])
     assert state.experts.shape == (1, 6, 64) and state.mask[0].tolist() == [True, True, True, True, True, True]
+
+
+def test_a_ranker_is_not_served(default_schema):
+    """The ranker's head has no kernel form: serving one is refused, naming the model."""
+    with pytest.raises(InvalidInput, match="ranker checkpoint is not served") as caught:
+        ModelScorer(RetrievalModel("ranker", Dims(categories=4)), ["sports"], default_schema)
+    assert caught.value.field == "model"
