@@ -9,6 +9,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -30,14 +31,27 @@ def _machine() -> bytes:
     return f"{platform.machine()} {flags}".encode()
 
 
+def _cache_folder() -> Path:
+    """$XDG_CACHE_HOME/andromeda (default ~/.cache/andromeda), or a folder in the temp dir where that
+    cannot be written (read-only home in a container)."""
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "andromeda"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    folder = Path(tempfile.gettempdir()) / f"andromeda-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled kernels, built on first use into $XDG_CACHE_HOME/andromeda (default ~/.cache/andromeda)."""
+    """The compiled kernels, built on first use into the cache folder (_cache_folder)."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _machine()).hexdigest()[:16]
-    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "andromeda"
-    path = folder / f"cpu_fused-{key}.so"
+    path = _cache_folder() / f"cpu_fused-{key}.so"
     if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         compiler = os.environ.get("CXX", "g++")
         try:
