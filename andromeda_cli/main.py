@@ -19,7 +19,7 @@ from andromeda_cli.k8s import add_commands as add_k8s_commands
 from andromeda_cli.request_file import read_requests
 from andromeda_cli.service import add_commands as add_service_commands
 
-from andromeda_core.config import Settings, load_settings
+from andromeda_core.config import Settings, load_settings, redact
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import load_events, read_events
@@ -166,7 +166,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5)
     except ValueError as exc:
-        raise InvalidInput(str(exc), option) from None
+        raise InvalidInput(redact(exc), option) from None
     schema = load_schema(args.schema)
     with checkpoint("--model", args.model):
         scorer = load_scorer(args.model, schema, local_device(settings))
@@ -178,8 +178,22 @@ def cmd_publish(args: argparse.Namespace) -> None:
             total = publisher.publish_file(args.events, on_batch=bar.update)
     except redis.RedisError as exc:
         hint = f" (gave up after --tries {args.tries})" if isinstance(exc, TRANSIENT) else ""
-        raise AndromedaError(f"Redis at {url}: {exc}{hint}") from None
-    print(f"published {total} events to {publisher.stream} at {url}")
+        raise AndromedaError(f"Redis at {redact(url)}: {redact(exc)}{hint}") from None
+    print(f"published {total} events to {publisher.stream} at {redact(url)}")
+
+
+def cmd_token(args: argparse.Namespace) -> None:
+    from deployments.auth import add_token
+
+    if (args.role == "advertiser") != (args.advertiser is not None):
+        raise InvalidInput("an advertiser token needs --advertiser, and only it", "--advertiser")
+    try:
+        token = add_token(args.file, args.name, args.role, args.advertiser)
+    except (ValueError, KeyError) as exc:
+        raise InvalidInput(str(exc), str(args.file)) from None
+    print(f"added {args.role} token {args.name} to {args.file} (only its salted hash is stored; this is the only "
+          f"time the token is shown):", file=sys.stderr)
+    print(token)
 
 
 def add_model_flags(s: argparse.ArgumentParser) -> None:
@@ -257,6 +271,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--show", type=NON_NEGATIVE, default=3, help="requests to print")
     add_model_flags(s)
     s.set_defaults(func=cmd_demo)
+    s = sub.add_parser("token", help="add (or replace) a named bearer token in a token file (auth.token_file); "
+                                     "prints the token once")
+    s.add_argument("--file", type=Path, required=True, help="token file (JSON of salted hashes; created if missing)")
+    s.add_argument("--name", required=True, help="the token's name (1-64 letters, digits, '_' or '-')")
+    s.add_argument("--role", choices=("admin", "advertiser", "reader"), default="advertiser", help="default advertiser")
+    s.add_argument("--advertiser", type=NON_NEGATIVE, default=None, help="advertiser id (role advertiser)")
+    s.set_defaults(func=cmd_token)
     add_service_commands(sub)
     add_k8s_commands(sub)
     return p
@@ -285,6 +306,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while starting: whatever was started is stopped by its finally
         return 130
     except USER_ERRORS as exc:
-        print(f"error: {message(exc)}", file=sys.stderr)
+        print(f"error: {redact(message(exc))}", file=sys.stderr)  # never a Redis password
         return 2
     return 0

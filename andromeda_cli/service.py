@@ -18,7 +18,7 @@ import yaml
 from tqdm import tqdm
 
 from andromeda_cli.args import checkpoint
-from andromeda_core.config import load_settings
+from andromeda_core.config import load_settings, redact
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
 from andromeda_core.synth import WorldConfig, synthesize
@@ -72,7 +72,7 @@ def check_reachable(config: ServiceConfig) -> None:
     try:
         redis.Redis.from_url(config.redis_url, socket_connect_timeout=3).ping()
     except (redis.RedisError, OSError) as exc:
-        raise AndromedaError(f"cannot reach Redis at {config.redis_url}: {exc}") from None
+        raise AndromedaError(f"cannot reach Redis at {redact(config.redis_url)}: {redact(exc)}") from None
     with socket.socket() as probe:
         try:
             probe.bind((config.host, config.port))
@@ -154,7 +154,7 @@ def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> N
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         url = f"http://{config.host}:{config.port}"
         wait_ready(url)
-        print(f"\nAndromeda is serving at {url}   (API docs: {url}/docs, metrics: {url}/metrics)\n"
+        print(f"\nAndromeda is serving at {url}   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)\n"
               f"{token_note}\nTry:\n  curl -s {url}/v1/retrieve -H 'Content-Type: application/json' "
               f"-d {example_body(world)}\n\nCtrl-C stops it.", flush=True)
         stop = threading.Event()

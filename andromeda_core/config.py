@@ -1,7 +1,9 @@
 """Typed configuration. Environment variables are read here and nowhere else."""
 from __future__ import annotations
 
+import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,6 +11,40 @@ from andromeda_core.errors import InvalidInput, shown
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# user:password@ in any URL, and password=... in a query string (redis-py reads both)
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^@/\s'\"]*@")
+_QUERY_PASSWORD = re.compile(r"(?P<key>\bpassword=)[^&\s'\"]*", re.IGNORECASE)
+
+
+def redact(text: object) -> str:
+    """`str(text)` with the credentials of every URL in it replaced by `***` (Redis URLs carry passwords:
+    no message, log line or error body may show them)."""
+    text = _URL_CREDENTIALS.sub(r"\g<scheme>***@", str(text))
+    return _QUERY_PASSWORD.sub(r"\g<key>***", text)
+
+
+_base_factory = logging.getLogRecordFactory()
+
+
+def _redacting_factory(*args, **kwargs) -> logging.LogRecord:
+    record = _base_factory(*args, **kwargs)
+    message = record.getMessage()
+    clean = redact(message)
+    if clean != message:
+        record.msg, record.args = clean, ()
+    if record.exc_info and not record.exc_text:
+        text = logging.Formatter().formatException(record.exc_info)
+        if redact(text) != text:
+            record.exc_text = redact(text)
+    return record
+
+
+def install_log_redaction() -> None:
+    """Redact URL credentials in every log record this process creates (idempotent)."""
+    if logging.getLogRecordFactory() is not _redacting_factory:
+        logging.setLogRecordFactory(_redacting_factory)
 
 
 def _env_int(name: str, default: int, lo: int, hi: int) -> int:

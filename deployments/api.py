@@ -1,9 +1,13 @@
 """HTTP concerns of the ingress: the FastAPI app, the wire models only HTTP has (error body, batch
-and publish results), write-token auth, and the one place errors map to HTTP status codes."""
+and publish results), the refusals only HTTP has (403, 413, 429, 503 overloaded, 504), the guard in
+front of every request (body size, in-flight bound, deadline), and the one place errors map to HTTP
+status codes."""
 from __future__ import annotations
 
-import hmac
+import contextvars
 import logging
+import time
+from dataclasses import dataclass
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -15,6 +19,7 @@ from pydantic import BaseModel
 
 from andromeda_core.errors import AndromedaError, ErrorCategory
 from andromeda_core.types import RetrieveResponse, error_field
+from deployments.limits import retry_after
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +70,76 @@ class Health(BaseModel):
 
 
 class Unauthorized(AndromedaError):
-    """A write without a valid bearer token."""
+    """A call without a valid bearer token where one is needed."""
 
     category = ErrorCategory.UNAUTHORIZED
 
 
-ERRORS = {status: {"model": ErrorBody} for status in (404, 422, 503)}
-WRITE_ERRORS = {**ERRORS, 401: {"model": ErrorBody}}
+class Refused(AndromedaError):
+    """A refusal only HTTP has (the core's ErrorCategory has no slot for it): `status` and `cause` are
+    what the client and the error counter see; `retry_after` (s) becomes the Retry-After header."""
+
+    status, cause = 422, "invalid_input"
+    category = ErrorCategory.INVALID_INPUT
+
+    def __init__(self, message: str, field: str | None = None, retry_after: float | None = None):
+        super().__init__(message, field)
+        self.retry_after = retry_after
+
+
+class Forbidden(Refused):
+    """A valid token that may not do this (another advertiser's ad, a reader token writing)."""
+
+    status, cause = 403, "forbidden"
+
+
+class TooLarge(Refused):
+    status, cause = 413, "too_large"
+
+
+class RateLimited(Refused):
+    status, cause = 429, "rate_limited"
+
+
+class Overloaded(Refused):
+    """A bounded queue is full: retry after Retry-After (nothing was done)."""
+
+    status, cause = 503, "overloaded"
+    category = ErrorCategory.UNAVAILABLE
+
+
+class DeadlineExceeded(Refused):
+    """The request's deadline passed before its answer was ready (the work was abandoned)."""
+
+    status, cause = 504, "deadline_exceeded"
+    category = ErrorCategory.UNAVAILABLE
+
+
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
+"""Wall-clock time (time.time()) by which the current request must be answered; set by the guard."""
+
+
+def current_deadline() -> float | None:
+    """The current request's deadline (time.time()), None outside a request. (Callers use this function,
+    not DEADLINE: Ray pickles the router class by value, and a ContextVar cannot be pickled.)"""
+    return DEADLINE.get()
+
+
+def remaining_s() -> float | None:
+    """Seconds left before the current request's deadline (None: no deadline); DeadlineExceeded once past."""
+    deadline = DEADLINE.get()
+    if deadline is None:
+        return None
+    left = deadline - time.time()
+    if left <= 0:
+        raise DeadlineExceeded(f"the request's deadline passed ({TIMEOUT_HEADER} or overload.request_timeout_s)",
+                               TIMEOUT_HEADER)
+    return left
+
+
+ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 429, 503, 504)}
+WRITE_ERRORS = {**ERRORS, 401: {"model": ErrorBody}, 403: {"model": ErrorBody}}
 
 
 def error_response(status: int, category: str, message: str, field: str | None = None,
@@ -80,25 +148,127 @@ def error_response(status: int, category: str, message: str, field: str | None =
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def http_error(exc: AndromedaError) -> JSONResponse:
-    status = STATUS.get(exc.category, 500)
-    return error_response(status, exc.category.value, exc.message, exc.field, HEADERS.get(status))
+def cause_of(exc: AndromedaError) -> str:
+    return exc.cause if isinstance(exc, Refused) else exc.category.value
 
 
-def check_write_token(expected: str | None, credentials: HTTPAuthorizationCredentials | None) -> None:
-    """Raise Unauthorized unless the bearer token equals `expected` (compared in constant time)."""
-    if not expected:
-        raise Unauthorized("writes are disabled: the service has no ANDROMEDA_WRITE_TOKEN", "Authorization")
-    if credentials is None or credentials.scheme.lower() != "bearer":
+def http_error(exc: AndromedaError, retry_after_s: int = 1) -> JSONResponse:
+    status = exc.status if isinstance(exc, Refused) else STATUS.get(exc.category, 500)
+    headers = dict(HEADERS.get(status, {}))
+    if status in (429, 503):
+        wait = getattr(exc, "retry_after", None)
+        headers["Retry-After"] = retry_after(wait if wait is not None else retry_after_s)
+    return error_response(status, cause_of(exc), exc.message, exc.field, headers or None)
+
+
+def bearer_token(credentials: HTTPAuthorizationCredentials | None) -> str:
+    """The bearer token of a request; Unauthorized without one (the header is never echoed or logged)."""
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
         raise Unauthorized("send Authorization: Bearer <token>", "Authorization")
-    if not hmac.compare_digest(credentials.credentials.encode(), expected.encode()):
-        raise Unauthorized("invalid token", "Authorization")
+    return credentials.credentials
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """What the guard in front of the app enforces (set by the router from its ServiceConfig)."""
+
+    body_bytes: int = 8 << 20
+    inflight: int = 128
+    request_timeout_s: float = 10.0
+    max_request_timeout_s: float = 60.0
+    retry_after_s: int = 1
+
+
+def local_path(scope) -> str:
+    """The request's path inside the app (without the route prefix the app is mounted at)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class Guard:
+    """ASGI middleware in front of every /v1/ request, before any parsing: at most `inflight` requests at
+    once in this process (more: 503 + Retry-After at once, so latency does not grow with a queue), a body
+    of at most `body_bytes` (413; also for bodies without Content-Length), and the request's deadline
+    (`X-Request-Timeout-Ms`, else the default) in DEADLINE for everything the request awaits."""
+
+    def __init__(self, app, on_error: Callable[[str], None]):
+        self.app, self.on_error = app, on_error
+        self.inflight = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not local_path(scope).startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        g = getattr(scope["app"].state, "guard", None) or GuardSettings()  # the router sets app.state.guard
+        try:
+            if self.inflight >= g.inflight:
+                raise Overloaded(f"this router has {self.inflight} requests in flight (overload.router_inflight = "
+                                 f"{g.inflight}); retry after Retry-After", "request", g.retry_after_s)
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+            budget_s = self.budget_s(g, headers.get(TIMEOUT_HEADER.lower()))
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > g.body_bytes):
+                raise TooLarge(f"at most {g.body_bytes} bytes (limits.body_bytes), Content-Length is {length[:20]}",
+                               "body")
+            if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await self.buffered(receive, g.body_bytes)
+        except Refused as exc:
+            self.on_error(exc.cause)
+            return await http_error(exc, g.retry_after_s)(scope, receive, send)
+        self.inflight += 1
+        token = DEADLINE.set(time.time() + budget_s)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            DEADLINE.reset(token)
+            self.inflight -= 1
+
+    @staticmethod
+    def budget_s(g: GuardSettings, header: str | None) -> float:
+        if header is None:
+            return g.request_timeout_s
+        try:
+            ms = int(header)
+        except ValueError:
+            ms = 0
+        if not 1 <= ms <= g.max_request_timeout_s * 1000:
+            raise Refused(f"must be an integer number of milliseconds in [1, {int(g.max_request_timeout_s * 1000)}] "
+                          f"(overload.max_request_timeout_s)", TIMEOUT_HEADER)
+        return ms / 1000
+
+    @staticmethod
+    async def buffered(receive, limit: int):
+        """Read a body sent without Content-Length, refusing it past the limit; a receive that replays it."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return receive
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                raise TooLarge(f"at most {limit} bytes (limits.body_bytes)", "body")
+            more = message.get("more_body", False)
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
 
 
 def create_app(on_error: Callable[[str], None]) -> FastAPI:
-    """The app with its error handlers; `on_error(cause)` counts each error response by cause."""
-    app = FastAPI(title="Andromeda", version="0.1.0",
+    """The app with its error handlers and guard; `on_error(cause)` counts each error response by cause.
+
+    No /docs or /redoc: FastAPI's pages load their JavaScript and CSS from a third-party CDN, which a
+    retrieval tier must not make browsers fetch; the OpenAPI document stays at /openapi.json for any
+    local viewer."""
+    app = FastAPI(title="Andromeda", version="0.1.0", docs_url=None, redoc_url=None,
                   description="Ads retrieval: targeting match, MoE scoring and top-k over sharded, live-updated indexes.")
+    app.add_middleware(Guard, on_error=on_error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -122,8 +292,8 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
 
     @app.exception_handler(AndromedaError)
     async def andromeda_error(request: Request, exc: AndromedaError) -> JSONResponse:
-        on_error(exc.category.value)
-        return http_error(exc)
+        on_error(cause_of(exc))
+        return http_error(exc, getattr(request.app.state, "retry_after_s", 1))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:

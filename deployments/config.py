@@ -15,7 +15,8 @@ def shard_deployment(shard: int) -> str:
     return f"shard-{shard}"
 
 
-STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+# hide_input_in_errors: a rejected redis_url must not be echoed (it may hold a password)
+STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False, hide_input_in_errors=True)
 
 
 class Autoscaling(BaseModel):
@@ -33,10 +34,100 @@ class Autoscaling(BaseModel):
         return self
 
 
+class Limits(BaseModel):
+    """Bounds on every input the ingress takes; a request past one gets a 4xx naming the field and the limit
+    (413 for the body, 422 for the rest). The wire types' own bounds are the ceilings."""
+
+    model_config = STRICT
+    body_bytes: int = Field(8 << 20, ge=1024, le=1 << 30)
+    """Largest request body (413 beyond it, before it is parsed)."""
+    k: int = Field(10000, ge=1, le=10000)
+    """Largest `k` of a retrieval request."""
+    batch_requests: int = Field(256, ge=1, le=4096)
+    """Requests in one `POST /v1/retrieve:batch`."""
+    history: int = Field(1024, ge=0, le=1024)
+    """Events in `user.history`."""
+    co_engagement: int = Field(1024, ge=0, le=1024)
+    """Entries in `user.co_engagement`."""
+    cohorts: int = Field(256, ge=0, le=256)
+    """Entries in `user.cohorts`."""
+    values_per_category: int = Field(64, ge=1, le=1 << 20)
+    """Values a user may hold in one targeting category (`user.attributes.<category>`)."""
+    string_chars: int = Field(256, ge=1, le=1 << 16)
+    """Longest string value in `user.attributes` and `user.co_engagement[].surface` (ad creatives have the
+    wire type's bounds)."""
+
+
+class RateLimit(BaseModel):
+    """A token bucket per caller (the bearer token's name; without a token, the client address), per router
+    replica: `burst` requests at once, refilled at `requests_per_s`. Past it: 429 with Retry-After."""
+
+    model_config = STRICT
+    requests_per_s: float = Field(gt=0, le=1e6)
+    burst: int = Field(ge=1, le=1 << 20)
+    callers: int = Field(100_000, ge=1, le=10_000_000)
+    """Buckets kept per router replica (least recently used dropped first: memory stays bounded)."""
+
+
+class Auth(BaseModel):
+    """Who may write (and, with `read_auth`, read). ANDROMEDA_WRITE_TOKEN (environment) is always an admin
+    token; `token_file` adds named tokens, stored as salted hashes only (deployments/auth.py)."""
+
+    model_config = STRICT
+    token_file: str | None = Field(None, min_length=1)
+    """JSON file of hashed tokens (`andromeda token add` writes it), re-read without a restart when it
+    changes; None: only ANDROMEDA_WRITE_TOKEN."""
+    reload_s: float = Field(2.0, gt=0, le=3600)
+    """How often a router checks `token_file` for changes."""
+    read_auth: bool = False
+    """Retrieval and GET /v1/ads also need a valid token (any role)."""
+
+
+class Overload(BaseModel):
+    """Bounded queues and deadlines: past the bounds the service answers 503 with Retry-After at once
+    instead of queueing; a request's deadline is honoured by the router and the shards."""
+
+    model_config = STRICT
+    router_inflight: int = Field(128, ge=1, le=65536)
+    """Requests one router replica works on at once; more get 503 at once."""
+    router_queue: int = Field(256, ge=-1, le=65536)
+    """Requests Ray Serve may queue in front of the routers (max_queued_requests; -1: unbounded)."""
+    shard_queue: int = Field(128, ge=-1, le=65536)
+    """Calls one router replica may queue for a shard's replicas (max_queued_requests; -1: unbounded);
+    beyond it the request gets 503."""
+    request_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Deadline of a request that does not send `X-Request-Timeout-Ms`."""
+    max_request_timeout_s: float = Field(60.0, gt=0, le=600)
+    """Longest deadline a request may ask for."""
+    retry_after_s: int = Field(1, ge=1, le=3600)
+    """Retry-After of a 503."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Overload":
+        if self.request_timeout_s > self.max_request_timeout_s:
+            raise ValueError("request_timeout_s must not exceed max_request_timeout_s")
+        return self
+
+
+class Trim(BaseModel):
+    """Stream trimming by the shard replicas (XTRIM MINID). A shard's stream is trimmed only below what
+    every live replica of the shard has applied AND what the oldest kept snapshot of the shard covers, so
+    no entry an index still needs is removed; `keep_entries` newest entries always stay."""
+
+    model_config = STRICT
+    every_s: float = Field(60.0, gt=0)
+    """How often a replica considers trimming (after a snapshot at the latest)."""
+    keep_entries: int = Field(10000, ge=0)
+    """Newest entries of each shard stream that are never trimmed (MAXLEN as a floor, not a ceiling)."""
+    replica_ttl_s: float = Field(60.0, gt=0)
+    """A replica that has not reported its applied id for this long no longer holds trimming back (a
+    restarted one loads a snapshot)."""
+
+
 class ServiceConfig(BaseModel):
     model_config = STRICT
 
-    redis_url: str | None = Field(None, pattern=r"^(redis|rediss|unix)://\S+$")
+    redis_url: str | None = Field(None, pattern=r"^(redis|rediss|unix)://\S+$", repr=False)
     """Redis holding the per-shard update streams; None: each replica reads REDIS_URL from its environment
     (keep credentials there, out of config files)."""
     stream: str = Field("andromeda:ad-events", min_length=1, max_length=200)
@@ -72,6 +163,16 @@ class ServiceConfig(BaseModel):
     max_lag_s: float = Field(30.0, gt=0)
     """A replica whose unapplied stream entries are older than this fails its health check."""
     max_events_per_request: int = Field(10000, ge=1)
+    """Events in one `POST /v1/ad-events` (422 beyond it)."""
+    limits: Limits = Limits()
+    rate_limit: RateLimit | None = None
+    """Per-caller request rate; None: unlimited."""
+    auth: Auth = Auth()
+    overload: Overload = Overload()
+    trim: Trim | None = None
+    """Stream trimming; None: streams are never trimmed by the service. Turn it on only where every
+    replica of a shard shares the snapshot directory (a new replica must find a snapshot covering what
+    was trimmed)."""
     shard_cpus: float = Field(0.5, gt=0)
     router_cpus: float = Field(0.5, gt=0)
     host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$")
@@ -100,11 +201,13 @@ class ServiceConfig(BaseModel):
                    else {"num_replicas": self.replicas})
         return {**scaling, "ray_actor_options": {"num_cpus": self.shard_cpus, "num_gpus": gpus},
                 "max_ongoing_requests": 4 * self.max_batch_size,  # enough queued calls to fill a batch
+                "max_queued_requests": self.overload.shard_queue,
                 "health_check_period_s": 2, "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 5}
 
     def router_options(self) -> dict:
         return {"num_replicas": self.router_replicas, "ray_actor_options": {"num_cpus": self.router_cpus},
-                "max_ongoing_requests": 256,  # the router mostly awaits shards; Serve's default of 5 queues requests
+                "max_ongoing_requests": self.overload.router_inflight + 16,  # past router_inflight it answers 503 itself
+                "max_queued_requests": self.overload.router_queue,
                 "graceful_shutdown_timeout_s": 5}
 
     def to_serve_config(self) -> dict:

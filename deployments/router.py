@@ -6,20 +6,20 @@ again, away from a dead replica); if it fails again the request gets 503 naming 
 the request allows it, a partial answer that lists the missing shard."""
 
 import asyncio
-import functools
 import logging
 import time
 from typing import Annotated, Any, Sequence
 
 import redis
 import torch
-from fastapi import Depends, Path, Response
+from fastapi import Depends, Path, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 from ray import serve
 from ray.exceptions import RayTaskError
+from ray.serve.exceptions import BackPressureError
 
-from andromeda_core.config import load_settings
+from andromeda_core.config import install_log_redaction, load_settings
 from andromeda_core.errors import AndromedaError, InvalidInput, NotFound
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.models import EmbeddingLookup
@@ -27,12 +27,15 @@ from andromeda_core.models.serving import load_scorer
 from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests, merge_topks
 from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
-from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse
-from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, Health, PublishResponse, check_write_token,
-                             create_app)
+from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse, UpsertEvent
+from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, DeadlineExceeded, Forbidden, GuardSettings,
+                             Health, Overloaded, PublishResponse, RateLimited, Unauthorized, bearer_token, create_app, current_deadline,
+                             remaining_s)
+from deployments.auth import Principal, TokenStore
 from deployments.config import ServiceConfig
+from deployments.limits import TokenBuckets, check_requests
 from deployments.metrics import ServiceMetrics
-from deployments.shard import ShardAnswer
+from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
 from index_updater.publisher import Publisher
 
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
@@ -41,16 +44,52 @@ log = logging.getLogger(__name__)
 bearer = HTTPBearer(auto_error=False)
 
 
-@functools.lru_cache(maxsize=1)
-def write_token() -> str | None:
-    """ANDROMEDA_WRITE_TOKEN of this process, read once."""
-    return load_settings().write_token
+def caller_of(request: Request, principal: Principal | None) -> str:
+    """The rate limiter's key: the token's name, else the client's address."""
+    if principal is not None:
+        return f"token:{principal.name}"
+    return f"addr:{request.client.host if request.client else '-'}"
 
 
-def writer(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-    """Dependency of the write endpoints: runs before the body is validated, so a caller without the
-    token learns nothing from the validation (a body that is not JSON at all is still a 422)."""
-    check_write_token(write_token(), credentials)
+def take_rate(request: Request, principal: Principal | None) -> None:
+    buckets: TokenBuckets | None = getattr(request.app.state, "buckets", None)
+    if buckets is None:
+        return
+    wait = buckets.take(caller_of(request, principal))
+    if wait > 0:
+        raise RateLimited(f"more than {buckets.rate:g} requests/s (rate_limit.requests_per_s, burst "
+                          f"{buckets.burst}) from this caller", "Authorization" if principal else "request", wait)
+
+
+def writer(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal:
+    """Dependency of the write endpoints: the caller's principal (401 without a valid token, 403 for a
+    reader token, 429 past its rate). Runs before the body is validated, so a caller without a token
+    learns nothing from the validation (a body that is not JSON at all is still a 422)."""
+    tokens: TokenStore = request.app.state.tokens
+    if not tokens.writes_enabled:
+        raise Unauthorized("writes are disabled: the service has neither ANDROMEDA_WRITE_TOKEN nor auth.token_file",
+                           "Authorization")
+    principal = tokens.verify(bearer_token(credentials))
+    if principal is None:
+        raise Unauthorized("invalid token", "Authorization")
+    if not principal.can_write:
+        raise Forbidden(f"token {principal.name} may only read", "Authorization")
+    take_rate(request, principal)
+    return principal
+
+
+def reader(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal | None:
+    """Dependency of the read endpoints: with auth.read_auth a valid token of any role is needed (401);
+    every caller is held to its rate (429)."""
+    principal = None
+    if credentials is not None or request.app.state.read_auth:
+        principal = request.app.state.tokens.verify(bearer_token(credentials))
+        if principal is None:
+            raise Unauthorized("invalid token", "Authorization")
+    take_rate(request, principal)
+    return principal
+
+
 AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
 
 
@@ -77,8 +116,17 @@ def json_response(status: int, body: Health) -> Response:
 @serve.ingress(app)
 class Router:
     def __init__(self, config: dict, *shards):
-        self.config = ServiceConfig.model_validate(config)
+        install_log_redaction()
+        self.config = cfg = ServiceConfig.model_validate(config)
         self.shards = list(shards)
+        # one router per process: the app's guard and dependencies read these
+        app.state.guard = GuardSettings(cfg.limits.body_bytes, cfg.overload.router_inflight, cfg.overload.request_timeout_s,
+                                        cfg.overload.max_request_timeout_s, cfg.overload.retry_after_s)
+        app.state.retry_after_s = cfg.overload.retry_after_s
+        app.state.tokens = TokenStore(load_settings().write_token, cfg.auth.token_file, cfg.auth.reload_s)
+        app.state.read_auth = cfg.auth.read_auth
+        app.state.buckets = (TokenBuckets(cfg.rate_limit.requests_per_s, cfg.rate_limit.burst, cfg.rate_limit.callers)
+                             if cfg.rate_limit else None)
         self.schema = load_schema(self.config.schema_path)
         self.scorer = load_scorer(self.config.model, self.schema)
         self.publisher = Publisher(redis.Redis.from_url(self.config.resolved_redis_url()), self.schema, self.scorer,
@@ -88,28 +136,39 @@ class Router:
     # -- retrieval -------------------------------------------------------------------------------
 
     @app.post("/v1/retrieve", response_model=RetrieveResponse, responses=ERRORS)
-    async def retrieve(self, request: RetrieveRequest) -> RetrieveResponse:
+    async def retrieve(self, request: RetrieveRequest, _: Principal | None = Depends(reader)) -> RetrieveResponse:
         """Top-k eligible ads for one request."""
         return (await self.answer([request], "retrieve", ""))[0]
 
     @app.post("/v1/retrieve:batch", response_model=BatchResponse, responses=ERRORS)
-    async def retrieve_batch(self, requests: Annotated[list[RetrieveRequest], Field(min_length=1, max_length=256)]) -> BatchResponse:
+    async def retrieve_batch(self, requests: Annotated[list[RetrieveRequest], Field(min_length=1, max_length=4096)],
+                             _: Principal | None = Depends(reader)) -> BatchResponse:
         """Several requests in one call; they share one pass over each shard."""
+        if len(requests) > self.config.limits.batch_requests:
+            raise InvalidInput(f"at most {self.config.limits.batch_requests} requests (limits.batch_requests), got "
+                               f"{len(requests)}", "body")
         return BatchResponse(responses=await self.answer(requests, "retrieve_batch", "[{}]."))
 
     async def answer(self, requests: Sequence[RetrieveRequest], endpoint: str, where: str) -> list[RetrieveResponse]:
         started = time.perf_counter()
+        check_requests(self.config.limits, requests, where)
         compiled = self.compiled(requests, where)
         allow_partial = all(r.allow_partial for r in requests)
         t0 = time.perf_counter()
         lookup, unreachable = await self.history_lookup(requests, allow_partial)
         t1 = time.perf_counter()
         nows = [c.now for c in compiled]
+        remaining_s()
         users = await asyncio.to_thread(self.scorer.encode_users, requests, lookup, nows)
         t2 = time.perf_counter()
-        query = UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests])
-        answers = await asyncio.gather(*(self.ask(s, allow_partial, "search", query) for s in range(len(self.shards))))
+        remaining_s()
+        query = ShardQuery(UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests]), current_deadline())
+        method = "search" if len(requests) <= self.config.max_batch_size else "search_alone"  # @serve.batch's bound
+        answers = await asyncio.gather(*(self.ask(s, allow_partial, method, query) for s in range(len(self.shards))))
         t3 = time.perf_counter()
+        if any(isinstance(a, str) and a == EXPIRED for a in answers):  # a shard dropped the query: its deadline had passed
+            remaining_s()
+            raise DeadlineExceeded("the request's deadline passed in a shard's queue", "X-Request-Timeout-Ms")
         responses = self.merge(requests, compiled, answers, unreachable, started)
         done = time.perf_counter()
         for stage, seconds in (("compile", t0 - started), ("history", t1 - t0), ("user_towers", t2 - t1),
@@ -165,20 +224,26 @@ class Router:
         code is not retried: an AndromedaError passes through, anything else is a 500."""
         error: BaseException | None = None
         for _ in range(attempts):
+            left = remaining_s()  # DeadlineExceeded rather than another try once the request's deadline passed
+            timeout = min(timeout_s or self.config.shard_timeout_s, left if left is not None else float("inf"))
             response = getattr(self.shards[shard], method).remote(*args)
             try:
-                return await asyncio.wait_for(response, timeout_s or self.config.shard_timeout_s)
+                return await asyncio.wait_for(response, timeout)
             except asyncio.CancelledError:
                 response.cancel()
                 raise
+            except BackPressureError:  # the bounded queue for this shard is full: fail fast, do not pile on
+                raise Overloaded(f"shard {shard}'s queue is full (overload.shard_queue = {self.config.overload.shard_queue});"
+                                 " retry after Retry-After", f"shard {shard}") from None
             except AndromedaError as exc:  # the shard's answer (e.g. NotFound), not a failure to answer
                 raise getattr(exc, "cause", exc) from None
             except RayTaskError as exc:  # a bug in the shard's code: retrying would only repeat it
                 log.error("shard %d %s failed: %s", shard, method, exc)
                 raise RuntimeError(f"shard {shard} failed") from None
-            except Exception as exc:  # timeout, dead replica, back-pressure: try again
+            except Exception as exc:  # timeout, dead replica: try again
                 response.cancel()
                 error = exc
+        remaining_s()  # a call cut short by the request's deadline is that, not an unavailable shard
         raise ShardUnavailable(f"shard {shard} did not answer ({type(error).__name__}); retry later", f"shard {shard}")
 
     def merge(self, requests: Sequence[RetrieveRequest], compiled: Sequence[CompiledRequest],
@@ -207,10 +272,14 @@ class Router:
 
     @app.post("/v1/ad-events", response_model=PublishResponse, responses=WRITE_ERRORS)
     async def publish(self, events: Annotated[list[AdEvent], Field(min_length=1)],
-                      _: None = Depends(writer)) -> PublishResponse:
-        """Validate, compile and append ad events (all or nothing); needs `Authorization: Bearer <token>`."""
+                      principal: Principal = Depends(writer)) -> PublishResponse:
+        """Validate, compile and append ad events (all or nothing); needs `Authorization: Bearer <token>`: an
+        admin token writes any ad, an advertiser's token only that advertiser's ads (403 otherwise)."""
         if len(events) > self.config.max_events_per_request:
-            raise InvalidInput(f"at most {self.config.max_events_per_request} events per request, got {len(events)}", "body")
+            raise InvalidInput(f"at most {self.config.max_events_per_request} events per request "
+                               f"(max_events_per_request), got {len(events)}", "body")
+        if principal.role == "advertiser":
+            await self.check_ownership(principal, events)
         ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, [f"[{i}]" for i in range(len(events))])
         try:
             ids = await asyncio.to_thread(self.publisher.publish_ops, ops)
@@ -220,8 +289,31 @@ class Router:
         self.metrics.published.inc(len(ids))
         return PublishResponse(ids=ids)
 
+    async def check_ownership(self, principal: Principal, events: Sequence[AdEvent]) -> None:
+        """Forbidden (naming the event) unless every event touches only `principal`'s ads: an upsert must name
+        its advertiser, and an ad already indexed (read from one replica of its shard) must be its own; a
+        delete, pause or resume needs the ad indexed as its own or created earlier in the batch."""
+        mine = principal.advertiser_id
+        ids = sorted({e.ad.ad_id if isinstance(e, UpsertEvent) else e.ad_id for e in events})
+        by_shard: dict[int, list[int]] = {}
+        for ad_id in ids:
+            by_shard.setdefault(shard_of(ad_id, len(self.shards)), []).append(ad_id)
+        replies = await asyncio.gather(*(self.call(s, "owners", shard_ids) for s, shard_ids in by_shard.items()))
+        owner = {ad_id: o for shard_ids, reply in zip(by_shard.values(), replies) for ad_id, o in zip(shard_ids, reply)}
+        for i, event in enumerate(events):
+            if isinstance(event, UpsertEvent):
+                ad_id = event.ad.ad_id
+                if event.ad.advertiser_id != mine:
+                    raise Forbidden(f"token {principal.name} writes only advertiser {mine}'s ads",
+                                    f"[{i}].ad.advertiser_id")
+                if owner[ad_id] not in (None, mine):
+                    raise Forbidden(f"ad {ad_id} belongs to another advertiser (an ad cannot be moved)", f"[{i}].ad.ad_id")
+                owner[ad_id] = mine
+            elif owner[event.ad_id] != mine:
+                raise Forbidden(f"ad {event.ad_id} is not indexed as advertiser {mine}'s", f"[{i}].ad_id")
+
     @app.get("/v1/ads/{ad_id}", response_model=AdState, responses=ERRORS)
-    async def get_ad(self, ad_id: AD_ID) -> AdState:
+    async def get_ad(self, ad_id: AD_ID, _: Principal | None = Depends(reader)) -> AdState:
         """The indexed state of one ad: version, status, shard, satisfiable, servable now."""
         shard = shard_of(ad_id, len(self.shards))
         state = await self.call(shard, "get_ad", ad_id, int(time.time()))

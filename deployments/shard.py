@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -15,6 +16,7 @@ import redis
 import torch
 from ray import serve
 
+from andromeda_core.config import install_log_redaction
 from andromeda_core.errors import NotFound
 from andromeda_core.index import AdIndex
 from andromeda_core.models.serving import load_scorer
@@ -39,11 +41,27 @@ class ShardAnswer:
     scanned: int
 
 
+EXPIRED = "expired"  # a shard's answer to a query whose deadline passed before its pass began
+
+
+@dataclass(frozen=True)
+class ShardQuery:
+    """What the router sends a shard: the compact query and the request's deadline (time.time(); None: none)."""
+
+    query: UserQuery
+    deadline: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.query)
+
+
 @serve.deployment
 class ShardReplica:
     def __init__(self, config: dict, shard: int):
+        install_log_redaction()
         self.config, self.shard = ServiceConfig.model_validate(config), shard
         cfg = self.config
+        self.expired = 0  # queries dropped because their deadline passed while they waited
         device = cfg.resolved_device()
         schema = load_schema(cfg.schema_path)
         scorer = load_scorer(cfg.model, schema, device)
@@ -52,7 +70,10 @@ class ShardReplica:
         self.retriever = Retriever(index, scorer, rescore=cfg.rescore)
         snapshots = SnapshotStore(Path(cfg.snapshot_dir) / f"shard-{shard}")
         self.consumer = ShardConsumer(redis.Redis.from_url(cfg.resolved_redis_url()), index, scorer.name, shard, cfg.shards,
-                                      stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s)
+                                      stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s,
+                                      trim=cfg.trim is not None, replica_id=uuid.uuid4().hex[:12],
+                                      **({"trim_keep_entries": cfg.trim.keep_entries, "trim_every_s": cfg.trim.every_s,
+                                          "replica_ttl_s": cfg.trim.replica_ttl_s} if cfg.trim else {}))
         self.consumer.recover()
         # Readiness only after catch-up: Serve routes nothing here before __init__ returns. A stream
         # trimmed past every snapshot raises StreamGap: the replica fails to start (Serve retries)
@@ -64,14 +85,39 @@ class ShardReplica:
         log.info("shard %d ready: %d ads at %s", shard, len(index), self.consumer.stats.last_id)
 
     @serve.batch(batch_size_fn=lambda queries: sum(len(q) for q in queries))  # a batch counts requests, not calls
-    async def search(self, queries: list[UserQuery]) -> list[ShardAnswer]:
-        """Queries from concurrent requests share one pass over the table; each gets its own rows back."""
-        started = time.perf_counter()
+    async def search(self, queries: list[ShardQuery]) -> list[ShardAnswer | str]:
+        """Queries from concurrent requests share one pass over the table; each gets its own rows back. A query
+        whose deadline passed while it waited gets EXPIRED and costs no work."""
+        return await self._pass(queries)
+
+    async def search_alone(self, query: ShardQuery) -> ShardAnswer | str:
+        """One query of more requests than `max_batch_size` (a large retrieve:batch): its own pass."""
+        return (await self._pass([query]))[0]
+
+    async def _pass(self, queries: list[ShardQuery]) -> list[ShardAnswer | str]:
+        started, now = time.perf_counter(), time.time()
+        live = [i for i, q in enumerate(queries) if q.deadline is None or q.deadline > now]
+        out: list[ShardAnswer | str] = [EXPIRED] * len(queries)
+        self.expired += len(queries) - len(live)
+        if not live:
+            return out
         watermark = None if self.consumer.stats.last_id == "0-0" else self.consumer.stats.last_id
         scanned = self.retriever.index.high_water
-        result = await asyncio.to_thread(self.retriever.search, concat_queries(queries))
+        result = await asyncio.to_thread(self.retriever.search, concat_queries([queries[i].query for i in live]))
         took = (time.perf_counter() - started) * 1000
-        return [ShardAnswer(part, watermark, took, scanned) for part in split_topk(result, [len(q) for q in queries])]
+        for i, part in zip(live, split_topk(result, [len(queries[i]) for i in live])):
+            out[i] = ShardAnswer(part, watermark, took, scanned)
+        return out
+
+    def owners(self, ad_ids: Sequence[int]) -> list[int | None]:
+        """The indexed advertiser of each ad (None where not indexed): the router's write authorisation."""
+        out = []
+        for ad_id in ad_ids:
+            try:
+                out.append(int(self.retriever.index.get(ad_id)["advertiser_id"]))
+            except NotFound:
+                out.append(None)
+        return out
 
     def vectors(self, ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored vectors (n, D) float32 on the CPU (zeros where not indexed) and found (n,) bool: the
@@ -96,7 +142,7 @@ class ShardReplica:
         return {"shard": self.shard, "ready": self.consumer.caught_up and healthy, "healthy": healthy, "reason": reason,
                 "index_size": len(self.retriever.index), "lag_seconds": stats.lag_seconds(), "applied": stats.applied,
                 "stale": stats.stale, "dead_letters": stats.dead_letters, "errors": stats.errors,
-                "last_id": stats.last_id, "capacity": self.retriever.index.capacity}
+                "last_id": stats.last_id, "capacity": self.retriever.index.capacity, "expired": self.expired}
 
     def check_health(self) -> None:
         healthy, reason = self.consumer.health(self.config.max_lag_s)

@@ -18,10 +18,12 @@ from typing import Callable
 
 import redis
 
+from andromeda_core.config import redact
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
-from index_updater.records import DecodedRead, Entry, EntryDecoder, InvalidRecord, dead_letter_stream, shard_stream
+from index_updater.records import (DecodedRead, Entry, EntryDecoder, InvalidRecord, applied_key, dead_letter_stream,
+                                   shard_stream)
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,12 @@ class ShardConsumer:
     def __init__(self, client: redis.Redis, index: AdIndex, model: str, shard: int = 0, shards: int = 1,
                  stream: str = DEFAULT_STREAM, snapshots: SnapshotStore | None = None, count: int = 2000,
                  block_ms: int = 50, snapshot_every_s: float = 60.0, sweep_every_s: float = 10.0, trim: bool = False,
-                 on_applied: Callable[[str], None] | None = None):
+                 on_applied: Callable[[str], None] | None = None, replica_id: str | None = None,
+                 trim_keep_entries: int = 0, trim_every_s: float | None = None, replica_ttl_s: float = 60.0):
+        """`trim`: trim the shard's stream (after each snapshot, and every `trim_every_s`) below what the oldest
+        kept snapshot covers, what every live replica has applied (`replica_id` registers this one: it reports
+        its applied id to `applied_key(stream, shard)`; a report older than `replica_ttl_s` no longer counts)
+        and the newest `trim_keep_entries` entries."""
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards})")
         self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
@@ -70,6 +77,10 @@ class ShardConsumer:
         self.snapshots, self.count, self.block_ms = snapshots, count, block_ms
         self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
         self.on_applied = on_applied
+        self.replica_id, self.trim_keep_entries, self.replica_ttl_s = replica_id, trim_keep_entries, replica_ttl_s
+        self.trim_every_s = trim_every_s
+        self.applied_key = applied_key(stream, shard)
+        self.trimmed = 0  # entries this consumer trimmed away
         self.stats = ConsumerStats(index_size=len(index))
         self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
         self._stop = threading.Event()
@@ -211,6 +222,7 @@ class ShardConsumer:
         self.check_gap()
         while retry(lambda: self.poll(block_ms=0)):
             pass
+        retry(self.report_applied)  # registered before it serves: trimming now waits for this replica
 
     def snapshot(self) -> None:
         """Write a snapshot (then, with `trim`, trim the shard's stream up to what the oldest kept one covers).
@@ -222,9 +234,47 @@ class ShardConsumer:
             return
         self.snapshots.write(self.index, self.stats.last_id,
                              {"shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source})
-        oldest = self.snapshots.oldest_stream_id()
-        if self.trim and oldest:  # the shard's own stream, up to what its oldest kept snapshot covers
-            retry(lambda: self.client.xtrim(self.source, minid=oldest, approximate=False))
+        if self.trim:
+            self.trim_stream()
+
+    def report_applied(self) -> None:
+        """Tell the shard's other replicas (and their trimming) how far this one has applied."""
+        if self.replica_id is not None:
+            self.client.hset(self.applied_key, self.replica_id, f"{self.stats.last_id} {time.time():.3f}")
+
+    def trim_point(self) -> str | None:
+        """The stream id below which no index needs the shard's entries: the least of what the oldest kept
+        snapshot covers, what this and every live registered replica has applied, and the first of the
+        newest `trim_keep_entries`; None when nothing may be trimmed (no snapshot yet)."""
+        oldest = self.snapshots.oldest_stream_id() if self.snapshots is not None else None
+        if oldest is None or self.stats.last_id == "0-0":
+            return None
+        points = [oldest, self.stats.last_id]
+        now = time.time()
+        for replica, value in self.client.hgetall(self.applied_key).items():
+            last_id, _, at = value.decode().partition(" ")
+            if now - float(at or 0) <= self.replica_ttl_s:
+                points.append(last_id)
+            else:  # gone: a replica that comes back loads a snapshot
+                self.client.hdel(self.applied_key, replica)
+        if self.trim_keep_entries:
+            kept = self.client.xrevrange(self.source, count=self.trim_keep_entries)
+            if len(kept) < self.trim_keep_entries:
+                return None
+            first = kept[-1][0]
+            points.append(first.decode() if isinstance(first, bytes) else first)
+        return min(points, key=stream_id_key)
+
+    def trim_stream(self) -> int:
+        """XTRIM MINID the shard's stream to `trim_point()`; returns the entries removed."""
+        point = retry(self.trim_point)
+        if point is None:
+            return 0
+        removed = retry(lambda: self.client.xtrim(self.source, minid=point, approximate=False))
+        self.trimmed += removed
+        if removed:
+            log.info("shard %d: trimmed %d entries below %s", self.shard, removed, point)
+        return removed
 
     # -- background loop -------------------------------------------------------------------------
 
@@ -232,7 +282,8 @@ class ShardConsumer:
         """Consume until stop(): poll, sweep expired ads, snapshot periodically. Never dies: a failed turn
         is counted (stats.errors, stats.last_error) and the loop goes on after a backoff."""
         now = time.monotonic()
-        due = {"sweep": now + self.sweep_every_s, "snapshot": now + self.snapshot_every_s}
+        due = {"sweep": now + self.sweep_every_s, "snapshot": now + self.snapshot_every_s, "report": now,
+               "trim": now + (self.trim_every_s or self.snapshot_every_s)}
         backoff = MIN_BACKOFF_S
         while not self._stop.is_set():
             try:
@@ -240,7 +291,7 @@ class ShardConsumer:
                 backoff = MIN_BACKOFF_S
             except Exception as exc:
                 self.stats.errors += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                self.stats.last_error = redact(f"{type(exc).__name__}: {exc}")  # shown by /readyz
                 log.warning("shard %d consumer: %s; retrying in %.2fs", self.shard, self.stats.last_error, backoff,
                             exc_info=not isinstance(exc, TRANSIENT))
                 self._stop.wait(backoff)
@@ -262,7 +313,14 @@ class ShardConsumer:
             self.index.sweep_expired(int(time.time()))
         if self.snapshots is not None and now >= due["snapshot"]:
             due["snapshot"] = now + self.snapshot_every_s
+            due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
             self.snapshot()
+        if self.trim and now >= due["trim"]:
+            due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
+            self.trim_stream()
+        if now >= due["report"]:
+            due["report"] = now + 1.0
+            self.report_applied()
 
     def _recover_from(self, gap: StreamGap) -> None:
         """Reload the newest snapshot; if none covers the gap, go on with what the stream still holds and

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Sequence
 
 import redis
 
@@ -19,11 +20,15 @@ def free_port() -> int:
 class LocalRedis:
     """A redis-server child process; AOF with fsync on every write when `aof` (no acknowledged write is lost)."""
 
-    def __init__(self, directory: str | Path, port: int | None = None, aof: bool = True):
+    def __init__(self, directory: str | Path, port: int | None = None, aof: bool = True, extra_args: Sequence[str] = (),
+                 username: str | None = None, password: str | None = None):
+        """`extra_args`: more redis-server options (e.g. --requirepass, --user ACL rules); `username` and
+        `password`: what the readiness check authenticates with."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server), or set REDIS_URL")
         self.directory, self.port, self.aof, self.binary = Path(directory), port or free_port(), aof, binary
+        self.extra_args, self.username, self.password = list(extra_args), username, password
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen | None = None
 
@@ -36,8 +41,8 @@ class LocalRedis:
                 "--save", "", "--protected-mode", "yes", "--logfile", str(self.directory / "redis.log")]
         if self.aof:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
+        self.process = subprocess.Popen(args + self.extra_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url, username=self.username, password=self.password)
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -44,6 +44,11 @@ def dead_letter_stream(base: str) -> str:
     return f"{base}:dead-letters"
 
 
+def applied_key(base: str, shard: int) -> str:
+    """Redis hash where the replicas of shard `shard` report how far they have applied (replica -> "id time")."""
+    return f"{shard_stream(base, shard)}:applied"
+
+
 def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
     header, blobs = [], []
     for name, array in arrays.items():

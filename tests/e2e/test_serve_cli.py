@@ -29,7 +29,7 @@ def test_serve_publishes_a_demo_corpus_answers_and_stops_on_ctrl_c(tmp_path):
             assert line or process.poll() is None, output
             output += line
             assert time.monotonic() < deadline, output
-        assert f"http://127.0.0.1:{port}" in output and "/docs" in output
+        assert f"http://127.0.0.1:{port}" in output and "/openapi.json" in output
         body = json.loads((tmp_path / "var" / "demo-300" / "example.json").read_text())
         answer = requests.post(f"http://127.0.0.1:{port}/v1/retrieve", json=body, timeout=30).json()
         assert answer["eligible"] > 0 and 0 < len(answer["ads"]) <= 5 and len(answer["shard_watermarks"]) == 2

@@ -1,0 +1,262 @@
+"""The write path's authorisation, the input limits, the rate limit, the overload guard and the deadline,
+over HTTP: a real local Ray Serve (2 CPUs, one per module) and a real redis-server. Three applications:
+/auth (2 shards, a token file, tight limits), /tight (read auth and a rate limit) and /over (one request
+in flight per router)."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray
+import redis
+import requests
+from ray import serve
+
+from deployments.app import build_app
+from deployments.auth import add_token
+from deployments.config import Auth, Limits, Overload, RateLimit, ServiceConfig
+from index_updater.local_redis import LocalRedis, free_port
+from tests.conftest import upsert
+
+ADMIN = "admin-token-for-the-guard-tests"
+NOW = 1_767_000_000
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("guarded")
+    server = None if os.environ.get("REDIS_URL") else LocalRedis(tmp / "redis").start()
+    url = os.environ.get("REDIS_URL") or server.url
+    tokens = tmp / "tokens.json"
+    names = {"acme": ("advertiser", 7), "globex": ("advertiser", 8), "viewer": ("reader", None)}
+    issued = {name: add_token(tokens, name, role, adv) for name, (role, adv) in names.items()}
+    token_before = os.environ.get("ANDROMEDA_WRITE_TOKEN")
+    os.environ["ANDROMEDA_WRITE_TOKEN"] = ADMIN  # the routers' workers inherit it
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        common = dict(redis_url=url, snapshot_every_s=5, shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=5,
+                      auth=Auth(token_file=str(tokens), reload_s=0.2))
+        apps = {
+            "auth": ServiceConfig(stream="guard-auth", shards=2, max_events_per_request=3, snapshot_dir=str(tmp / "a"),
+                                  limits=Limits(body_bytes=4096, k=50, batch_requests=4, history=4, values_per_category=3,
+                                                string_chars=16), **common),
+            "tight": ServiceConfig(stream="guard-tight", snapshot_dir=str(tmp / "t"),
+                                   rate_limit=RateLimit(requests_per_s=0.2, burst=3),
+                                   **{**common, "auth": Auth(token_file=str(tokens), reload_s=0.2, read_auth=True)}),
+            "over": ServiceConfig(stream="guard-over", snapshot_dir=str(tmp / "o"), overload=Overload(router_inflight=1),
+                                  **common),
+        }
+        for name, config in apps.items():
+            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", tokens=tokens, issued=issued, redis=redis.Redis.from_url(url))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if server is not None:
+            server.stop()
+        if token_before is None:
+            os.environ.pop("ANDROMEDA_WRITE_TOKEN", None)
+        else:
+            os.environ["ANDROMEDA_WRITE_TOKEN"] = token_before
+
+
+def post(url: str, body, token: str | None = None, headers: dict | None = None) -> requests.Response:
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    return requests.post(url, data=json.dumps(body), timeout=30,
+                         headers={"Content-Type": "application/json", **auth, **(headers or {})})
+
+
+def ad(ad_id: int, version: int, advertiser: int, country: str = "IS") -> dict:
+    event = upsert(ad_id, version, {"country": {"any_of": [country]}})
+    event["ad"]["advertiser_id"] = advertiser
+    return event
+
+
+def eventually(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def indexed(svc, app: str, ad_id: int) -> dict | None:
+    got = requests.get(f"{svc.url}/{app}/v1/ads/{ad_id}", timeout=10)
+    return got.json() if got.status_code == 200 else None
+
+
+def stream_lengths(svc, base: str, shards: int) -> list[int]:
+    return [svc.redis.xlen(f"{base}:{s}") for s in range(shards)]
+
+
+def refused(got: requests.Response, status: int, field: str) -> bool:
+    return got.status_code == status and got.json()["error"]["field"] == field
+
+
+# -- write-path authorisation ----------------------------------------------------------------------
+
+def test_a_write_needs_a_valid_writer_token(svc):
+    events = [ad(700_001, 1, 7)]
+    url = f"{svc.url}/auth/v1/ad-events"
+    before = stream_lengths(svc, "guard-auth", 2)
+    missing = post(url, events)
+    assert missing.status_code == 401 and missing.headers["WWW-Authenticate"] == "Bearer"
+    assert refused(post(url, events, "nobody.c2VjcmV0"), 401, "Authorization")
+    assert refused(post(url, events, svc.issued["acme"] + "x"), 401, "Authorization")
+    assert refused(post(url, events, svc.issued["viewer"]), 403, "Authorization")
+    assert stream_lengths(svc, "guard-auth", 2) == before
+
+
+def test_an_advertiser_writes_only_its_own_ads_and_cannot_move_one(svc):
+    url, acme, globex = f"{svc.url}/auth/v1/ad-events", svc.issued["acme"], svc.issued["globex"]
+    got = post(url, [ad(700_010, 1, 7), {"op": "pause", "ad_id": 700_010, "version": 2}], acme)  # created in the batch
+    assert got.status_code == 200, got.text
+    assert eventually(lambda: (indexed(svc, "auth", 700_010) or {}).get("version") == 2)
+    before = stream_lengths(svc, "guard-auth", 2)
+    assert refused(post(url, [ad(700_011, 1, 8)], acme), 403, "[0].ad.advertiser_id")  # another advertiser's id
+    assert refused(post(url, [ad(700_012, 1, 8), ad(700_010, 3, 8)], globex), 403, "[1].ad.ad_id")  # the move
+    assert refused(post(url, [{"op": "resume", "ad_id": 700_010, "version": 3}], globex), 403, "[0].ad_id")
+    assert refused(post(url, [{"op": "delete", "ad_id": 700_013, "version": 1}], globex), 403, "[0].ad_id")  # not indexed
+    assert stream_lengths(svc, "guard-auth", 2) == before  # a refused batch writes nothing, not even its good part
+    state = indexed(svc, "auth", 700_010)
+    assert state["advertiser_id"] == 7 and state["version"] == 2
+    assert post(url, [{"op": "resume", "ad_id": 700_010, "version": 3}], acme).status_code == 200
+    moved = post(url, [ad(700_010, 4, 8)], ADMIN)  # operators may move an ad
+    assert moved.status_code == 200, moved.text
+    assert eventually(lambda: (indexed(svc, "auth", 700_010) or {}).get("advertiser_id") == 8)
+    assert refused(post(url, [ad(700_010, 5, 7)], acme), 403, "[0].ad.ad_id")  # no longer acme's
+
+
+def test_the_token_file_is_reloaded_without_a_restart(svc):
+    url = f"{svc.url}/auth/v1/ad-events"
+    assert refused(post(url, [ad(700_020, 1, 9)], "initech.bm90LXlldA"), 401, "Authorization")
+    token = add_token(svc.tokens, "initech", "advertiser", 9)
+    assert eventually(lambda: post(url, [ad(700_020, 1, 9)], token).status_code == 200)
+    good = svc.tokens.read_text()
+    svc.tokens.write_text("{ not json")  # a broken file keeps the tokens already loaded
+    time.sleep(0.6)
+    assert post(url, [ad(700_020, 2, 9)], token).status_code == 200
+    data = json.loads(good)
+    data["tokens"] = [t for t in data["tokens"] if t["name"] != "initech"]
+    svc.tokens.write_text(json.dumps(data))  # revoked
+    assert eventually(lambda: post(url, [ad(700_020, 3, 9)], token).status_code == 401)
+
+
+def test_no_token_reaches_a_log(svc):
+    for token in (ADMIN, *svc.issued.values()):
+        post(f"{svc.url}/auth/v1/ad-events", [{"op": "pause", "ad_id": 1, "version": 1}], token)
+        post(f"{svc.url}/auth/v1/ad-events", [{"op": "explode"}], token + "-wrong")
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    files = [p for p in logs.rglob("*") if p.is_file()]
+    assert any("router" in p.read_text(errors="replace") for p in files)  # the routers do log
+    for p in files:
+        text = p.read_text(errors="replace")
+        for token in (ADMIN, *svc.issued.values()):
+            assert token not in text, p
+
+
+# -- limits ----------------------------------------------------------------------------------------
+
+def user(**fields) -> dict:
+    return {"user": {"user_id": 1, **fields}, "context": {"ts": NOW}, "k": 10}
+
+
+@pytest.mark.parametrize("path, body, field, limit", [
+    ("/v1/retrieve", {**user(), "k": 51}, "k", "limits.k"),
+    ("/v1/retrieve", user(history=[{"ad_id": i, "event": "click", "ts": 1} for i in range(5)]), "user.history",
+     "limits.history"),
+    ("/v1/retrieve", user(attributes={"interests": ["running", "yoga", "hiking", "chess"]}), "user.attributes.interests",
+     "limits.values_per_category"),
+    ("/v1/retrieve", user(attributes={"country": "X" * 17}), "user.attributes.country", "limits.string_chars"),
+    ("/v1/retrieve:batch", [user()] * 5, "body", "limits.batch_requests"),
+    ("/v1/retrieve:batch", [user(), {**user(), "k": 99}], "[1].k", "limits.k"),
+])
+def test_each_limit_is_a_422_naming_the_field_and_the_limit(svc, path, body, field, limit):
+    got = post(f"{svc.url}/auth{path}", body)
+    assert refused(got, 422, field), got.text
+    assert limit in got.json()["error"]["message"]
+    assert post(f"{svc.url}/auth/v1/retrieve", {**user(), "k": 50}).status_code == 200  # at the limit
+
+
+def test_too_many_events_is_a_422_naming_the_limit(svc):
+    got = post(f"{svc.url}/auth/v1/ad-events", [ad(700_030 + i, 1, 7) for i in range(4)], svc.issued["acme"])
+    assert refused(got, 422, "body") and "max_events_per_request" in got.json()["error"]["message"]
+
+
+def test_a_body_past_the_limit_is_a_413_with_or_without_content_length(svc):
+    body = json.dumps({**user(attributes={"interests": ["running"]}), "pad": "x" * 5000}).encode()
+    sized = requests.post(f"{svc.url}/auth/v1/retrieve", data=body, headers={"Content-Type": "application/json"}, timeout=10)
+    assert refused(sized, 413, "body") and "limits.body_bytes" in sized.json()["error"]["message"]
+    chunked = requests.post(f"{svc.url}/auth/v1/retrieve", data=iter([body[:3000], body[3000:]]),
+                            headers={"Content-Type": "application/json"}, timeout=10)
+    assert "Content-Length" not in chunked.request.headers
+    assert refused(chunked, 413, "body")
+    small = json.dumps(user()).encode()
+    ok = requests.post(f"{svc.url}/auth/v1/retrieve", data=iter([small[:5], small[5:]]),
+                       headers={"Content-Type": "application/json"}, timeout=10)
+    assert ok.status_code == 200, ok.text
+
+
+# -- read auth and the rate limit ------------------------------------------------------------------
+
+def test_read_auth_and_a_token_bucket_per_caller(svc):
+    url = f"{svc.url}/tight/v1/retrieve"
+    assert refused(post(url, user()), 401, "Authorization")
+    assert refused(post(url, user(), "viewer.wrong"), 401, "Authorization")
+    statuses = [post(url, user(), svc.issued["viewer"]) for _ in range(4)]  # burst 3, refill one per 5 s
+    assert [r.status_code for r in statuses[:3]] == [200, 200, 200]
+    limited = statuses[3]
+    assert refused(limited, 429, "Authorization") and "rate_limit.requests_per_s" in limited.json()["error"]["message"]
+    assert 1 <= int(limited.headers["Retry-After"]) <= 5
+    assert post(url, user(), svc.issued["acme"]).status_code == 200  # another caller has its own bucket
+    text = requests.get(f"{svc.url}/tight/metrics", timeout=10).text
+    assert 'andromeda_errors_total{cause="rate_limited"} 1.0' in text
+
+
+# -- overload and deadlines ------------------------------------------------------------------------
+
+def test_past_the_inflight_bound_requests_get_a_fast_503_and_never_a_wrong_answer(svc):
+    assert post(f"{svc.url}/over/v1/ad-events", [ad(700_040 + i, 1, 7) for i in range(40)], ADMIN).status_code == 200
+    body = [{**user(attributes={"country": "IS"}, history=[{"ad_id": 700_041, "event": "click", "ts": 1}]), "k": 10}] * 64
+    def served() -> bool:
+        got = post(f"{svc.url}/over/v1/retrieve:batch", body)
+        return got.status_code == 200 and len(got.json()["responses"][0]["ads"]) == 10
+
+    assert eventually(served), post(f"{svc.url}/over/v1/retrieve:batch", body).text
+    want = post(f"{svc.url}/over/v1/retrieve:batch", body).json()["responses"]
+    replies: list[requests.Response] = []
+
+    def one():
+        replies.append(post(f"{svc.url}/over/v1/retrieve:batch", body))
+
+    threads = [threading.Thread(target=one) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in replies)
+    assert set(codes) == {200, 503}, codes
+    for r in replies:
+        if r.status_code == 503:
+            assert r.json()["error"]["category"] == "overloaded" and r.headers["Retry-After"] == "1"
+        else:
+            assert [[a["ad_id"] for a in x["ads"]] for x in r.json()["responses"]] == \
+                   [[a["ad_id"] for a in x["ads"]] for x in want]
+
+
+def test_the_deadline_header_is_honoured(svc):
+    url = f"{svc.url}/over/v1/retrieve:batch"
+    body = [{**user(history=[{"ad_id": 700_041 + i % 8, "event": "click", "ts": 1} for i in range(8)]), "k": 10}] * 64
+    late = post(url, body, headers={"X-Request-Timeout-Ms": "1"})
+    assert refused(late, 504, "X-Request-Timeout-Ms") and late.json()["error"]["category"] == "deadline_exceeded"
+    for bad in ("0", "abc", "600001"):
+        assert refused(post(url, body, headers={"X-Request-Timeout-Ms": bad}), 422, "X-Request-Timeout-Ms")
+    assert post(url, body, headers={"X-Request-Timeout-Ms": "20000"}).status_code == 200

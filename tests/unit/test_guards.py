@@ -1,0 +1,103 @@
+"""Token store, token file, token buckets, request limits and credential redaction (no Ray, no Redis)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from andromeda_core.config import install_log_redaction, redact
+from andromeda_core.errors import InvalidInput
+from andromeda_core.types import parse_request
+from deployments.auth import ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
+from deployments.config import Limits
+from deployments.limits import TokenBuckets, check_requests, retry_after
+
+
+def test_tokens_verify_by_role_and_the_file_holds_no_token(tmp_path):
+    path = tmp_path / "tokens.json"
+    acme = add_token(path, "acme", "advertiser", 7)
+    viewer = add_token(path, "viewer", "reader")
+    assert acme not in path.read_text() and acme.split(".")[1] not in path.read_text()
+    store = TokenStore("the-admin-token", str(path))
+    assert store.verify("the-admin-token") == ADMIN
+    assert store.verify(acme).advertiser_id == 7 and store.verify(acme).can_write
+    assert store.verify(viewer).role == "reader" and not store.verify(viewer).can_write
+    for wrong in ("", "the-admin-token ", acme[:-1], acme + "A", "viewer." + acme.split(".")[1], "nobody.x", "."):
+        assert store.verify(wrong) is None, wrong
+    assert TokenStore(None, None).verify("") is None and not TokenStore(None, None).writes_enabled
+
+
+def test_a_changed_file_is_reloaded_and_a_broken_one_keeps_the_old_tokens(tmp_path):
+    path = tmp_path / "tokens.json"
+    acme = add_token(path, "acme", "advertiser", 7)
+    store = TokenStore(None, str(path), reload_s=0)
+    globex = add_token(path, "globex", "advertiser", 8)
+    assert store.verify(globex).advertiser_id == 8
+    path.write_text("{")
+    assert store.verify(acme) is not None and store.reload_errors == 1
+    path.write_text(json.dumps({"tokens": []}))
+    assert store.verify(acme) is None
+    path.write_text("[]")
+    with pytest.raises(TokenFileError):
+        TokenStore(None, str(path))  # at start a bad file is a failed start
+
+
+@pytest.mark.parametrize("entry, field", [
+    ({"name": "a b"}, "tokens[0].name"),
+    ({"role": "root"}, "tokens[0].role"),
+    ({"advertiser_id": "7"}, "tokens[0].advertiser_id"),
+    ({"salt": "zz"}, "tokens[0]"),
+    ({"hash": "00"}, "tokens[0]"),
+])
+def test_a_bad_token_file_names_the_field(entry, field):
+    good = new_token("acme", "advertiser", 7)[1]
+    with pytest.raises(TokenFileError) as info:
+        parse_token_file(json.dumps({"tokens": [{**good, **entry}]}))
+    assert info.value.field == field
+    with pytest.raises(TokenFileError, match="duplicate"):
+        parse_token_file(json.dumps({"tokens": [good, good]}))
+
+
+def test_token_bucket_allows_a_burst_then_refills_and_stays_bounded():
+    buckets = TokenBuckets(rate=2.0, burst=3, callers=2)
+    assert [buckets.take("a", now=0.0) for _ in range(3)] == [0, 0, 0]
+    assert buckets.take("a", now=0.0) == pytest.approx(0.5)
+    assert buckets.take("a", now=0.5) == 0  # one token back after 1/rate s
+    assert buckets.take("b", now=0.5) == 0 and buckets.take("c", now=0.5) == 0
+    assert len(buckets._buckets) == 2  # "a", the least recently seen, was dropped
+    assert retry_after(0.01) == "1" and retry_after(2.2) == "3"
+
+
+@pytest.mark.parametrize("user, k, field", [
+    ({}, 11, "k"),
+    ({"history": [{"ad_id": 1, "event": "click", "ts": 1}] * 3}, 1, "user.history"),
+    ({"cohorts": [1, 2, 3]}, 1, "user.cohorts"),
+    ({"attributes": {"interests": ["running", "yoga", "chess"]}}, 1, "user.attributes.interests"),
+    ({"attributes": {"interests": ["running", "x" * 9]}}, 1, "user.attributes.interests[1]"),
+    ({"attributes": {"country": "x" * 9}}, 1, "user.attributes.country"),
+    ({"co_engagement": [{"ad_id": 1, "surface": "s" * 9}]}, 1, "user.co_engagement[0].surface"),
+])
+def test_each_request_limit_names_the_field_and_the_limit(user, k, field):
+    limits = Limits(k=10, history=2, cohorts=2, values_per_category=2, string_chars=8)
+    request = parse_request({"user": {"user_id": 1, **user}, "k": k})
+    with pytest.raises(InvalidInput) as info:
+        check_requests(limits, [parse_request({"user": {"user_id": 2}, "k": 1})] * 2 + [request], "[{}].")
+    assert info.value.field == f"[2].{field}" and "limits." in info.value.message
+    check_requests(Limits(), [request], "")  # within the defaults
+
+
+def test_credentials_are_redacted_in_messages_and_logs(caplog):
+    url = "redis://andromeda:pa55word@redis.internal:6379/0"
+    assert "pa55word" not in redact(f"cannot reach {url}") and "redis.internal:6379" in redact(url)
+    assert "pa55word" not in redact("rediss://:pa55word@h:6380?ssl_cert_reqs=required")
+    assert "pa55word" not in redact("unix:///run/redis.sock?password=pa55word&db=0")
+    install_log_redaction()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("andromeda.test").info("connecting to %s", url)
+        try:
+            raise ConnectionError(f"Error connecting to {url}")
+        except ConnectionError:
+            logging.getLogger("andromeda.test").exception("failed")
+    assert "pa55word" not in caplog.text and "redis.internal" in caplog.text
