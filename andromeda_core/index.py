@@ -16,6 +16,11 @@ slot bookkeeping is planned on an overlay, before the first column is written; t
 the plan only once every write is made. Scans share the read side of a writer-preferring read/write
 lock and a batch is written under its write side, so any number of scans run together and none sees
 part of a batch.
+
+Parts, one job each: andromeda_core.ops (batches of ops in columns), andromeda_core.slots (which slot
+holds which ad, versions, tombstones, free slots; a batch's plan), andromeda_core.writer (upsert rows into
+the columns' formats, and the writes of a plan), andromeda_core.clauses (the clause dictionary),
+andromeda_core.locks; this module holds the table, applies batches and serves reads.
 """
 from __future__ import annotations
 
@@ -26,19 +31,19 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from andromeda_core.clauses import ClauseDictionary, row_clauses
-from andromeda_core.errors import InvalidInput, NotFound
+from andromeda_core.clauses import ClauseDictionary
+from andromeda_core.errors import NotFound
 from andromeda_core.locks import ReadWriteLock
 from andromeda_core.ops import INT64_MAX, INT64_MIN, IndexOp, OpBatch
-from andromeda_core.quantization import dequantize, int8_blocks, quantize_int8
+from andromeda_core.quantization import dequantize, int8_blocks
 from andromeda_core.schema import Schema
 from andromeda_core.slots import SlotBook, SlotPlan
-from andromeda_core.targeting import ColumnSpec, UserValues, targeting_columns
+from andromeda_core.targeting import ColumnSpec, UserValues
+from andromeda_core.writer import RowWriter
 from kernels import dispatch
 from kernels.reference.fused import ALWAYS
 from kernels.reference.match import ACTIVE, LIVE, SATISFIABLE
 
-CORE_ROW_COLUMNS = ("ad_id", "advertiser_id", "start", "end", "bid", "status", "embedding")  # in every upsert row
 REFS_WIDTH = 6  # clause refs per ad; an ad with more keeps 5 and a compound of the rest
 
 
@@ -65,17 +70,12 @@ class AdIndex:
         if dim < 1 or capacity < 1:
             raise ValueError("dim and capacity must be positive")
         self.schema, self.dim, self.device = schema, dim, torch.device(device)
-        self._targeting = targeting_columns(schema)  # the compiled rows an upsert brings (turned into refs)
         self.specs = core_columns(dim, embedding_dtype, exact_copy, refs_width)
-        # what an upsert row of each column must look like, whatever the storage format
-        self._row_specs = {**{name: self.specs[name] for name in CORE_ROW_COLUMNS},
-                           "embedding": ColumnSpec((dim,), torch.float32, 0), **self._targeting}
+        self._writer = RowWriter(schema, dim, self.specs, self.device)
         self.columns = {name: self._filled(spec, capacity) for name, spec in self.specs.items()}
         self.clauses = ClauseDictionary(schema, refs_width)
         self._book = SlotBook(capacity)
         self._lock = ReadWriteLock()
-        # value indices a list column may hold: -1 (padding) up to the category's size (exclusive)
-        self._list_sizes = {f"{c.name}.{side}": c.size for c in schema.list_categories for side in ("pos", "neg")}
 
     def _filled(self, spec: ColumnSpec, n: int) -> torch.Tensor:
         return torch.full((n, *spec.shape), spec.fill, dtype=spec.dtype, device=self.device)
@@ -252,18 +252,19 @@ class AdIndex:
             raise ValueError("can only adopt an index with the same schema and embedding width")
         with self._lock.exclusive():
             self.specs, self.columns, self._book, self.clauses = other.specs, other.columns, other._book, other.clauses
+            self._writer = other._writer
 
     # -- writing ---------------------------------------------------------------------------------
 
     def apply(self, ops: Sequence[IndexOp] | OpBatch) -> list[bool]:
         """Apply a batch atomically; returns, per op, whether it changed the index (False = stale no-op).
         All or nothing: should anything fail (InvalidInput for rows that do not fit), the index is unchanged."""
-        batch = ops if isinstance(ops, OpBatch) else OpBatch.from_ops(ops, self.dim, self._targeting)
-        specs = self.specs
-        staged = self._stage(batch.rows)  # before the lock: scans go on while rows are checked and converted
+        writer = self._writer
+        batch = ops if isinstance(ops, OpBatch) else OpBatch.from_ops(ops, self.dim, writer.targeting)
+        staged = writer.stage(batch.rows)  # before the lock: scans go on while rows are checked and converted
         with self._lock.exclusive():
-            if specs is not self.specs:  # adopt() changed the layout meanwhile
-                staged = self._stage(batch.rows)
+            if writer is not self._writer:  # adopt() changed the layout meanwhile
+                staged = self._writer.stage(batch.rows)
             plan = SlotPlan(self._book, self.capacity)
             applied = [plan.op(*op) for op in zip(batch.op.tolist(), batch.ad_id.tolist(), batch.version.tolist(),
                                                   batch.row.tolist())]
@@ -282,44 +283,6 @@ class AdIndex:
             self._commit(plan, {})
             return len(slots)
 
-    def _stage(self, rows: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Upsert rows -> device tensors in the columns' dtypes (the embedding in the storage format, with its
-        scale and exact copy where kept) and, under "clauses", each row's clause refs (interned when written).
-        Raises InvalidInput for rows that do not fit the table."""
-        self._check_rows(rows)
-        if not len(rows["ad_id"]):
-            return {}  # no upserts: nothing to convert (and nothing to quantise)
-        staged: dict[str, Any] = {name: torch.from_numpy(np.ascontiguousarray(values)).to(self.device, self.specs[name].dtype)
-                                  for name, values in rows.items() if name in self.specs and name != "embedding"}
-        staged["clauses"] = row_clauses(self.schema, {n: v for n, v in rows.items() if n in self._targeting},
-                                        len(rows["ad_id"]))
-        exact = torch.from_numpy(np.ascontiguousarray(rows["embedding"], dtype=np.float32))
-        if "embedding_scale" in self.specs:  # on the CPU whatever the device: replicas store the same bytes
-            quantized, scale = quantize_int8(exact)
-            staged["embedding"], staged["embedding_scale"] = quantized.to(self.device), scale.to(self.device)
-        else:
-            staged["embedding"] = exact.to(self.device, self.specs["embedding"].dtype)
-        if "embedding_exact" in self.specs:
-            staged["embedding_exact"] = exact.to(self.device)
-        return staged
-
-    def _check_rows(self, rows: dict[str, np.ndarray]) -> None:
-        """Raise InvalidInput unless every row column is known, shaped (u, *row shape), of the right kind, finite
-        (embeddings) and within its category (list value indices: a scan would index past the user's table)."""
-        u = len(rows["ad_id"])
-        for name, values in rows.items():
-            spec = self._row_specs.get(name)
-            if spec is None:
-                raise InvalidInput(f"no row column {name} in this index", name)
-            if values.shape != (u, *spec.shape) or (values.dtype.kind == "f") != spec.dtype.is_floating_point:
-                raise InvalidInput(f"{values.dtype} rows of shape {values.shape}; the column takes "
-                                   f"{'float' if spec.dtype.is_floating_point else 'integer'} rows of shape {spec.shape}", name)
-            size = self._list_sizes.get(name)
-            if size is not None and ((values < -1) | (values >= size)).any():
-                raise InvalidInput(f"value indices outside [-1, {size})", name)
-        if not np.isfinite(rows["embedding"]).all():
-            raise InvalidInput("embeddings must be finite", "embedding")
-
     def _commit(self, plan: SlotPlan, staged: dict[str, Any]) -> None:
         """Make the plan's writes (into grown copies when the batch needs more slots), then commit its bookkeeping
         and drop the clause references of the rows it overwrote or freed."""
@@ -330,7 +293,7 @@ class AdIndex:
             for row in plan.row_at.values():
                 refs[row] = self.clauses.refs(staged["clauses"][row])
             staged = {**staged, "refs": torch.from_numpy(refs).to(self.device)}
-        for name, slots, values in self._writes(plan, staged, columns):  # computed in full: nothing fails midway
+        for name, slots, values in self._writer.writes(plan, staged, columns):  # computed in full: nothing fails midway
             columns[name][slots] = values
         self.clauses.release(replaced.cpu().numpy())
         self.columns = columns
@@ -348,31 +311,3 @@ class AdIndex:
             grown[name] = self._filled(spec, capacity)
             grown[name][: self.capacity] = self.columns[name]
         return grown
-
-    def _writes(self, plan: SlotPlan, staged: dict[str, Any],
-                columns: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.Tensor | int]]:
-        """(column, slots, values) for whole rows, freed slots (reset to fill), then status and version."""
-        def index(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-        writes: list[tuple[str, torch.Tensor, torch.Tensor | int]] = []
-        if plan.row_at:
-            slots, rows = index(list(plan.row_at)), index(list(plan.row_at.values()))
-            writes += [(name, slots, staged[name][rows] if name in staged else spec.fill)
-                       for name, spec in self.specs.items() if name not in ("status", "version")]
-        if plan.freed:
-            slots = index(plan.freed)
-            writes += [(name, slots, spec.fill) for name, spec in self.specs.items()]
-        if plan.ad_at:
-            touched = list(plan.ad_at)
-            status = columns["status"][index(touched)]
-            with_row = [j for j, slot in enumerate(touched) if slot in plan.row_at]
-            if with_row:
-                status[index(with_row)] = staged["status"][index([plan.row_at[touched[j]] for j in with_row])]
-            flipped = [j for j, slot in enumerate(touched) if slot in plan.active]
-            if flipped:
-                bits = index([ACTIVE if plan.active[touched[j]] else 0 for j in flipped]).to(torch.int8)
-                status[index(flipped)] = (status[index(flipped)] & ~ACTIVE) | bits
-            versions = index([plan.version[plan.ad_at[slot]] for slot in touched])
-            writes += [("status", index(touched), status), ("version", index(touched), versions)]
-        return writes
