@@ -156,6 +156,48 @@ def test_redis_crash_under_load_loses_no_acknowledged_event_and_replicas_match_t
         server.stop()
 
 
+# -- a slow consumer --------------------------------------------------------------------------------
+
+def test_a_slow_consumer_reports_lag_fails_health_and_holds_one_read_at_a_time(setup, monkeypatch):
+    """Publishing outruns a consumer whose applies are slowed: its lag passes max_lag_s (the health check and
+    so readiness fail, with the reason; the lag gauge crosses the alert's threshold), it never holds more
+    than one read (`count` entries) in memory, and once the burst is over it catches up and is healthy."""
+    client, publisher, make = setup
+    consumer = make(count=50)
+    real_apply, read_sizes = consumer.index.apply, []
+    real_read = consumer._apply_read
+
+    def slow_apply(batch):
+        time.sleep(0.05)
+        return real_apply(batch)
+
+    def counted_read(entries):
+        read_sizes.append(len(entries))
+        return real_read(entries)
+
+    monkeypatch.setattr(consumer.index, "apply", slow_apply)
+    monkeypatch.setattr(consumer, "_apply_read", counted_read)
+    consumer.start()
+    max_lag_s, peak, unhealthy = 1.0, 0.0, []
+    try:
+        for b in range(20):
+            publisher.publish([upsert(b * 100 + i + 1) for i in range(100)])
+        while not consumer.caught_up or consumer.stats.last_id != client.xinfo_stream(SHARD0)["last-generated-id"].decode():
+            peak = max(peak, consumer.stats.lag_seconds())
+            healthy, reason = consumer.health(max_lag_s)
+            if not healthy:
+                unhealthy.append(reason)
+            time.sleep(0.05)
+            assert consumer.alive
+        assert unhealthy and "unapplied entries have waited" in unhealthy[-1] and peak > max_lag_s
+        assert max(read_sizes) <= 50 and len(consumer.index) == 2000
+        assert wait_for(lambda: consumer.health(max_lag_s) == (True, "ok"))
+    finally:
+        consumer.stop()
+    FIGURES["slow consumer: peak lag s"] = round(peak, 2)
+    FIGURES["slow consumer: largest read held"] = max(read_sizes)
+
+
 # -- corrupted snapshots ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])

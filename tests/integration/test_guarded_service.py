@@ -52,6 +52,7 @@ def svc(tmp_path_factory):
                                    **{**common, "auth": Auth(token_file=str(tokens), reload_s=0.2, read_auth=True)}),
             "over": ServiceConfig(stream="guard-over", snapshot_dir=str(tmp / "o"), overload=Overload(router_inflight=1),
                                   **common),
+            "ha": ServiceConfig(stream="guard-ha", replicas=2, snapshot_dir=str(tmp / "h"), **common),
         }
         for name, config in apps.items():
             serve.run(build_app(config), name=name, route_prefix=f"/{name}")
@@ -260,3 +261,44 @@ def test_the_deadline_header_is_honoured(svc):
     for bad in ("0", "abc", "600001"):
         assert refused(post(url, body, headers={"X-Request-Timeout-Ms": bad}), 422, "X-Request-Timeout-Ms")
     assert post(url, body, headers={"X-Request-Timeout-Ms": "20000"}).status_code == 200
+
+
+# -- a shard replica killed under open-loop load ------------------------------------------------------
+
+FIGURES: dict[str, object] = {}
+
+
+def test_a_killed_shard_replica_costs_at_most_503s_never_a_wrong_answer(svc):
+    """Open-loop load (a request every 50 ms on a fixed schedule, each on its own thread) against a shard
+    with two replicas; one replica is killed a second in. Every answer is a 200 equal to the answer before
+    the kill, or a 503; Serve replaces the replica."""
+    assert post(f"{svc.url}/ha/v1/ad-events", [ad(701_000 + i, 1, 7) for i in range(60)], ADMIN).status_code == 200
+    body = {**user(attributes={"country": "IS"}), "k": 20}
+
+    def answer():
+        got = post(f"{svc.url}/ha/v1/retrieve", body)
+        return got.status_code, [a["ad_id"] for a in got.json().get("ads", [])] if got.status_code == 200 else None
+
+    assert eventually(lambda: len(answer()[1] or []) == 20)
+    want = answer()[1]
+    results: list[tuple[int, list | None]] = []
+    threads: list[threading.Thread] = []
+    started, rate, total = time.monotonic(), 20.0, 120
+    for n in range(total):
+        time.sleep(max(0.0, started + n / rate - time.monotonic()))
+        if n == 20:
+            victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                          if a["name"].startswith("SERVE_REPLICA::ha#shard-0#"))
+            ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+        thread = threading.Thread(target=lambda: results.append(answer()))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    codes = [code for code, _ in results]
+    wrong = [ids for code, ids in results if code == 200 and ids != want]
+    assert len(results) == total and set(codes) <= {200, 503} and wrong == []
+    assert codes.count(200) >= total // 2  # the other replica kept answering
+    FIGURES.update({"requests under the kill": total, "answered 200": codes.count(200), "503": codes.count(503),
+                    "wrong answers": len(wrong)})
+    print("\nreplica-kill figures:", FIGURES)
