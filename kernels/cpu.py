@@ -118,9 +118,9 @@ def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, r
     """kernels.reference.fused.clause_match on CPU tensors."""
     status, start, end, refs, truth, now = (t.contiguous() for t in (status, start, end, refs, truth, now))
     n, B = status.shape[0], now.shape[0]
-    out = torch.empty((B, n), dtype=torch.uint8)
+    out = torch.empty((B, n), dtype=torch.bool)  # one byte each: the kernel writes 0 or 1
     i64 = ctypes.c_int64
     library().clause_match(i64(n), i64(refs.shape[1]), _pointer(status), _pointer(start), _pointer(end),
                            _pointer(refs), i64(B), i64(truth.shape[1]), _pointer(now), _pointer(truth),
                            ctypes.c_int(torch.get_num_threads()), _pointer(out))
-    return out.bool()
+    return out
