@@ -1,9 +1,14 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import pytest
+import ray
 import redis
+from ray import serve
 
 from andromeda_core.index import AdIndex
 from index_updater.consumer import ShardConsumer
@@ -34,3 +39,32 @@ def setup(redis_server, small_schema, scorer):
                              block_ms=10, **kwargs)
 
     return client, Publisher(client, small_schema, scorer), consumer
+
+
+@contextmanager
+def redis_for(tmp: Path) -> Iterator[str]:
+    """REDIS_URL's Redis, or a private redis-server in `tmp` (stopped after): yields its URL."""
+    server = None if os.environ.get("REDIS_URL") else LocalRedis(tmp / "redis").start()
+    try:
+        yield os.environ.get("REDIS_URL") or server.url
+    finally:
+        if server is not None:
+            server.stop()
+
+
+@contextmanager
+def local_ray(env: dict[str, str]) -> Iterator[None]:
+    """A local Ray (2 CPUs) whose workers inherit `env`; after: Serve and Ray shut down, the environment restored."""
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -5,7 +5,6 @@ in flight per router)."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,8 @@ from ray import serve
 from deployments.app import build_app
 from deployments.auth import add_token
 from deployments.config import Auth, Limits, Overload, RateLimit, ServiceConfig
-from index_updater.local_redis import LocalRedis, free_port
+from index_updater.local_redis import free_port
+from tests.integration.conftest import local_ray, redis_for
 from tests.conftest import upsert
 
 ADMIN = "admin-token-for-the-guard-tests"
@@ -30,42 +30,29 @@ NOW = 1_767_000_000
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guarded")
-    server = None if os.environ.get("REDIS_URL") else LocalRedis(tmp / "redis").start()
-    url = os.environ.get("REDIS_URL") or server.url
-    tokens = tmp / "tokens.json"
-    names = {"acme": ("advertiser", 7), "globex": ("advertiser", 8), "viewer": ("reader", None)}
-    issued = {name: add_token(tokens, name, role, adv) for name, (role, adv) in names.items()}
-    token_before = os.environ.get("ANDROMEDA_WRITE_TOKEN")
-    os.environ["ANDROMEDA_WRITE_TOKEN"] = ADMIN  # the routers' workers inherit it
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        common = dict(redis_url=url, snapshot_every_s=5, shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=5,
-                      auth=Auth(token_file=str(tokens), reload_s=0.2))
-        apps = {
-            "auth": ServiceConfig(stream="guard-auth", shards=2, max_events_per_request=3, snapshot_dir=str(tmp / "a"),
-                                  limits=Limits(body_bytes=4096, k=50, batch_requests=4, history=4, values_per_category=3,
-                                                string_chars=16), **common),
-            "tight": ServiceConfig(stream="guard-tight", snapshot_dir=str(tmp / "t"),
-                                   rate_limit=RateLimit(requests_per_s=0.2, burst=3),
-                                   **{**common, "auth": Auth(token_file=str(tokens), reload_s=0.2, read_auth=True)}),
-            "over": ServiceConfig(stream="guard-over", snapshot_dir=str(tmp / "o"), overload=Overload(router_inflight=1),
-                                  **common),
-            "ha": ServiceConfig(stream="guard-ha", replicas=2, snapshot_dir=str(tmp / "h"), **common),
-        }
-        for name, config in apps.items():
-            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", tokens=tokens, issued=issued, redis=redis.Redis.from_url(url))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if server is not None:
-            server.stop()
-        if token_before is None:
-            os.environ.pop("ANDROMEDA_WRITE_TOKEN", None)
-        else:
-            os.environ["ANDROMEDA_WRITE_TOKEN"] = token_before
+    with redis_for(tmp) as url:
+        tokens = tmp / "tokens.json"
+        names = {"acme": ("advertiser", 7), "globex": ("advertiser", 8), "viewer": ("reader", None)}
+        issued = {name: add_token(tokens, name, role, adv) for name, (role, adv) in names.items()}
+        with local_ray({"ANDROMEDA_WRITE_TOKEN": ADMIN}):  # the routers' workers inherit it
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            common = dict(redis_url=url, snapshot_every_s=5, shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=5,
+                          auth=Auth(token_file=str(tokens), reload_s=0.2))
+            apps = {
+                "auth": ServiceConfig(stream="guard-auth", shards=2, max_events_per_request=3, snapshot_dir=str(tmp / "a"),
+                                      limits=Limits(body_bytes=4096, k=50, batch_requests=4, history=4, values_per_category=3,
+                                                    string_chars=16), **common),
+                "tight": ServiceConfig(stream="guard-tight", snapshot_dir=str(tmp / "t"),
+                                       rate_limit=RateLimit(requests_per_s=0.2, burst=3),
+                                       **{**common, "auth": Auth(token_file=str(tokens), reload_s=0.2, read_auth=True)}),
+                "over": ServiceConfig(stream="guard-over", snapshot_dir=str(tmp / "o"), overload=Overload(router_inflight=1),
+                                      **common),
+                "ha": ServiceConfig(stream="guard-ha", replicas=2, snapshot_dir=str(tmp / "h"), **common),
+            }
+            for name, config in apps.items():
+                serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+            yield SimpleNamespace(url=f"http://127.0.0.1:{port}", tokens=tokens, issued=issued, redis=redis.Redis.from_url(url))
 
 
 def post(url: str, body, token: str | None = None, headers: dict | None = None) -> requests.Response:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import ray
 import redis
 import requests
 from ray import serve
@@ -29,7 +27,8 @@ from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import parse_request
 from deployments.config import APP_NAME, ServiceConfig
-from index_updater.local_redis import LocalRedis, free_port
+from index_updater.local_redis import free_port
+from tests.integration.conftest import local_ray, redis_for
 from index_updater.publisher import Publisher
 from tests.k8s.manifests import alert_exprs, grafana_exprs, metric_names, one, rendered, serve_config
 
@@ -60,53 +59,30 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise AssertionError(f"not ready after {timeout_s} s: {last}; serve status: {serve.status()}")
 
 
-def set_env(values: dict[str, str]) -> dict[str, str | None]:
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    return before
-
-
-def restore_env(before: dict[str, str | None]) -> None:
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 @pytest.fixture(scope="module")
 def cpu_dev(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("k8s-cpu-dev")
     overlay_config = serve_config(one(rendered("cpu-dev"), "RayService"))
     service = ServiceConfig.model_validate(overlay_config["applications"][0]["args"])
-    server = None if os.environ.get("REDIS_URL") else LocalRedis(tmp / "redis").start()
-    url = os.environ.get("REDIS_URL") or server.url
-    world = tmp / "world"
-    base_time = (int(time.time()) // 86400 + 12) * 86400  # every window still open while the test runs
-    synthesize(WorldConfig(ads=400, users=10, seed=11, base_time=base_time), world, load_schema())
-    schema = load_schema(service.schema_path)
-    scorer = load_scorer(service.model, schema)
-    Publisher(redis.Redis.from_url(url), schema, scorer, shards=service.shards,
-              stream=service.stream).publish_file(world / "events.jsonl")
-    # The pods' environment: REDIS_URL and the write token from the Secret; Ray's workers inherit it.
-    before = set_env({"REDIS_URL": url, "ANDROMEDA_WRITE_TOKEN": TOKEN})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        config = ServeDeploySchema.model_validate(local_copy(overlay_config, free_port(), tmp / "snapshots"))
-        client = serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location,
-                             grpc_options=config.grpc_options.model_dump(), global_logging_config=config.logging_config,
-                             controller_options=config.controller_options)
-        client.deploy_apps(config)
-        base = f"http://127.0.0.1:{config.http_options.port}"
-        wait_ready(base, READY_TIMEOUT_S)
-        yield SimpleNamespace(url=base, world=world, service=service, schema=schema, scorer=scorer,
-                              overlay_config=overlay_config, deployed=config)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        restore_env(before)
-        if server is not None:
-            server.stop()
+    with redis_for(tmp) as url:
+        world = tmp / "world"
+        base_time = (int(time.time()) // 86400 + 12) * 86400  # every window still open while the test runs
+        synthesize(WorldConfig(ads=400, users=10, seed=11, base_time=base_time), world, load_schema())
+        schema = load_schema(service.schema_path)
+        scorer = load_scorer(service.model, schema)
+        Publisher(redis.Redis.from_url(url), schema, scorer, shards=service.shards,
+                  stream=service.stream).publish_file(world / "events.jsonl")
+        # The pods' environment: REDIS_URL and the write token from the Secret; Ray's workers inherit it.
+        with local_ray({"REDIS_URL": url, "ANDROMEDA_WRITE_TOKEN": TOKEN}):
+            config = ServeDeploySchema.model_validate(local_copy(overlay_config, free_port(), tmp / "snapshots"))
+            client = serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location,
+                                 grpc_options=config.grpc_options.model_dump(), global_logging_config=config.logging_config,
+                                 controller_options=config.controller_options)
+            client.deploy_apps(config)
+            base = f"http://127.0.0.1:{config.http_options.port}"
+            wait_ready(base, READY_TIMEOUT_S)
+            yield SimpleNamespace(url=base, world=world, service=service, schema=schema, scorer=scorer,
+                                  overlay_config=overlay_config, deployed=config)
 
 
 def post(url: str, body) -> requests.Response:

@@ -3,7 +3,6 @@ session. Two applications run side by side over the same corpus: one shard (/one
 from __future__ import annotations
 
 import json
-import os
 import time
 from types import SimpleNamespace
 
@@ -31,7 +30,8 @@ from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import parse_request
 from deployments.app import build_app
 from deployments.config import ServiceConfig
-from index_updater.local_redis import LocalRedis, free_port
+from index_updater.local_redis import free_port
+from tests.integration.conftest import local_ray, redis_for
 from index_updater.publisher import Publisher
 from tests.conftest import upsert
 
@@ -44,40 +44,27 @@ def service(tmp_path_factory):
     """Redis, a tiny trained MoE over a 600-ad synthetic world, and Ray Serve running two applications
     over that corpus: /one with one shard and /two with two."""
     tmp = tmp_path_factory.mktemp("service")
-    server = None if os.environ.get("REDIS_URL") else LocalRedis(tmp / "redis").start()
-    url = os.environ.get("REDIS_URL") or server.url
-    world = tmp / "world"
-    # Its time starts 12 days from now: every ad's window ends after now, so no replica sweeps an ad
-    # that the offline index (which never sweeps) still holds for history lookups.
-    base_time = (int(time.time()) // 86400 + 12) * 86400
-    synthesize(WorldConfig(ads=600, users=12, seed=3, base_time=base_time), world, load_schema())
-    data = load_synthetic(world)
-    model = tmp / "moe.safetensors"
-    train(data, "moe", TrainConfig(steps=3, batch=16, negatives=16), progress=False).save(model, checkpoint_meta(data, 0))
-    token_before = os.environ.get("ANDROMEDA_WRITE_TOKEN")
-    os.environ["ANDROMEDA_WRITE_TOKEN"] = TOKEN  # the router's workers inherit it
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        schema = load_schema()
-        for name, shards in (("one", 1), ("two", 2)):
-            config = ServiceConfig(redis_url=url, stream=f"test-{name}", shards=shards, model=str(model),
-                                   snapshot_dir=str(tmp / name), snapshot_every_s=1, shard_cpus=0.1, router_cpus=0.1,
-                                   shard_timeout_s=3)
-            Publisher(redis.Redis.from_url(url), schema, ModelScorer.load(model, schema), shards=shards,
-                      stream=config.stream).publish_file(world / "events.jsonl")
-            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", world=world, model=model, redis=redis.Redis.from_url(url))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if server is not None:
-            server.stop()
-        if token_before is None:
-            os.environ.pop("ANDROMEDA_WRITE_TOKEN", None)
-        else:
-            os.environ["ANDROMEDA_WRITE_TOKEN"] = token_before
+    with redis_for(tmp) as url:
+        world = tmp / "world"
+        # Its time starts 12 days from now: every ad's window ends after now, so no replica sweeps an ad
+        # that the offline index (which never sweeps) still holds for history lookups.
+        base_time = (int(time.time()) // 86400 + 12) * 86400
+        synthesize(WorldConfig(ads=600, users=12, seed=3, base_time=base_time), world, load_schema())
+        data = load_synthetic(world)
+        model = tmp / "moe.safetensors"
+        train(data, "moe", TrainConfig(steps=3, batch=16, negatives=16), progress=False).save(model, checkpoint_meta(data, 0))
+        with local_ray({"ANDROMEDA_WRITE_TOKEN": TOKEN}):  # the router's workers inherit it
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            schema = load_schema()
+            for name, shards in (("one", 1), ("two", 2)):
+                config = ServiceConfig(redis_url=url, stream=f"test-{name}", shards=shards, model=str(model),
+                                       snapshot_dir=str(tmp / name), snapshot_every_s=1, shard_cpus=0.1, router_cpus=0.1,
+                                       shard_timeout_s=3)
+                Publisher(redis.Redis.from_url(url), schema, ModelScorer.load(model, schema), shards=shards,
+                          stream=config.stream).publish_file(world / "events.jsonl")
+                serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+            yield SimpleNamespace(url=f"http://127.0.0.1:{port}", world=world, model=model, redis=redis.Redis.from_url(url))
 
 
 @pytest.fixture(scope="module")
