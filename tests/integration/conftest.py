@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import ray
@@ -68,3 +69,13 @@ def local_ray(env: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def eventually(condition: Callable[[], bool], timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:
+    """Whether `condition()` holds within `timeout_s`, polled every `poll_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return condition()

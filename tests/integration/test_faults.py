@@ -23,18 +23,12 @@ from index_updater.publisher import DEFAULT_STREAM, Publisher
 from index_updater.records import dead_letter_stream, encode, shard_stream
 from index_updater.snapshots import SnapshotStore
 from tests.conftest import upsert
+from tests.integration.conftest import eventually
 
 SHARD0 = shard_stream(DEFAULT_STREAM, 0)
 FIGURES: dict[str, object] = {}  # printed at the end of the module (-s) for docs/reliability.md
 
 
-def wait_for(condition, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def rebuilt_digest(client: redis.Redis, schema, scorer, stream: str = DEFAULT_STREAM) -> str:
@@ -89,7 +83,7 @@ def test_hostile_entries_go_to_dead_letters_and_never_stop_the_consumer(redis_se
         tried["good"] += 1
         good_id = 100_000 + tried["good"]
         last = publisher.publish([upsert(good_id, 1)])[0]
-        assert wait_for(lambda: consumer.stats.last_id == last, 10), consumer.stats
+        assert eventually(lambda: consumer.stats.last_id == last, 10), consumer.stats
         assert consumer.alive and good_id in consumer.index.ad_ids()
 
     try:
@@ -132,7 +126,7 @@ def test_redis_crash_under_load_loses_no_acknowledged_event_and_replicas_match_t
     thread.start()
     try:
         for at in (300, 800):
-            assert wait_for(lambda: len(acknowledged) >= at, 30)
+            assert eventually(lambda: len(acknowledged) >= at, 30)
             server.kill()
             time.sleep(0.3)
             server.start()
@@ -141,7 +135,7 @@ def test_redis_crash_under_load_loses_no_acknowledged_event_and_replicas_match_t
         ids = {entry_id.decode() for entry_id, _ in client.xrange(SHARD0)}
         lost = [n for n, entry_id in acknowledged.items() if entry_id not in ids]
         last = max(ids, key=lambda i: tuple(map(int, i.split("-"))))
-        assert all(wait_for(lambda r=r: r.stats.last_id == last, 30) for r in replicas)
+        assert all(eventually(lambda r=r: r.stats.last_id == last, 30) for r in replicas)
         want = rebuilt_digest(client, small_schema, scorer)
         assert lost == [] and [r.index.digest() for r in replicas] == [want, want]
         assert all(r.alive for r in replicas) and sum(r.stats.errors for r in replicas) > 0  # they did see the crashes
@@ -191,7 +185,7 @@ def test_a_slow_consumer_reports_lag_fails_health_and_holds_one_read_at_a_time(s
             assert consumer.alive
         assert unhealthy and "unapplied entries have waited" in unhealthy[-1] and peak > max_lag_s
         assert max(read_sizes) <= 50 and len(consumer.index) == 2000
-        assert wait_for(lambda: consumer.health(max_lag_s) == (True, "ok"))
+        assert eventually(lambda: consumer.health(max_lag_s) == (True, "ok"), 20)
     finally:
         consumer.stop()
     FIGURES["slow consumer: peak lag s"] = round(peak, 2)
@@ -280,7 +274,7 @@ def test_redis_auth_acl_user_and_no_password_in_any_message(tmp_path, small_sche
         wrong = f"redis://andromeda:{PASSWORD}-wrong@{host}/0"
         bad = ShardConsumer(redis.Redis.from_url(wrong), AdIndex(small_schema, scorer.dim, capacity=4), scorer.name,
                             block_ms=10).start()
-        assert wait_for(lambda: bad.stats.errors > 0)
+        assert eventually(lambda: bad.stats.errors > 0, 20)
         bad.stop()
         assert "Authentication" in bad.stats.last_error or "WRONGPASS" in bad.stats.last_error
         assert PASSWORD not in bad.stats.last_error and PASSWORD not in bad.health(30)[1]

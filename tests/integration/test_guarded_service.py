@@ -20,7 +20,7 @@ from deployments.app import build_app
 from deployments.auth import add_token
 from deployments.config import Auth, Limits, Overload, RateLimit, ServiceConfig
 from index_updater.local_redis import free_port
-from tests.integration.conftest import local_ray, redis_for
+from tests.integration.conftest import eventually, local_ray, redis_for
 from tests.conftest import upsert
 
 ADMIN = "admin-token-for-the-guard-tests"
@@ -67,13 +67,6 @@ def ad(ad_id: int, version: int, advertiser: int, country: str = "IS") -> dict:
     return event
 
 
-def eventually(condition, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def indexed(svc, app: str, ad_id: int) -> dict | None:

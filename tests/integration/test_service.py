@@ -31,7 +31,7 @@ from andromeda_core.types import parse_request
 from deployments.app import build_app
 from deployments.config import ServiceConfig
 from index_updater.local_redis import free_port
-from tests.integration.conftest import local_ray, redis_for
+from tests.integration.conftest import eventually, local_ray, redis_for
 from index_updater.publisher import Publisher
 from tests.conftest import upsert
 
@@ -125,13 +125,6 @@ def retrieved(service, app: str, ad_id: int, attributes: dict) -> bool:
     return ad_id in [a["ad_id"] for a in post(f"{service.url}/{app}/v1/retrieve", body).json()["ads"]]
 
 
-def eventually(condition, timeout_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def test_published_ads_are_servable_and_removable_within_two_seconds(service):
