@@ -7,9 +7,14 @@ from enum import Enum
 class ErrorCategory(str, Enum):
     INVALID_INPUT = "invalid_input"  # the caller's fault; nothing was changed (HTTP 422)
     NOT_FOUND = "not_found"  # (HTTP 404)
-    UNAUTHORIZED = "unauthorized"  # no valid credentials for a write (HTTP 401)
+    UNAUTHORIZED = "unauthorized"  # no valid credentials (HTTP 401)
+    FORBIDDEN = "forbidden"  # valid credentials that may not do this (HTTP 403)
+    TOO_LARGE = "too_large"  # a body past its limit (HTTP 413)
+    RATE_LIMITED = "rate_limited"  # the caller's rate is spent; retry later (HTTP 429)
     CORRUPT = "corrupt"  # stored data failed its integrity check
     UNAVAILABLE = "unavailable"  # transient; retry (HTTP 503)
+    OVERLOADED = "overloaded"  # a bounded queue is full; nothing was done, retry later (HTTP 503)
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's deadline passed; its work was abandoned (HTTP 504)
 
 
 class AndromedaError(Exception):
@@ -34,6 +39,46 @@ class InvalidInput(AndromedaError):
 
 class NotFound(AndromedaError):
     category = ErrorCategory.NOT_FOUND
+
+
+class Unauthorized(AndromedaError):
+    """A call without a valid bearer token where one is needed."""
+
+    category = ErrorCategory.UNAUTHORIZED
+
+
+class Forbidden(AndromedaError):
+    """A valid token that may not do this (another advertiser's ad, a reader token writing)."""
+
+    category = ErrorCategory.FORBIDDEN
+
+
+class TooLarge(AndromedaError):
+    category = ErrorCategory.TOO_LARGE
+
+
+class RetryLater(AndromedaError):
+    """A refusal the caller should retry after `retry_after` seconds (None: the service's default)."""
+
+    def __init__(self, message: str, field: str | None = None, retry_after: float | None = None):
+        super().__init__(message, field)
+        self.retry_after = retry_after
+
+
+class RateLimited(RetryLater):
+    category = ErrorCategory.RATE_LIMITED
+
+
+class Overloaded(RetryLater):
+    """A bounded queue is full: nothing was done."""
+
+    category = ErrorCategory.OVERLOADED
+
+
+class DeadlineExceeded(AndromedaError):
+    """The request's deadline passed before its answer was ready (the work was abandoned)."""
+
+    category = ErrorCategory.DEADLINE_EXCEEDED
 
 
 class SnapshotCorrupt(AndromedaError):

@@ -30,8 +30,10 @@ import redis
 import torch
 
 from andromeda_core.index import AdIndex
+from andromeda_core.models.serving import load_scorer
 from andromeda_core.ingest import load_events, read_events
 from andromeda_core.retriever import Retriever, UserQuery, compile_requests
+from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import RetrieveRequest, parse_request
@@ -39,7 +41,6 @@ from benchmarks import load_cpu
 from benchmarks.common import DOCS, machine, write_section
 from benchmarks.load_client import bodies, run_step
 from deployments.config import APP_NAME, ServiceConfig
-from deployments.engine import load_schema_of, load_scorer
 from deployments.shard import ShardAnswer
 from index_updater.local_redis import LocalRedis, free_port
 from index_updater.publisher import Publisher
@@ -141,8 +142,8 @@ def service(config: ServiceConfig, world: Path) -> Iterator[str]:
 
     from deployments.app import build_app
 
-    schema = load_schema_of(config)
-    Publisher(redis.Redis.from_url(config.redis_url), schema, load_scorer(config, schema), shards=config.shards,
+    schema = load_schema(config.schema_path)
+    Publisher(redis.Redis.from_url(config.redis_url), schema, load_scorer(config.model, schema), shards=config.shards,
               stream=config.stream).publish_file(world / "events.jsonl")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
@@ -388,8 +389,8 @@ def main() -> None:
         try:
             config = ServiceConfig(redis_url=server.url, shards=args.shards, model=str(args.model) if args.model else None,
                                    device="cpu", snapshot_dir=str(tmp / "snapshots"), port=free_port())
-            schema = load_schema_of(config)
-            scorer = load_scorer(config, schema)
+            schema = load_schema(config.schema_path)
+            scorer = load_scorer(config.model, schema)
             index = AdIndex(schema, scorer.dim)
             load_events(index, schema, scorer, read_events(world / "events.jsonl"))
             retriever = Retriever(index, scorer)

@@ -17,14 +17,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel
 
-from andromeda_core.errors import AndromedaError, ErrorCategory
+from andromeda_core.errors import (AndromedaError, DeadlineExceeded, ErrorCategory, InvalidInput, Overloaded,
+                                   TooLarge, Unauthorized)
 from andromeda_core.types import RetrieveResponse, error_field
 from deployments.limits import retry_after
 
 log = logging.getLogger(__name__)
 
 STATUS = {ErrorCategory.INVALID_INPUT: 422, ErrorCategory.NOT_FOUND: 404, ErrorCategory.UNAUTHORIZED: 401,
-          ErrorCategory.UNAVAILABLE: 503, ErrorCategory.CORRUPT: 500}
+          ErrorCategory.FORBIDDEN: 403, ErrorCategory.TOO_LARGE: 413, ErrorCategory.RATE_LIMITED: 429,
+          ErrorCategory.UNAVAILABLE: 503, ErrorCategory.OVERLOADED: 503, ErrorCategory.DEADLINE_EXCEEDED: 504,
+          ErrorCategory.CORRUPT: 500}
 HEADERS = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}
 
 
@@ -69,52 +72,6 @@ class Health(BaseModel):
     shards: list[dict] = []
 
 
-class Unauthorized(AndromedaError):
-    """A call without a valid bearer token where one is needed."""
-
-    category = ErrorCategory.UNAUTHORIZED
-
-
-class Refused(AndromedaError):
-    """A refusal only HTTP has (the core's ErrorCategory has no slot for it): `status` and `cause` are
-    what the client and the error counter see; `retry_after` (s) becomes the Retry-After header."""
-
-    status, cause = 422, "invalid_input"
-    category = ErrorCategory.INVALID_INPUT
-
-    def __init__(self, message: str, field: str | None = None, retry_after: float | None = None):
-        super().__init__(message, field)
-        self.retry_after = retry_after
-
-
-class Forbidden(Refused):
-    """A valid token that may not do this (another advertiser's ad, a reader token writing)."""
-
-    status, cause = 403, "forbidden"
-
-
-class TooLarge(Refused):
-    status, cause = 413, "too_large"
-
-
-class RateLimited(Refused):
-    status, cause = 429, "rate_limited"
-
-
-class Overloaded(Refused):
-    """A bounded queue is full: retry after Retry-After (nothing was done)."""
-
-    status, cause = 503, "overloaded"
-    category = ErrorCategory.UNAVAILABLE
-
-
-class DeadlineExceeded(Refused):
-    """The request's deadline passed before its answer was ready (the work was abandoned)."""
-
-    status, cause = 504, "deadline_exceeded"
-    category = ErrorCategory.UNAVAILABLE
-
-
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
 """Wall-clock time (time.time()) by which the current request must be answered; set by the guard."""
@@ -148,17 +105,13 @@ def error_response(status: int, category: str, message: str, field: str | None =
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def cause_of(exc: AndromedaError) -> str:
-    return exc.cause if isinstance(exc, Refused) else exc.category.value
-
-
 def http_error(exc: AndromedaError, retry_after_s: int = 1) -> JSONResponse:
-    status = exc.status if isinstance(exc, Refused) else STATUS.get(exc.category, 500)
+    status = STATUS.get(exc.category, 500)
     headers = dict(HEADERS.get(status, {}))
     if status in (429, 503):
         wait = getattr(exc, "retry_after", None)
         headers["Retry-After"] = retry_after(wait if wait is not None else retry_after_s)
-    return error_response(status, cause_of(exc), exc.message, exc.field, headers or None)
+    return error_response(status, exc.category.value, exc.message, exc.field, headers or None)
 
 
 def bearer_token(credentials: HTTPAuthorizationCredentials | None) -> str:
@@ -211,8 +164,8 @@ class Guard:
                                "body")
             if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self.buffered(receive, g.body_bytes)
-        except Refused as exc:
-            self.on_error(exc.cause)
+        except AndromedaError as exc:
+            self.on_error(exc.category.value)
             return await http_error(exc, g.retry_after_s)(scope, receive, send)
         self.inflight += 1
         token = DEADLINE.set(time.time() + budget_s)
@@ -231,7 +184,7 @@ class Guard:
         except ValueError:
             ms = 0
         if not 1 <= ms <= g.max_request_timeout_s * 1000:
-            raise Refused(f"must be an integer number of milliseconds in [1, {int(g.max_request_timeout_s * 1000)}] "
+            raise InvalidInput(f"must be an integer number of milliseconds in [1, {int(g.max_request_timeout_s * 1000)}] "
                           f"(overload.max_request_timeout_s)", TIMEOUT_HEADER)
         return ms / 1000
 
@@ -292,7 +245,7 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
 
     @app.exception_handler(AndromedaError)
     async def andromeda_error(request: Request, exc: AndromedaError) -> JSONResponse:
-        on_error(cause_of(exc))
+        on_error(exc.category.value)
         return http_error(exc, getattr(request.app.state, "retry_after_s", 1))
 
     @app.exception_handler(Exception)

@@ -20,7 +20,8 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from andromeda_core.config import install_log_redaction, load_settings
-from andromeda_core.errors import AndromedaError, InvalidInput, NotFound
+from andromeda_core.errors import (AndromedaError, DeadlineExceeded, Forbidden, InvalidInput, NotFound, Overloaded,
+                                   RateLimited, Unauthorized)
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.models import EmbeddingLookup
 from andromeda_core.models.serving import load_scorer
@@ -28,9 +29,8 @@ from andromeda_core.retriever import CompiledRequest, UserQuery, compile_request
 from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse, UpsertEvent
-from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, DeadlineExceeded, Forbidden, GuardSettings,
-                             Health, Overloaded, PublishResponse, RateLimited, Unauthorized, bearer_token, create_app, current_deadline,
-                             remaining_s)
+from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, GuardSettings, Health, PublishResponse,
+                             bearer_token, create_app, current_deadline, remaining_s)
 from deployments.auth import Principal, TokenStore
 from deployments.config import ServiceConfig
 from deployments.limits import TokenBuckets, check_requests
