@@ -32,9 +32,3 @@ def topk_by_score_then_id(scores: torch.Tensor, ids: torch.Tensor, valid: torch.
         out_scores = torch.cat([out_scores, out_scores.new_full((B, pad), float("-inf"))], 1)
     return out_ids, out_scores
 
-
-def merge_topk(best_ids: torch.Tensor, best_scores: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor,
-               valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold a chunk's candidates (B, m) into a running top-k (B, k') -> (ids (B, k), scores (B, k))."""
-    return topk_by_score_then_id(torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1),
-                                 torch.cat([best_ids != NO_ID, valid], 1), k)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference.topk import merge_topk, topk_by_score_then_id
+from kernels.reference.topk import topk_by_score_then_id
 
 
 @pytest.mark.parametrize("B, m, k", [(1, 7, 3), (3, 83, 10), (2, 1151, 100), (4, 5, 9), (1, 0, 4)])
@@ -23,14 +23,3 @@ def test_matches_python_sort(B, m, k):
         assert got_ids[b].tolist() == want_ids
         assert got_scores[b].tolist() == want_scores
 
-
-def test_merging_chunks_equals_one_selection_over_everything():
-    gen = torch.Generator().manual_seed(5)
-    scores = torch.randint(0, 7, (3, 211), generator=gen).float()
-    ids = torch.randperm(1000, generator=gen)[:211].repeat(3, 1)
-    valid = torch.rand((3, 211), generator=gen) < 0.6
-    best_ids, best_scores = torch.empty((3, 0), dtype=torch.int64), torch.empty((3, 0))
-    for a in range(0, 211, 37):
-        best_ids, best_scores = merge_topk(best_ids, best_scores, ids[:, a:a + 37], scores[:, a:a + 37], valid[:, a:a + 37], 19)
-    want_ids, want_scores = topk_by_score_then_id(scores, ids, valid, 19)
-    assert torch.equal(best_ids, want_ids) and torch.equal(best_scores, want_scores)
