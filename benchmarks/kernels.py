@@ -9,7 +9,8 @@ ads over again: same clauses, same eligible share). Peers, each over the same ta
 - reference: kernels.reference.fused, the PyTorch reference, in chunks of 65,536 slots;
 - naive: a multi-kernel PyTorch pipeline per request (mask, gather eligible rows, matmul, top-2 softmax
   gating, top-k);
-- FAISS IndexFlatIP over the same vectors in fp32 (no targeting; CPU);
+- FAISS IndexFlatIP over the same vectors in fp32 (no targeting; on CUDA, where the image has no
+  faiss-gpu, a flat fp16 GEMM + torch.topk over the same vectors stands in);
 - torch.topk alone over one score per ad.
 
 Reported per (storage, B): ads/s (ads scanned per second, whatever B), user-ad pairs/s, the bytes per
@@ -46,6 +47,10 @@ K = 100
 D, G, E, TOP_N = 64, 16, 6, 2
 S = D + G + 32 + 1  # the MoE's stored vector: experts' dims, gating dims, semantic dims, bias
 CHUNK = 65536
+MAX_BATCH = 64
+FLAT = {True: f"IndexFlatIP over the same vectors in fp32 ({S * 4} B/ad, no targeting)",
+        False: f"not on this GPU image: its column is a flat fp16 GEMM + torch.topk over the same vectors "
+               f"({S * 2} B/ad, no targeting)"}
 
 
 class RandomVectors:
@@ -79,24 +84,46 @@ class Table:
         return Table(*(tile(t) for t in (self.status, self.start, self.end, self.refs, self.vectors, self.scales)))
 
 
-def build(ads: int, workdir: Path) -> tuple[Table, AdIndex, list]:
+def build(ads: int, workdir: Path) -> tuple[Table, "Requests"]:
+    """The synthetic world of `ads` ads, indexed; the requests' inputs for up to MAX_BATCH of its requests."""
     schema = load_schema()
     world = synthesize(WorldConfig(ads=ads, users=256, seed=11), workdir / f"world-{ads}", schema)
     index = AdIndex(schema, S, capacity=ads, exact_copy=False)
     events = world / "events.jsonl"
     with tqdm(total=events.stat().st_size, unit="B", unit_scale=True, desc="index", miniters=1 << 22) as bar:
         load_events(index, schema, RandomVectors(), read_events(events, batch_size=50000, on_bytes=bar.update))
-    requests = [parse_request(line) for line in (world / "requests.jsonl").read_text().splitlines()]
+    requests = [parse_request(line) for line in (world / "requests.jsonl").read_text().splitlines()][:MAX_BATCH]
+    values = [compile_user(schema, r.user.attributes, r.context.targeting_values())[0] for r in requests]
+    now, truth = index.request_inputs(values, [r.context.ts for r in requests])
     status, start, end, refs, vectors, _ = index.scan_columns()
-    return Table(status, start, end, refs, vectors), index, requests
+    return Table(status, start, end, refs, vectors), Requests(now, truth)
 
 
-def request_batch(index: AdIndex, requests: list, B: int, gen: torch.Generator):
-    """(now (B,), truth (B, W), experts (B, E, D), keys (B, E, G), mask (B, E)) for the first B requests."""
-    values = [compile_user(index.schema, r.user.attributes, r.context.targeting_values())[0] for r in requests[:B]]
-    now, truth = index.request_inputs(values, [r.context.ts for r in requests[:B]])
-    return (now, truth, torch.randn((B, E, D), generator=gen), torch.randn((B, E, G), generator=gen) / G**0.5,
-            torch.ones((B, E), dtype=torch.bool))
+@dataclass
+class Requests:
+    """The world's requests as the fused pass takes them: now (R,) int64, truth (R, W) int32."""
+
+    now: torch.Tensor
+    truth: torch.Tensor
+
+    def batch(self, B: int, gen: torch.Generator):
+        """(now (B,), truth (B, W), experts (B, E, D), keys (B, E, G), mask (B, E)) for the first B requests."""
+        return (self.now[:B], self.truth[:B], torch.randn((B, E, D), generator=gen),
+                torch.randn((B, E, G), generator=gen) / G**0.5, torch.ones((B, E), dtype=torch.bool))
+
+
+def save_table(path: Path, table: Table, requests: Requests) -> None:
+    """Everything but the vectors (random: load_table draws them again), so a lent GPU need not synthesize."""
+    torch.save({"status": table.status, "start": table.start, "end": table.end, "refs": table.refs,
+                "now": requests.now, "truth": requests.truth}, path)
+
+
+def load_table(path: Path) -> tuple[Table, Requests]:
+    saved = torch.load(path)
+    gen = torch.Generator().manual_seed(11)
+    vectors = torch.randn((len(saved["status"]), S), generator=gen) / S**0.5
+    return (Table(saved["status"], saved["start"], saved["end"], saved["refs"], vectors),
+            Requests(saved["now"], saved["truth"]))
 
 
 def reference_pass(table: Table, req, m: int):
@@ -169,6 +196,10 @@ def main() -> None:
     p.add_argument("--peer-pairs", type=float, default=16e6,
                    help="run the reference and naive peers only up to this many user-ad pairs (they are slow)")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--save-table", type=Path, default=None,
+                   help="after building the world, save its table and requests here (a few tens of MB per 1M ads)")
+    p.add_argument("--table", type=Path, default=None,
+                   help="a table saved by --save-table: skips synthesizing the world (vectors are drawn anew)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -177,46 +208,61 @@ def main() -> None:
     copy = copy_gbs(dev)
     print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), kernels: {dispatch.implementation(dev)}")
     rows = []
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        world, index, requests = build(args.ads, Path(tmp))
-        stored = {storage: world.stored(storage) for storage in args.storage}
-        for times in args.tile:
-            n = times * len(world.status)
-            faiss_index = faiss_flat(world.vectors.repeat(times, 1)) if dev == "cpu" else None
-            scores = torch.randn((max(args.batch), n), generator=gen).to(dev)
-            for storage in args.storage:
-                on = stored[storage].tiled(times, dev)
-                for B in args.batch:
-                    req = tuple(t.to(dev) for t in request_batch(index, requests, B, gen))
-                    args_ = (on.status, on.start, on.end, on.refs, on.vectors, on.scales, *req, S - 1, TOP_N)
-                    ours = timed(lambda: dispatch.fused_scan(*args_, K), dev, args.repeats)
-                    match = timed(lambda: dispatch.clause_match(on.status, on.start, on.end, on.refs, req[1], req[0]),
-                                  dev, args.repeats)
-                    eligible = float(dispatch.fused_scan(*args_, K)[2].float().mean()) / n
-                    peers = n * B <= args.peer_pairs
-                    ref = timed(lambda: reference_pass(on, req, K), dev, 1) if peers else None
-                    naive = timed(lambda: naive_pass(on, req, K), dev, 1) if peers else None
-                    flat = (timed(lambda: faiss_index.search(np.random.rand(B, S).astype(np.float32), K), dev,
-                                  args.repeats) if faiss_index is not None else None)
-                    topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
-                    per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + eligible * vector_bytes(storage)
-                    row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, per_ad=per_ad, ref=ref,
-                               naive=naive, faiss=flat, topk=topk, gbs=n * per_ad / ours / 1e9)
-                    rows.append(row)
-                    print(line(row, copy))
-                on = None  # frees the device copy before the next storage
-            faiss_index = None  # frees its copy of the vectors before the next size
+    if args.table:
+        world, requests = load_table(args.table)
+    else:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            world, requests = build(args.ads, Path(tmp))
+        if args.save_table:
+            save_table(args.save_table, world, requests)
+    if max(args.batch) > len(requests.now):
+        p.error(f"--batch: at most {len(requests.now)} (the requests the table holds)")
+    stored = {storage: world.stored(storage) for storage in args.storage}
+    for times in args.tile:
+        n = times * len(world.status)
+        flat_scan = faiss_flat(world.vectors.repeat(times, 1)) if dev == "cpu" else torch_flat(world.vectors, times, dev)
+        scores = torch.randn((max(args.batch), n), device=dev)
+        for storage in args.storage:
+            on = stored[storage].tiled(times, dev)
+            for B in args.batch:
+                req = tuple(t.to(dev) for t in requests.batch(B, gen))
+                args_ = (on.status, on.start, on.end, on.refs, on.vectors, on.scales, *req, S - 1, TOP_N)
+                ours = timed(lambda: dispatch.fused_scan(*args_, K), dev, args.repeats)
+                match = timed(lambda: dispatch.clause_match(on.status, on.start, on.end, on.refs, req[1], req[0]),
+                              dev, args.repeats)
+                eligible = float(dispatch.fused_scan(*args_, K)[2].float().mean()) / n
+                peers = n * B <= args.peer_pairs
+                ref = timed(lambda: reference_pass(on, req, K), dev, 1) if peers else None
+                naive = timed(lambda: naive_pass(on, req, K), dev, 1) if peers else None
+                queries = np.random.rand(B, S).astype(np.float32)
+                flat = timed(lambda: flat_scan(queries), dev, args.repeats)
+                topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
+                per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + eligible * vector_bytes(storage)
+                row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, per_ad=per_ad, ref=ref,
+                           naive=naive, faiss=flat, topk=topk, gbs=n * per_ad / ours / 1e9)
+                rows.append(row)
+                print(line(row, copy))
+            on = None  # frees the device copy before the next storage
+        flat_scan = None  # frees its copy of the vectors before the next size
     if not args.no_write:
         write_section(f"kernels-{dev}", report(rows, args, copy))
 
 
 def faiss_flat(vectors: torch.Tensor):
+    """FAISS IndexFlatIP over (n, S) fp32 vectors: queries (B, S) -> its top-K search."""
     import faiss
 
     faiss.omp_set_num_threads(torch.get_num_threads())
     flat = faiss.IndexFlatIP(vectors.shape[1])
     flat.add(vectors.numpy())
-    return flat
+    return lambda queries: flat.search(queries, K)
+
+
+def torch_flat(vectors: torch.Tensor, times: int, device: str):
+    """The GPU stand-in for FAISS's flat scan (the image has no faiss-gpu): one fp16 GEMM over the (n, S)
+    vectors tiled `times` times, then torch.topk; queries (B, S) -> (B, K)."""
+    table = vectors.half().to(device).repeat(times, 1)
+    return lambda queries: (torch.from_numpy(queries).to(device).half() @ table.T).topk(K, dim=1)
 
 
 def ms(seconds: float | None) -> str:
@@ -257,8 +303,7 @@ Table: the synthetic world of {args.ads:,} ads (tiled for larger corpora), rando
 stored shape (S = {S}), the world's requests with random user experts (E = {E}, top {TOP_N}); k = {K}.
 Ours = `kernels.dispatch.fused_scan`; "match alone" = `kernels.dispatch.clause_match` (the standalone
 match: the (B, n) eligibility mask); bytes/ad counts what the fused pass reads (41 B of status, window and clause
-refs per ad, plus the vector bytes of the eligible share). FAISS = IndexFlatIP over the same vectors in
-fp32 ({S * 4} B/ad, no targeting). Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
+refs per ad, plus the vector bytes of the eligible share). FAISS = {FLAT[args.device == "cpu"]}. Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
 pairs ("-" beyond). Times are medians of {args.repeats} (peers: one run).
 
 {chr(10).join(table)}
