@@ -1,9 +1,15 @@
 """Triton fused retrieval pass: kernels.reference.fused.fused_scan (match, score, top-m) in one pass over the table.
 
 Scan kernel: one program per block of BLOCK slots loads the block's status, time window, refs and vector columns
-once, then serves every request of the batch: match, mixture-of-logits score, and a partial top-k of the block
-written as packed int64 keys (B, programs, width). Merge kernel: rounds that fold FAN partials into one top-K
-until one remains per request, the last round unpacking the keys into slots and scores.
+once, then serves every request of the batch: match, mixture-of-logits score, and what the block keeps of its
+packed int64 keys. Merge kernel: rounds that fold FAN partials into one top-K until one remains per request, the
+last round unpacking the keys into slots and scores.
+
+The pass keeps few keys (memory B x candidates, not B x n): a first scan over every SAMPLE_STRIDE-th block keeps
+each block's best key; the m-th best of those, tau (B,), is a lower bound of the m-th best key of the whole table
+(m distinct keys reach it). The full scan then appends only the keys >= tau to a candidate buffer, which the
+merge folds. Where too few blocks are sampled, or the candidates overflow their buffer (an adversarial slot
+order), the scan keeps every block's top-m instead (exact too, B x n keys).
 
 A key orders (score descending, slot ascending) as one int64 descending: the high 32 bits hold the score's float
 bits made orderable as a signed integer, the low 32 bits 0xFFFFFFFF - slot. Ineligible slots hold NO_KEY.
@@ -18,7 +24,12 @@ from kernels.reference.fused import SCALE_BLOCK
 from kernels.triton.match import load_slots, match_request, refs_with_a_column
 
 BLOCK = 128  # slots per program
-SCAN_WARPS = 8  # at BLOCK 128, D 64, G 16: ~140 registers a thread and no spill on sm_90 (ptxas, compiled ahead)
+SCAN_WARPS = {False: 4, True: 8}  # by int8 storage: on an H200 4 warps scanned fp16 1.6x faster than 8 (10M ads,
+# B = 16); int8's dequantisation needs 8 (at 4 ptxas spills), so each keeps its registers (checked ahead for sm_90)
+SAMPLE_STRIDE = 16  # the threshold scan reads every 16th block
+CANDIDATES = 64  # candidate keys kept per request: CANDIDATES * m (at least MIN_CANDIDATES) before the exact fallback
+MIN_CANDIDATES = 8192
+KEEP_TOP, KEEP_MAX, KEEP_ABOVE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what a block keeps: its top WIDTH keys, its best key, the keys >= tau
 MERGE_TILE = 2048  # keys a merge program selects from (more when m needs it)
 NO_KEY = -2**63
 
@@ -107,14 +118,18 @@ def unpack_keys(key):
 
 @triton.jit
 def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, now_ptr, truth_ptr, experts_ptr,
-                 keys_ptr, mask_ptr, part_ptr, eligible_ptr, n, B, W, C, bias_col, stride_r0, stride_r1,
-                 stride_v0, stride_v1, stride_s0, stride_s1, CP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                 G: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, TOP_N: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-    """Block of BLOCK slots x every request -> its WIDTH best keys at part (B, programs, WIDTH) (all BLOCK keys,
-    unsorted, when WIDTH == BLOCK) and its eligible counts added to eligible (B,)."""
+                 keys_ptr, mask_ptr, part_ptr, eligible_ptr, tau_ptr, count_ptr, n, B, W, C, bias_col, stride_r0,
+                 stride_r1, stride_v0, stride_v1, stride_s0, stride_s1, block_stride, capacity, CP: tl.constexpr,
+                 D: tl.constexpr, DP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, E: tl.constexpr,
+                 EP: tl.constexpr, TOP_N: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr,
+                 BLOCK: tl.constexpr, WIDTH: tl.constexpr, KEEP: tl.constexpr):
+    """Program i reads block i * block_stride of BLOCK slots and serves every request b, keeping by KEEP:
+    KEEP_TOP its WIDTH best keys at part[b, i] (B, programs, WIDTH) (all BLOCK keys, unsorted, when WIDTH == BLOCK);
+    KEEP_MAX its best key at part[b, i] (B, programs); KEEP_ABOVE its keys >= tau[b] appended to part[b]
+    (B, capacity) at the positions count[b] (B,) int32 hands out (count still grows past capacity: an overflow).
+    KEEP_TOP and KEEP_ABOVE add the block's eligible counts to eligible (B,)."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = (pid * block_stride).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n
     servable, start, end, clause, negate = load_slots(status_ptr, start_ptr, end_ptr, refs_ptr, offs, n, C,
                                                       stride_r0, stride_r1, CP)
@@ -122,17 +137,32 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
     q = load_columns(vec_ptr, scale_ptr, offs, valid, D, stride_v0, stride_v1, stride_s0, stride_s1, G, GP, QUANT)
     bias = tl.sum(load_columns(vec_ptr, scale_ptr, offs, valid, bias_col, stride_v0, stride_v1, stride_s0,
                                stride_s1, HAS_BIAS, 1, QUANT), axis=1)
-    part_row = part_ptr + pid * WIDTH
+    if KEEP == KEEP_TOP:  # row: where request b's keys go, stepped per request (pointer arithmetic: 64-bit)
+        row, step = part_ptr + pid * WIDTH, tl.num_programs(0) * WIDTH
+    elif KEEP == KEEP_MAX:
+        row, step = part_ptr + pid, tl.num_programs(0)
+    else:
+        row, step = part_ptr, capacity
     for b in range(B):
         ok = match_request(servable, start, end, clause, negate, truth_ptr + b * W, tl.load(now_ptr + b))
-        tl.atomic_add(eligible_ptr + b, tl.sum(ok.to(tl.int64)))
+        if KEEP != KEEP_MAX:
+            tl.atomic_add(eligible_ptr + b, tl.sum(ok.to(tl.int64)))
         score = head_scores(a, q, bias, experts_ptr + b * E * D, keys_ptr + b * E * G, mask_ptr + b * E,
                             BLOCK, D, DP, G, GP, E, EP, TOP_N)
         keys = pack_keys(score, offs, ok)
-        if WIDTH < BLOCK:
-            keys = tl.topk(keys, WIDTH)
-        tl.store(part_row + tl.arange(0, WIDTH), keys)
-        part_row += tl.num_programs(0) * WIDTH
+        if KEEP == KEEP_TOP:
+            if WIDTH < BLOCK:
+                keys = tl.topk(keys, WIDTH)
+            tl.store(row + tl.arange(0, WIDTH), keys)
+        elif KEEP == KEEP_MAX:
+            tl.store(row, tl.max(keys, axis=0))
+        else:
+            above = (keys >= tl.load(tau_ptr + b)) & ok
+            kept = tl.sum(above.to(tl.int32))
+            if kept > 0:
+                at = tl.atomic_add(count_ptr + b, kept) + tl.cumsum(above.to(tl.int32), axis=0) - 1
+                tl.store(row + at, keys, mask=above & (at < capacity))
+        row += step
 
 
 @triton.jit
@@ -164,6 +194,7 @@ def dot_size(k: int) -> int:
 def merge_partials(partial: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """partial (B, P, w) int64 keys -> the m best per request: slots (B, m) int64 (-1 padded), scores (B, m)
     float32 (-inf padded), by score descending then slot ascending."""
+    partial = partial.contiguous()  # the merge kernel reads it row by row
     B = partial.shape[0]
     K = triton.next_power_of_2(max(m, 1))
     slots = torch.empty((B, m), dtype=torch.int64, device=partial.device)
@@ -183,9 +214,9 @@ def merge_partials(partial: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.T
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
-               m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               m: int, sample_stride: int = SAMPLE_STRIDE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pass: match, score, top-m -> (slots (B, m) int64, scores (B, m) float32, eligible (B,) int64);
-    shapes and meaning as kernels.reference.fused.fused_scan."""
+    shapes and meaning as kernels.reference.fused.fused_scan. sample_stride 0 skips the threshold scan."""
     B, n = now.shape[0], status.shape[0]
     E, D, G = experts.shape[1], experts.shape[2], keys.shape[2]
     refs = refs_with_a_column(refs)
@@ -193,17 +224,36 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     scales = scales.float() if quant else vectors  # unread unless quantised
     experts = experts.float().contiguous()
     keys = keys.float().contiguous() if G else experts  # unread when G == 0 (an empty tensor is no valid pointer)
-    programs = max(triton.cdiv(n, BLOCK), 1)
-    width = min(triton.next_power_of_2(max(m, 1)), BLOCK)
-    partial = torch.empty((B, programs, width), dtype=torch.int64, device=status.device)
+    inputs = (status.contiguous(), start.contiguous(), end.contiguous(), refs, vectors, scales,
+              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(), experts, keys,
+              mask.to(torch.int8).contiguous())
     eligible = torch.zeros(B, dtype=torch.int64, device=status.device)
-    _scan_kernel[(programs,)](
-        status.contiguous(), start.contiguous(), end.contiguous(), refs, vectors, scales,
-        now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(), experts, keys,
-        mask.to(torch.int8).contiguous(), partial, eligible, n, B, truth.shape[1], refs.shape[1], max(bias_col, 0),
-        refs.stride(0), refs.stride(1), vectors.stride(0), vectors.stride(1), scales.stride(0), scales.stride(1),
-        CP=triton.next_power_of_2(refs.shape[1]), D=D, DP=dot_size(D), G=G, GP=dot_size(G), E=E, EP=dot_size(E),
-        TOP_N=min(top_n, E), HAS_BIAS=int(bias_col >= 0), QUANT=quant, BLOCK=BLOCK, WIDTH=width,
-        num_warps=SCAN_WARPS)
+    blocks = max(triton.cdiv(n, BLOCK), 1)
+
+    def scan(programs, part, keep, width=1, tau=eligible, count=eligible, stride=1, capacity=0):
+        _scan_kernel[(programs,)](
+            *inputs, part, eligible, tau, count, n, B, truth.shape[1], refs.shape[1], max(bias_col, 0),
+            refs.stride(0), refs.stride(1), vectors.stride(0), vectors.stride(1), scales.stride(0), scales.stride(1),
+            stride, capacity, CP=triton.next_power_of_2(refs.shape[1]), D=D, DP=dot_size(D), G=G, GP=dot_size(G),
+            E=E, EP=dot_size(E), TOP_N=min(top_n, E), HAS_BIAS=int(bias_col >= 0), QUANT=quant, BLOCK=BLOCK,
+            WIDTH=width, KEEP=keep, num_warps=SCAN_WARPS[quant])
+
+    sampled = blocks // sample_stride if sample_stride else 0
+    if sampled >= m:
+        best = torch.empty((B, sampled), dtype=torch.int64, device=status.device)
+        scan(sampled, best, KEEP_MAX, stride=sample_stride)
+        tau = best.topk(m, dim=1).values[:, -1].contiguous()
+        capacity = triton.cdiv(max(CANDIDATES * m, MIN_CANDIDATES), BLOCK) * BLOCK
+        candidates = torch.full((B, capacity), NO_KEY, dtype=torch.int64, device=status.device)
+        count = torch.zeros(B, dtype=torch.int32, device=status.device)
+        scan(blocks, candidates, KEEP_ABOVE, tau=tau, count=count, capacity=capacity)
+        used = int(count.max())
+        if used <= capacity:
+            used = triton.cdiv(max(used, 1), BLOCK) * BLOCK
+            return (*merge_partials(candidates[:, :used].reshape(B, used // BLOCK, BLOCK), m), eligible)
+        eligible.zero_()
+    width = min(triton.next_power_of_2(max(m, 1)), BLOCK)
+    partial = torch.empty((B, blocks, width), dtype=torch.int64, device=status.device)
+    scan(blocks, partial, KEEP_TOP, width)
     slots, scores = merge_partials(partial, m)
     return slots, scores, eligible
