@@ -19,7 +19,7 @@ from andromeda_cli.k8s import add_commands as add_k8s_commands
 from andromeda_cli.request_file import read_requests
 from andromeda_cli.service import add_commands as add_service_commands
 
-from andromeda_core.config import Settings, load_settings, redact
+from andromeda_core.config import Settings, load_settings, redact, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import load_events, read_events
@@ -178,7 +178,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
             total = publisher.publish_file(args.events, on_batch=bar.update)
     except redis.RedisError as exc:
         hint = f" (gave up after --tries {args.tries})" if isinstance(exc, TRANSIENT) else ""
-        raise AndromedaError(f"Redis at {redact(url)}: {redact(exc)}{hint}") from None
+        raise AndromedaError(f"Redis at {redact(url)}: {redact(exc)}{tls_hint(exc)}{hint}") from None
     print(f"published {total} events to {publisher.stream} at {redact(url)}")
 
 

@@ -18,7 +18,7 @@ import yaml
 from tqdm import tqdm
 
 from andromeda_cli.args import checkpoint
-from andromeda_core.config import load_settings, redact
+from andromeda_core.config import load_settings, redact, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
 from andromeda_core.synth import WorldConfig, synthesize
@@ -72,7 +72,7 @@ def check_reachable(config: ServiceConfig) -> None:
     try:
         redis.Redis.from_url(config.redis_url, socket_connect_timeout=3).ping()
     except (redis.RedisError, OSError) as exc:
-        raise AndromedaError(f"cannot reach Redis at {redact(config.redis_url)}: {redact(exc)}") from None
+        raise AndromedaError(f"cannot reach Redis at {redact(config.redis_url)}: {redact(exc)}{tls_hint(exc)}") from None
     with socket.socket() as probe:
         try:
             probe.bind((config.host, config.port))

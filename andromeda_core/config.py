@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,17 @@ def redact(text: object) -> str:
     no message, log line or error body may show them)."""
     text = _URL_CREDENTIALS.sub(r"\g<scheme>***@", str(text))
     return _QUERY_PASSWORD.sub(r"\g<key>***", text)
+
+
+def tls_hint(exc: BaseException) -> str:
+    """What to fix when a Redis connection error came from the URL's TLS settings (redis-py keeps the cause
+    in `__context__`), else ""."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return " (the server's TLS certificate was not trusted: name its CA with ssl_ca_certs=<path> in the URL)"
+    if isinstance(cause, FileNotFoundError):
+        return " (a file the URL names does not exist: ssl_ca_certs, ssl_certfile, ssl_keyfile or a unix socket path)"
+    return ""
 
 
 _base_factory = logging.getLogRecordFactory()

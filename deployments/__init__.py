@@ -5,4 +5,5 @@
 - router.Router: FastAPI ingress; user towers once per request, scatter to every shard, exact merge.
 - shard.ShardReplica: one copy of one shard: device-resident AdIndex, batched search, stream consumer.
 - api: HTTP models, write-token auth, errors -> status codes. metrics: Prometheus metrics.
+- limits: input limits and per-router token buckets; shared_limits: the same buckets in Redis, for all routers.
 """

@@ -60,13 +60,20 @@ class Limits(BaseModel):
 
 class RateLimit(BaseModel):
     """A token bucket per caller (the bearer token's name; without a token, the client address), per router
-    replica: `burst` requests at once, refilled at `requests_per_s`. Past it: 429 with Retry-After."""
+    replica or, with `shared`, one for the whole service: `burst` requests at once, refilled at
+    `requests_per_s`. Past it: 429 with Retry-After."""
 
     model_config = STRICT
     requests_per_s: float = Field(gt=0, le=1e6)
     burst: int = Field(ge=1, le=1 << 20)
     callers: int = Field(100_000, ge=1, le=10_000_000)
     """Buckets kept per router replica (least recently used dropped first: memory stays bounded)."""
+    shared: bool = False
+    """Keep the buckets in the service's Redis (keys `<stream>:rate:<caller>`, expiring when idle), shared by
+    every router replica; False: each router replica has its own (N replicas admit N times the rate)."""
+    store_timeout_s: float = Field(0.05, gt=0, le=5)
+    """With `shared`: how long a router waits for Redis; past it (or Redis down) the router decides with its
+    own bucket for a second (fail open to per-replica limits; deployments/shared_limits.py)."""
 
 
 class Auth(BaseModel):

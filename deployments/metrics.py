@@ -33,6 +33,9 @@ class ServiceMetrics:
                                registry=self.registry)
         self.requests = Counter("andromeda_requests", "Requests answered by endpoint", ["endpoint"], registry=self.registry)
         self.errors = Counter("andromeda_errors", "Requests that failed, by cause", ["cause"], registry=self.registry)
+        self.limiter_fallbacks = Counter("andromeda_rate_limit_fallbacks", "Rate-limit decisions made with the "
+                                         "router's own bucket because the shared one in Redis did not answer",
+                                         registry=self.registry)
         self.published = Counter("andromeda_events_published", "Ad events appended to the streams", registry=self.registry)
         self.shard = {name: Gauge(f"andromeda_shard_{name}", text, ["shard"], registry=self.registry)
                       for name, text in SHARD_GAUGES.items()}

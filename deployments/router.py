@@ -35,6 +35,7 @@ from deployments.auth import Principal, TokenStore
 from deployments.config import ServiceConfig
 from deployments.limits import TokenBuckets, check_requests
 from deployments.metrics import ServiceMetrics
+from deployments.shared_limits import SharedTokenBuckets, limiter_client
 from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
 from index_updater.publisher import Publisher
 
@@ -52,7 +53,7 @@ def caller_of(request: Request, principal: Principal | None) -> str:
 
 
 def take_rate(request: Request, principal: Principal | None) -> None:
-    buckets: TokenBuckets | None = getattr(request.app.state, "buckets", None)
+    buckets: TokenBuckets | SharedTokenBuckets | None = getattr(request.app.state, "buckets", None)
     if buckets is None:
         return
     wait = buckets.take(caller_of(request, principal))
@@ -90,6 +91,18 @@ def reader(request: Request, credentials: HTTPAuthorizationCredentials | None = 
     return principal
 
 
+def rate_limiter(cfg: ServiceConfig) -> TokenBuckets | SharedTokenBuckets | None:
+    """The router's buckets: none, its own, or the ones every router shares in Redis (`rate_limit.shared`)."""
+    limit = cfg.rate_limit
+    if limit is None:
+        return None
+    local = TokenBuckets(limit.requests_per_s, limit.burst, limit.callers)
+    if not limit.shared:
+        return local
+    return SharedTokenBuckets(limiter_client(cfg.resolved_redis_url(), limit.store_timeout_s), f"{cfg.stream}:rate:",
+                              local, on_fallback=metrics.limiter_fallbacks.inc)
+
+
 AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
 
 
@@ -125,8 +138,7 @@ class Router:
         app.state.retry_after_s = cfg.overload.retry_after_s
         app.state.tokens = TokenStore(load_settings().write_token, cfg.auth.token_file, cfg.auth.reload_s)
         app.state.read_auth = cfg.auth.read_auth
-        app.state.buckets = (TokenBuckets(cfg.rate_limit.requests_per_s, cfg.rate_limit.burst, cfg.rate_limit.callers)
-                             if cfg.rate_limit else None)
+        app.state.buckets = rate_limiter(cfg)
         self.schema = load_schema(self.config.schema_path)
         self.scorer = load_scorer(self.config.model, self.schema)
         self.publisher = Publisher(redis.Redis.from_url(self.config.resolved_redis_url()), self.schema, self.scorer,

@@ -18,7 +18,7 @@ from typing import Callable
 
 import redis
 
-from andromeda_core.config import redact
+from andromeda_core.config import redact, tls_hint
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
@@ -291,7 +291,7 @@ class ShardConsumer:
                 backoff = MIN_BACKOFF_S
             except Exception as exc:
                 self.stats.errors += 1
-                self.stats.last_error = redact(f"{type(exc).__name__}: {exc}")  # shown by /readyz
+                self.stats.last_error = redact(f"{type(exc).__name__}: {exc}") + tls_hint(exc)  # shown by /readyz
                 log.warning("shard %d consumer: %s; retrying in %.2fs", self.shard, self.stats.last_error, backoff,
                             exc_info=not isinstance(exc, TRANSIENT))
                 self._stop.wait(backoff)

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import redis
 
@@ -17,27 +17,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class TlsFiles(NamedTuple):
+    """PEM files of a TLS-only server: its certificate and key, and the CA that signed the certificate."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 class LocalRedis:
     """A redis-server child process; AOF with fsync on every write when `aof` (no acknowledged write is lost)."""
 
     def __init__(self, directory: str | Path, port: int | None = None, aof: bool = True, extra_args: Sequence[str] = (),
-                 username: str | None = None, password: str | None = None):
+                 username: str | None = None, password: str | None = None, tls: TlsFiles | None = None):
         """`extra_args`: more redis-server options (e.g. --requirepass, --user ACL rules); `username` and
-        `password`: what the readiness check authenticates with."""
+        `password`: what the readiness check authenticates with; `tls`: listen with TLS only (no client
+        certificates asked), and `url` is a rediss:// URL that trusts `tls.ca`."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server), or set REDIS_URL")
         self.directory, self.port, self.aof, self.binary = Path(directory), port or free_port(), aof, binary
-        self.extra_args, self.username, self.password = list(extra_args), username, password
+        self.extra_args, self.username, self.password, self.tls = list(extra_args), username, password, tls
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        if self.tls:  # the certificate names localhost, and redis-py checks the name
+            return f"rediss://localhost:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={self.tls.ca}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "LocalRedis":
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+        listen = (["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert), "--tls-key-file",
+                   str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
+                  if self.tls else ["--port", str(self.port)])
+        args = [self.binary, *listen, "--bind", "127.0.0.1", "--dir", str(self.directory),
                 "--save", "", "--protected-mode", "yes", "--logfile", str(self.directory / "redis.log")]
         if self.aof:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
