@@ -272,7 +272,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"Short histories: the {int(short.sum())} users with at most {SHORT_HISTORY} engagements before their "
             f"held-out one.\n\n{subset_table(list(by_name.values()), short)}\n\n"
             f"Short histories, simulated for every user: the towers read only the last {SHORT_HISTORY} engagements "
-            f"(item-kNN sums over its last {SHORT_HISTORY}; cohorts and co-engagements stay; the whole history is "
+            f"(item-kNN sums over its last {SHORT_HISTORY}; segments and co-engagements stay; the whole history is "
             f"still excluded from the ranking).\n\n{subset_table(subsets['short'])}\n\n"
             f"Targets:\n" + "\n".join(targets(rows, ranker_top, TRUE_RECALL_TARGET.get(data.name), truth)))
 

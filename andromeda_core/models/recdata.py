@@ -1,7 +1,8 @@
 """Training and evaluation data in one form for both data sets (synthetic world, MovieLens).
 
 Items: per item its text (MiniLM embedding), category, advertiser and bid. Users: engagement
-sequences of item rows in time order, plus cohorts, cross-surface engagements and serving context.
+sequences of item rows in time order, plus segments (cohorts and declared attributes, hashed), cross-surface
+engagements and serving context.
 Protocol: per user the last engagement is the test target, the one before it the validation
 target; every earlier position (with its prefix as history) is a training example. Cross-surface
 engagements never include a user's two held-out items (they would hand them to the co-engagement expert).
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from andromeda_core.config import load_settings
+from andromeda_core.models.segments import segment_ids
 from andromeda_core.models.text import encode_texts_cached
 from andromeda_core.schema import load_schema
 
@@ -37,7 +39,7 @@ class Users:
     items: list[np.ndarray]  # per user: item rows engaged, time order
     events: list[np.ndarray]  # per user: event type index (EVENTS)
     times: list[np.ndarray]  # per user: seconds
-    cohorts: list[list[int]]
+    segments: list[list[int]]  # per user: segment ids (andromeda_core.models.segments)
     co_items: list[list[int]]  # item rows engaged on other surfaces
     context: np.ndarray  # (U, 3) int64: surface, placement, hour (0 = unknown for the first two)
     now: np.ndarray  # (U,) request time
@@ -91,7 +93,7 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
                   bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories)
     row = {ad_id: r for r, ad_id in enumerate(order)}
     surfaces, placements = schema.by_name["surface"], schema.by_name["placement"]
-    seqs, events, times, cohorts, co, context, now = [], [], [], [], [], [], []
+    seqs, events, times, segments, co, context, now = [], [], [], [], [], [], []
     with open(world / "requests.jsonl", encoding="utf-8") as f:
         for line in f:
             r = json.loads(line)
@@ -99,7 +101,7 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
             seqs.append(np.array([row[h["ad_id"]] for h in hist], np.int64))
             events.append(np.array([EVENTS.index(h["event"]) for h in hist], np.int64))
             times.append(np.array([h["ts"] for h in hist], np.int64))
-            cohorts.append(r["user"]["cohorts"])
+            segments.append(segment_ids(r["user"]["cohorts"], r["user"]["attributes"], schema))
             held_out = set(seqs[-1][-2:].tolist())  # the world draws them from the same pool as the clicks
             co.append([row[c["ad_id"]] for c in r["user"]["co_engagement"]
                        if c["ad_id"] in row and row[c["ad_id"]] not in held_out])
@@ -110,7 +112,7 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
     truth = dict(np.load(world / "truth.npz"))
     keep = np.array(order) - 1
     truth = {"user_latent": truth["user_latent"], "ad_latent": truth["ad_latent"][keep], "ad_quality": truth["ad_quality"][keep]}
-    users = Users(seqs, events, times, cohorts, co, np.array(context, np.int64), np.array(now, np.int64))
+    users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64))
     return RecData("synthetic", items, users, truth)
 
 

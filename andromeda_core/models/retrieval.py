@@ -15,11 +15,11 @@ from torch import nn
 
 from andromeda_core.models.heads import HEADS
 from andromeda_core.models.recdata import Items, RecData
+from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
-MODEL_VERSION = "3"  # 3: learned ad ids, ad bias, sequence expert
+MODEL_VERSION = "4"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes)
 CO_ITEMS = 8
-COHORTS = 8
 
 
 class RetrievalModel(nn.Module):
@@ -100,13 +100,13 @@ def user_inputs(data: RecData, stored: torch.Tensor, users: np.ndarray, position
     times = _pad([u.times[a][s:p] for a, s, p in zip(users, starts, positions)], length, 0)
     mask = hist_rows >= 0
     co_rows = _pad([u.co_items[a] for a in users], CO_ITEMS, -1)
-    cohorts = _pad([u.cohorts[a] for a in users], COHORTS, -1)
+    segments = _pad([u.segments[a] for a in users], SEGMENTS, -1)
     return UserInputs(
         hist=stored[torch.from_numpy(np.maximum(hist_rows, 0))] * torch.from_numpy(mask)[..., None],
         hist_event=torch.from_numpy(events),
         hist_age=torch.from_numpy(((at[:, None] - times) / 3600.0).astype(np.float32) * mask),
         hist_mask=torch.from_numpy(mask),
-        cohorts=torch.from_numpy(cohorts), cohort_mask=torch.from_numpy(cohorts >= 0),
+        segments=torch.from_numpy(segments), segment_mask=torch.from_numpy(segments >= 0),
         co=stored[torch.from_numpy(np.maximum(co_rows, 0))] * torch.from_numpy(co_rows >= 0)[..., None],
         co_mask=torch.from_numpy(co_rows >= 0),
         context=torch.from_numpy(u.context[users]),

@@ -4,7 +4,7 @@ encode_ads runs the ad tower (MiniLM text embedding of title and body, creative 
 advertiser, bid, and the ad's learned identity when the model was trained on its id; content alone
 for an ad created after training) at publish time; the index stores its (S,) output. encode_users runs the user
 towers once per request on the stored vectors of the ads in the user's history and cross-surface
-engagements (looked up in the index), the cohorts and the serving context. score applies the head.
+engagements (looked up in the index), the segments (cohorts and declared attributes) and the serving context. score applies the head.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 from andromeda_core.errors import InvalidInput
 from andromeda_core.models import EmbeddingLookup, KernelHead
 from andromeda_core.models.recdata import EVENTS
-from andromeda_core.models.retrieval import CO_ITEMS, COHORTS, MODEL_VERSION, RetrievalModel
+from andromeda_core.models.retrieval import CO_ITEMS, MODEL_VERSION, RetrievalModel
+from andromeda_core.models.segments import SEGMENTS, segment_ids
 from andromeda_core.models.text import encode_texts
 from andromeda_core.models.towers import UserInputs, UserState
 from andromeda_core.schema import Schema
@@ -35,7 +36,7 @@ class ModelScorer:
         self.model, self.name = model.eval(), f"{model.kind}-v{MODEL_VERSION}"
         self.dim = model.dims.stored
         self.categories = {c: i for i, c in enumerate(categories)}  # unknown -> len(categories)
-        self.surface, self.placement = schema.by_name.get("surface"), schema.by_name.get("placement")
+        self.schema, self.surface, self.placement = schema, schema.by_name.get("surface"), schema.by_name.get("placement")
         self.to(device)
 
     @classmethod
@@ -85,7 +86,7 @@ class ModelScorer:
         hist_mask = torch.zeros((B, L), dtype=torch.bool)
         co = torch.zeros((B, CO_ITEMS, S))
         co_mask = torch.zeros((B, CO_ITEMS), dtype=torch.bool)
-        cohorts = torch.full((B, COHORTS), -1, dtype=torch.int64)
+        segments = torch.full((B, SEGMENTS), -1, dtype=torch.int64)
         for b, r in enumerate(requests):
             events = sorted(r.user.history, key=lambda h: h.ts)
             if events:  # the last L engagements with ads the index holds, oldest first, as in training
@@ -98,10 +99,10 @@ class ModelScorer:
             engaged = r.user.co_engagement[-CO_ITEMS:]
             if engaged:
                 co[b, : len(engaged)], co_mask[b, : len(engaged)] = lookup([c.ad_id for c in engaged])
-            held = r.user.cohorts[-COHORTS:]
-            cohorts[b, : len(held)] = torch.tensor(held, dtype=torch.int64)
+            held = segment_ids(r.user.cohorts, r.user.attributes, self.schema)
+            segments[b, : len(held)] = torch.tensor(held, dtype=torch.int64)
         context = torch.tensor([self._context(r, t) for r, t in zip(requests, now)], dtype=torch.int64)
-        return UserInputs(hist, hist_event, hist_age * hist_mask, hist_mask, cohorts, cohorts >= 0, co, co_mask,
+        return UserInputs(hist, hist_event, hist_age * hist_mask, hist_mask, segments, segments >= 0, co, co_mask,
                           context.reshape(B, 3))
 
     @torch.no_grad()

@@ -13,7 +13,8 @@ User experts (E = interests + 4), each an embedding u_e (D) and a gating key k_e
   sequence expert: causal self-attention (SASRec style) over the engagement sequence, read at its
                    most recent position; tokens = stored vector + event + position + time gap,
   interests experts: attention of learned interest queries over the same contextualised sequence,
-  cohort expert: mean of hashed cohort-id embeddings,
+  segment expert: mean of the embeddings of the user's segments (cohort ids and declared attribute
+                  values, hashed: andromeda_core.models.segments),
   semantic expert: attention-pooled semantic parts (s) of the engaged ads,
   co-engagement expert: pooled stored vectors of ads engaged on other surfaces.
 The serving context (surface, placement, hour) modulates every expert once per request:
@@ -41,7 +42,7 @@ class Dims:
     interests: int = 2  # interest experts
     categories: int = 64
     advertiser_buckets: int = 4096
-    cohort_buckets: int = 4096
+    segment_buckets: int = 8192
     surfaces: int = 16
     placements: int = 32
     history: int = 50  # most recent engagements the user towers read
@@ -72,7 +73,7 @@ class Tensors:
 @dataclass
 class UserInputs(Tensors):
     """hist (B, L, S) stored vectors of engaged ads, oldest first, padded at the end; hist_event (B, L)
-    int64, hist_age (B, L) hours before the request, hist_mask (B, L); cohorts (B, C) int64 bucket
+    int64, hist_age (B, L) hours before the request, hist_mask (B, L); segments (B, C) int64 hashed ids
     (mask (B, C)); co (B, M, S) with co_mask (B, M); context (B, 3) int64 surface+1, placement+1
     (0 = unknown), hour."""
 
@@ -80,8 +81,8 @@ class UserInputs(Tensors):
     hist_event: torch.Tensor
     hist_age: torch.Tensor
     hist_mask: torch.Tensor
-    cohorts: torch.Tensor
-    cohort_mask: torch.Tensor
+    segments: torch.Tensor
+    segment_mask: torch.Tensor
     co: torch.Tensor
     co_mask: torch.Tensor
     context: torch.Tensor
@@ -178,7 +179,7 @@ class UserTowers(nn.Module):
         self.empty = nn.Parameter(torch.zeros(D))  # the sequence expert of a user with no history
         self.interest_queries = nn.Parameter(torch.randn(d.interests, D) / D**0.5)
         self.interest_out = nn.Linear(D, D)
-        self.cohort = nn.EmbeddingBag(d.cohort_buckets, D, mode="sum")
+        self.segment = nn.EmbeddingBag(d.segment_buckets, D, mode="sum")
         self.semantic_query = nn.Linear(d.semantic, 1)
         self.semantic_out = nn.Sequential(nn.Linear(d.semantic, D), nn.GELU(), nn.Linear(D, D))
         self.co_out = nn.Sequential(nn.Linear(S, D), nn.GELU(), nn.Linear(D, D))
@@ -212,9 +213,9 @@ class UserTowers(nn.Module):
         attn = torch.nan_to_num(torch.softmax(logits, -1))  # rows with no history are all zeros
         interests = self.interest_out(torch.einsum("bil,bld->bid", attn, seq))
         # Cohort expert.
-        cohorts = x.cohorts.clamp(min=0) % d.cohort_buckets
-        weights = x.cohort_mask.float() / x.cohort_mask.float().sum(1, keepdim=True).clamp(min=1)
-        cohort = self.cohort(cohorts, per_sample_weights=weights) if cohorts.shape[1] \
+        segments = x.segments.clamp(min=0) % d.segment_buckets
+        weights = x.segment_mask.float() / x.segment_mask.float().sum(1, keepdim=True).clamp(min=1)
+        segment = self.segment(segments, per_sample_weights=weights) if segments.shape[1] \
             else x.hist.new_zeros((B, d.dim))
         # Semantic expert: attention-pooled semantic parts of engaged ads.
         sem = x.hist[..., d.dim + d.gate: d.dim + d.gate + d.semantic]
@@ -222,10 +223,10 @@ class UserTowers(nn.Module):
         sem_pool = torch.einsum("bl,blm->bm", torch.nan_to_num(torch.softmax(sem_logits, -1)), sem)
         semantic = self.semantic_out(sem_pool)
         co = self.co_out(masked_mean(x.co, x.co_mask))
-        experts = torch.cat([sequence[:, None], interests, cohort[:, None], semantic[:, None], co[:, None]], 1) \
+        experts = torch.cat([sequence[:, None], interests, segment[:, None], semantic[:, None], co[:, None]], 1) \
             + self.expert_bias
         mask = torch.stack([torch.ones_like(has_hist)] + [has_hist] * d.interests
-                           + [x.cohort_mask.any(1), has_hist, x.co_mask.any(1)], 1)
+                           + [x.segment_mask.any(1), has_hist, x.co_mask.any(1)], 1)
         context = self.surface(x.context[:, 0]) + self.placement(x.context[:, 1]) + self.hour(x.context[:, 2] % 24)
         experts = experts * (1 + torch.tanh(self.context_gain(context)))[:, None, :]
         return UserState(experts, self.keys(experts), mask)

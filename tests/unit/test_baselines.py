@@ -24,7 +24,7 @@ def rec_data(seqs: list[list[int]], n_items: int) -> RecData:
     arrays = [np.array(s, np.int64) for s in seqs]
     n = len(arrays)
     users = Users(items=arrays, events=[np.ones(len(s), np.int64) for s in arrays],
-                  times=[np.arange(len(s)) * 60 for s in arrays], cohorts=[[] for _ in arrays],
+                  times=[np.arange(len(s)) * 60 for s in arrays], segments=[[] for _ in arrays],
                   co_items=[[] for _ in arrays], context=np.zeros((n, 3), np.int64), now=np.full(n, 10**6))
     return RecData("hand", items, users)
 

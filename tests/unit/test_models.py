@@ -24,7 +24,7 @@ def tiny_data(n_items: int = 40, n_users: int = 12, seed: int = 0) -> RecData:
                   advertiser=np.arange(n_items) % 7, bid=np.ones(n_items, np.float32), categories=["a", "b", "c", "d"])
     seqs = [np.array([(u * 3 + j) % n_items for j in range(6)]) for u in range(n_users)]
     users = Users(items=seqs, events=[np.ones(6, np.int64) for _ in seqs], times=[np.arange(6) * 3600 for _ in seqs],
-                  cohorts=[[u % 3] for u in range(n_users)], co_items=[[int(s[0])] for s in seqs],
+                  segments=[[u % 3] for u in range(n_users)], co_items=[[int(s[0])] for s in seqs],
                   context=np.zeros((n_users, 3), np.int64), now=np.full(n_users, 6 * 3600))
     return RecData("tiny", items, users)
 
