@@ -16,6 +16,8 @@ bits made orderable as a signed integer, the low 32 bits 0xFFFFFFFF - slot. Inel
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -24,8 +26,8 @@ from kernels.reference.fused import SCALE_BLOCK
 from kernels.triton.match import load_slots, match_request, refs_with_a_column
 
 BLOCK = 128  # slots per program
-SCAN_WARPS = {False: 4, True: 8}  # by int8 storage: on an H200 4 warps scanned fp16 1.6x faster than 8 (10M ads,
-# B = 16); int8's dequantisation needs 8 (at 4 ptxas spills), so each keeps its registers (checked ahead for sm_90)
+SCAN_WARPS = 4  # on an H200 4 warps scanned fp16 1.6x faster than 8 (10M ads, B = 16); ahead for sm_90 4 warps
+# also take int8 in fewer instructions per ad than 8, without spilling
 SAMPLE_STRIDE = 16  # the threshold scan reads every 16th block
 CANDIDATES = 64  # candidate keys kept per request: CANDIDATES * m (at least MIN_CANDIDATES) before the exact fallback
 MIN_CANDIDATES = 8192
@@ -38,60 +40,75 @@ _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 
 @triton.jit
-def load_columns(vec_ptr, scale_ptr, offs, valid, col0, stride_v0, stride_v1, stride_s0, stride_s1,
-                 NCOL: tl.constexpr, NP: tl.constexpr, QUANT: tl.constexpr):
-    """Columns col0 .. col0 + NCOL of the slots offs (BLOCK,) -> (BLOCK, NP) float32, 0 past NCOL and where not
-    valid; int8 (QUANT) is dequantised with the scale of its block of SCALE_BLOCK dims."""
-    j = tl.arange(0, NP)
-    cols = col0 + j
-    inside = valid[:, None] & (j < NCOL)[None, :]
-    x = tl.load(vec_ptr + offs[:, None] * stride_v0 + cols[None, :] * stride_v1, mask=inside, other=0)
-    x = x.to(tl.float32)
-    if QUANT:
-        x = x * tl.load(scale_ptr + offs[:, None] * stride_s0 + (cols // _SCALE_BLOCK)[None, :] * stride_s1,
-                        mask=inside, other=0)
-    return x
+def load_tile(rows_ptr, C0: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, KP: tl.constexpr,
+              STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns C0 .. C0 + KP of the BLOCK rows STRIDE elements apart from rows_ptr -> (BLOCK, KP) as stored, 0
+    outside columns C0 + LO .. C0 + HI. Int32 offsets from one pointer: with STRIDE a constant each element is one
+    load at an immediate offset of its thread's address, and the rows need no mask (the caller keeps them in the
+    table)."""
+    k = tl.arange(0, KP)[None, :]
+    ptrs = rows_ptr + tl.arange(0, BLOCK)[:, None] * STRIDE + (C0 + k)
+    if LO > 0 or HI < KP:
+        return tl.load(ptrs, mask=(k >= LO) & (k < HI), other=0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def columns_dot(x, scale, hi_ptr, lo_ptr, BLOCK: tl.constexpr, EP: tl.constexpr):
+    """A tile x (BLOCK, KP) of the table (as load_tile gives it) times the request's operand (KP, NS * EP) ->
+    (BLOCK, EP) float32. float32 tables: one tf32x3 dot with hi (float32; NS = 1). float16 and int8 tables: the
+    tile as float16 (exact) times hi + lo, the operand split into two float16 parts (fused_scan), two float16 dots
+    accumulating in float32; int8 tables (NS column blocks of SCALE_BLOCK, each with its own scale per row; scale
+    (BLOCK, NS) float32) get a block-diagonal operand, whose column block s holds the rows of scale column s, and
+    the dot's NS column blocks are summed weighted by the scales."""
+    KP: tl.constexpr = x.shape[1]
+    NS: tl.constexpr = KP // _SCALE_BLOCK if x.dtype == tl.int8 else 1
+    w = tl.arange(0, KP)[:, None] * (NS * EP) + tl.arange(0, NS * EP)[None, :]
+    if x.dtype == tl.float32:
+        sums = tl.dot(x, tl.load(hi_ptr + w), input_precision="tf32x3")
+    else:
+        x16 = x.to(tl.float16)
+        sums = tl.dot(x16, tl.load(hi_ptr + w), tl.dot(x16, tl.load(lo_ptr + w)))
+        if x.dtype == tl.int8:
+            if NS == 1:
+                sums = sums * scale
+            else:
+                sums = tl.sum(tl.reshape(sums, (BLOCK, NS, EP)) * scale[:, :, None], axis=1)
+    return sums
 
 
 @triton.jit
 def expert_gates(logits, TOP_N: tl.constexpr, EP: tl.constexpr):
-    """logits (BLOCK, EP) float32, -inf for unusable experts -> gates (BLOCK, EP): the softmax over each row's
-    TOP_N largest logits (ties to the lower expert), 0 elsewhere; all 0 in a row without a usable expert."""
+    """logits (BLOCK, EP) float32, -inf for unusable experts -> (weights (BLOCK, EP), total (BLOCK,)): the gates of
+    the softmax over each row's TOP_N largest logits (ties to the lower expert) are weights / total; all 0 in a row
+    without a usable expert (total 0). exp2 of logits in base-2 units (the caller's scale folds in log2 e)."""
     idx = tl.arange(0, EP)[None, :]
-    chosen = tl.zeros(logits.shape, tl.int1)
-    for _ in tl.static_range(TOP_N):
+    top = tl.max(logits, axis=1)  # the first pick: its logit is the softmax's maximum
+    chosen = idx == tl.min(tl.where(logits == top[:, None], idx, EP), axis=1)[:, None]
+    for _ in tl.static_range(TOP_N - 1):
         rest = tl.where(chosen, float("-inf"), logits)
         best = tl.max(rest, axis=1)
-        first = tl.min(tl.where(rest == best[:, None], idx, EP), axis=1)
-        chosen = chosen | (idx == first[:, None])
-    usable = chosen & (logits > float("-inf"))
-    top = tl.max(tl.where(usable, logits, float("-inf")), axis=1)
+        chosen = chosen | (idx == tl.min(tl.where(rest == best[:, None], idx, EP), axis=1)[:, None])
     top = tl.where(top > float("-inf"), top, 0.0)  # a row without a usable expert: no -inf - -inf
-    weight = tl.where(usable, tl.exp(logits - top[:, None]), 0.0)
-    total = tl.sum(weight, axis=1)
-    return weight / tl.where(total > 0, total, 1.0)[:, None]
+    weight = tl.where(chosen & (logits > float("-inf")), tl.exp2(logits - top[:, None]), 0.0)
+    return weight, tl.sum(weight, axis=1)
 
 
 @triton.jit
-def head_scores(a, q, bias, experts_row, keys_row, mask_row, BLOCK: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
-                TOP_N: tl.constexpr):
-    """One request's head over a block: a (BLOCK, DP), q (BLOCK, GP), bias (BLOCK,) float32 with the request's
-    experts (E, D), keys (E, G) float32 and mask (E,) int8 rows -> (BLOCK,) float32 scores. DP, GP, EP >= 16 (tl.dot);
-    tf32x3 keeps float32 accuracy on tensor cores."""
+def head_scores(a, q, a_scale, q_scale, bias, experts_hi, experts_lo, keys_hi, keys_lo, usable_row, unscale_row,
+                key_unscale, BLOCK: tl.constexpr, G: tl.constexpr, EP: tl.constexpr, TOP_N: tl.constexpr):
+    """One request's head over a block: tiles a, q and their scales (None unless int8), bias (BLOCK,) float32; the
+    request's operands (fused_scan: scaled by powers of two), usable (EP,) int8 and unscale (EP,) float32 rows and
+    key_unscale (log2 e over the keys' scale) -> (BLOCK,) float32 scores."""
     e = tl.arange(0, EP)
-    d = tl.arange(0, DP)
-    experts = tl.load(experts_row + e[None, :] * D + d[:, None], mask=(e < E)[None, :] & (d < D)[:, None], other=0)
-    sims = tl.dot(a, experts, input_precision="tf32x3")  # (BLOCK, EP)
+    sims = columns_dot(a, a_scale, experts_hi, experts_lo, BLOCK, EP) * tl.load(unscale_row + e)[None, :]
     if G > 0:
-        g = tl.arange(0, GP)
-        keys = tl.load(keys_row + e[None, :] * G + g[:, None], mask=(e < E)[None, :] & (g < G)[:, None], other=0)
-        logits = tl.dot(q, keys, input_precision="tf32x3")
+        logits = columns_dot(q, q_scale, keys_hi, keys_lo, BLOCK, EP) * key_unscale
     else:
         logits = tl.zeros((BLOCK, EP), tl.float32)  # the reference's einsum over no dims
-    usable = tl.load(mask_row + e, mask=e < E, other=0) != 0
-    logits = tl.where(usable[None, :], logits, float("-inf"))
-    return tl.sum(expert_gates(logits, TOP_N, EP) * sims, axis=1) + bias
+    logits = tl.where((tl.load(usable_row + e) != 0)[None, :], logits, float("-inf"))
+    weight, total = expert_gates(logits, TOP_N, EP)
+    return tl.sum(weight * sims, axis=1) / tl.where(total > 0, total, 1.0) + bias
 
 
 @triton.jit
@@ -117,26 +134,48 @@ def unpack_keys(key):
 
 
 @triton.jit
-def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, now_ptr, truth_ptr, experts_ptr,
-                 keys_ptr, mask_ptr, part_ptr, eligible_ptr, tau_ptr, count_ptr, n, B, W, C, bias_col, stride_r0,
-                 stride_r1, stride_v0, stride_v1, stride_s0, stride_s1, block_stride, capacity, CP: tl.constexpr,
-                 D: tl.constexpr, DP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, E: tl.constexpr,
-                 EP: tl.constexpr, TOP_N: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr,
-                 BLOCK: tl.constexpr, WIDTH: tl.constexpr, KEEP: tl.constexpr):
-    """Program i reads block i * block_stride of BLOCK slots and serves every request b, keeping by KEEP:
+def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, now_ptr, truth_ptr, experts_hi_ptr,
+                 experts_lo_ptr, keys_hi_ptr, keys_lo_ptr, usable_ptr, unscale_ptr, key_unscale_ptr, part_ptr,
+                 eligible_ptr, tau_ptr, count_ptr, n, last, B, W, C, stride_r0, stride_r1, block_stride, capacity,
+                 STRIDE_V: tl.constexpr, STRIDE_S: tl.constexpr, CP: tl.constexpr, D: tl.constexpr,
+                 DW: tl.constexpr, G: tl.constexpr, G0: tl.constexpr, GW: tl.constexpr, EP: tl.constexpr,
+                 TOP_N: tl.constexpr, BIAS_COL: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr,
+                 KEEP: tl.constexpr):
+    """Program i serves block i * block_stride of BLOCK slots for every request b, keeping by KEEP:
     KEEP_TOP its WIDTH best keys at part[b, i] (B, programs, WIDTH) (all BLOCK keys, unsorted, when WIDTH == BLOCK);
     KEEP_MAX its best key at part[b, i] (B, programs); KEEP_ABOVE its keys >= tau[b] appended to part[b]
     (B, capacity) at the positions count[b] (B,) int32 hands out (count still grows past capacity: an overflow).
-    KEEP_TOP and KEEP_ABOVE add the block's eligible counts to eligible (B,)."""
+    KEEP_TOP and KEEP_ABOVE add the block's eligible counts to eligible (B,).
+    The vector rows read are the BLOCK from min(first slot, last) (last: the table's rows - BLOCK), all inside the
+    table: the last block reads back over its neighbour's slots and leaves them ineligible. Tiles: a columns
+    0 .. DW, q columns G0 .. G0 + GW (float tables: G0 = D; int8: from D's scale block on), bias BIAS_COL (< 0: 0)."""
+    QUANT: tl.constexpr = vec_ptr.dtype.element_ty == tl.int8
     pid = tl.program_id(0)
-    offs = (pid * block_stride).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
+    first = (pid * block_stride).to(tl.int64) * BLOCK
+    base = tl.minimum(first, last)
+    offs = base + tl.arange(0, BLOCK)
     servable, start, end, clause, negate = load_slots(status_ptr, start_ptr, end_ptr, refs_ptr, offs, n, C,
                                                       stride_r0, stride_r1, CP)
-    a = load_columns(vec_ptr, scale_ptr, offs, valid, 0, stride_v0, stride_v1, stride_s0, stride_s1, D, DP, QUANT)
-    q = load_columns(vec_ptr, scale_ptr, offs, valid, D, stride_v0, stride_v1, stride_s0, stride_s1, G, GP, QUANT)
-    bias = tl.sum(load_columns(vec_ptr, scale_ptr, offs, valid, bias_col, stride_v0, stride_v1, stride_s0,
-                               stride_s1, HAS_BIAS, 1, QUANT), axis=1)
+    servable = servable & (offs >= first)
+    rows = vec_ptr + base * STRIDE_V
+    a = load_tile(rows, 0, 0, D, DW, STRIDE_V, BLOCK)
+    q = load_tile(rows, G0, D - G0, D + G - G0, GW, STRIDE_V, BLOCK) if G > 0 else None
+    bias = tl.zeros((BLOCK,), tl.float32)
+    if BIAS_COL >= 0:
+        bias = tl.reshape(load_tile(rows, BIAS_COL, 0, 1, 1, STRIDE_V, BLOCK), (BLOCK,)).to(tl.float32)
+    a_scale, q_scale = None, None
+    SD: tl.constexpr = DW // _SCALE_BLOCK  # int8: the scale columns of the tiles
+    SG: tl.constexpr = GW // _SCALE_BLOCK
+    if QUANT:
+        scales = scale_ptr + base * STRIDE_S
+        a_scale = load_tile(scales, 0, 0, tl.cdiv(D, _SCALE_BLOCK), SD, STRIDE_S, BLOCK)
+        if G > 0:
+            q_scale = load_tile(scales, G0 // _SCALE_BLOCK, 0, tl.cdiv(D + G, _SCALE_BLOCK) - G0 // _SCALE_BLOCK,
+                                SG, STRIDE_S, BLOCK)
+        if BIAS_COL >= 0:
+            bias *= tl.reshape(load_tile(scales, BIAS_COL // _SCALE_BLOCK, 0, 1, 1, STRIDE_S, BLOCK), (BLOCK,))
+    EXPERTS: tl.constexpr = DW * (SD if QUANT else 1) * EP  # elements of a request's operands (fused_scan)
+    KEYS: tl.constexpr = GW * (SG if QUANT else 1) * EP
     if KEEP == KEEP_TOP:  # row: where request b's keys go, stepped per request (pointer arithmetic: 64-bit)
         row, step = part_ptr + pid * WIDTH, tl.num_programs(0) * WIDTH
     elif KEEP == KEEP_MAX:
@@ -147,8 +186,9 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
         ok = match_request(servable, start, end, clause, negate, truth_ptr + b * W, tl.load(now_ptr + b))
         if KEEP != KEEP_MAX:
             tl.atomic_add(eligible_ptr + b, tl.sum(ok.to(tl.int64)))
-        score = head_scores(a, q, bias, experts_ptr + b * E * D, keys_ptr + b * E * G, mask_ptr + b * E,
-                            BLOCK, D, DP, G, GP, E, EP, TOP_N)
+        score = head_scores(a, q, a_scale, q_scale, bias, experts_hi_ptr + b * EXPERTS, experts_lo_ptr + b * EXPERTS,
+                            keys_hi_ptr + b * KEYS, keys_lo_ptr + b * KEYS, usable_ptr + b * EP, unscale_ptr + b * EP,
+                            tl.load(key_unscale_ptr + b), BLOCK, G, EP, TOP_N)
         keys = pack_keys(score, offs, ok)
         if KEEP == KEEP_TOP:
             if WIDTH < BLOCK:
@@ -211,6 +251,44 @@ def merge_partials(partial: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.T
         partial = out
 
 
+def table_rows(t: torch.Tensor) -> torch.Tensor:
+    """A table (n, S) -> the same with unit column stride and at least BLOCK rows (zero rows appended), so that a
+    scan program reads whole blocks of rows inside it."""
+    t = t if t.stride(1) == 1 else t.contiguous()
+    return t if t.shape[0] >= BLOCK else torch.cat([t, t.new_zeros((BLOCK - t.shape[0], t.shape[1]))])
+
+
+def mma_operand(w: torch.Tensor, lead: int, window: int, ep: int, table: torch.dtype,
+                per_row: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A request side (B, E, K) of weights for the table columns col0 .. col0 + K -> columns_dot's operand for a
+    tile of the window columns col0 - lead .. col0 - lead + window: (hi, lo) (B, window, NS * ep), and the factor
+    that undoes their scale, (B, ep) float32 when per_row else (B,). Each request's weights (each of its rows when
+    per_row) are scaled by a power of two 2^k (exact) that brings their largest magnitude into [2^14, 2^15): hi, the
+    float16 rounding, cannot overflow, and lo = float16(w - hi) keeps w to about 2^-22 of that magnitude (float16's
+    subnormals start 29 binades lower). float32 tables take hi = the scaled weights as float32 (lo unread); int8
+    tables (NS = window / SCALE_BLOCK) place the row of column c in column block c // SCALE_BLOCK of the window."""
+    B, E, K = w.shape
+    w = w.double()
+    peak = w.abs().amax(dim=2 if per_row else (1, 2), keepdim=True)
+    k = (15 - torch.frexp(peak).exponent).clamp(-100, 100)  # frexp: peak < 2^exponent
+    w = w * torch.pow(2.0, k.double())
+    ns = window // SCALE_BLOCK if table == torch.int8 else 1
+    operand = w.new_zeros((B, window, ns, ep))
+    rows = torch.arange(K, device=w.device) + lead
+    operand[:, rows, rows // SCALE_BLOCK if ns > 1 else 0, :E] = w.transpose(1, 2)
+    operand = operand.reshape(B, window, ns * ep)
+    unscale = torch.pow(2.0, -k.double()).float()
+    if per_row:
+        unscale = torch.nn.functional.pad(unscale.reshape(B, E), (0, ep - E), value=1.0)
+    else:
+        unscale = unscale.reshape(B)
+    if table == torch.float32:
+        hi = operand.float().contiguous()
+        return hi, hi, unscale.contiguous()
+    hi = operand.half()
+    return hi.contiguous(), (operand - hi.double()).half().contiguous(), unscale.contiguous()
+
+
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
@@ -221,22 +299,30 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     E, D, G = experts.shape[1], experts.shape[2], keys.shape[2]
     refs = refs_with_a_column(refs)
     quant = vectors.dtype == torch.int8
-    scales = scales.float() if quant else vectors  # unread unless quantised
-    experts = experts.float().contiguous()
-    keys = keys.float().contiguous() if G else experts  # unread when G == 0 (an empty tensor is no valid pointer)
+    vectors = table_rows(vectors)
+    scales = table_rows(scales.float()) if quant else vectors  # unread unless quantised
+    EP = triton.next_power_of_2(E)  # the dot's N: tensor cores take N down to 8 (Triton pads smaller ones)
+    G0 = D - D % SCALE_BLOCK if quant else D  # int8: q's tile starts at its first scale block
+    DW, GW = dot_size(D), dot_size(D + G - G0)
+    experts_hi, experts_lo, unscale = mma_operand(experts, 0, DW, EP, vectors.dtype, per_row=True)
+    if G:
+        keys_hi, keys_lo, key_unscale = mma_operand(keys, D - G0, GW, EP, vectors.dtype, per_row=False)
+    else:  # unread (an empty tensor is no valid pointer)
+        keys_hi, keys_lo, key_unscale = experts_hi, experts_lo, unscale[:, 0]
+    usable = torch.zeros((B, EP), dtype=torch.int8, device=status.device)
+    usable[:, :E] = mask.to(torch.int8)
     inputs = (status.contiguous(), start.contiguous(), end.contiguous(), refs, vectors, scales,
-              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(), experts, keys,
-              mask.to(torch.int8).contiguous())
+              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(), experts_hi, experts_lo, keys_hi,
+              keys_lo, usable, unscale, (key_unscale * math.log2(math.e)).contiguous())
     eligible = torch.zeros(B, dtype=torch.int64, device=status.device)
     blocks = max(triton.cdiv(n, BLOCK), 1)
 
     def scan(programs, part, keep, width=1, tau=eligible, count=eligible, stride=1, capacity=0):
         _scan_kernel[(programs,)](
-            *inputs, part, eligible, tau, count, n, B, truth.shape[1], refs.shape[1], max(bias_col, 0),
-            refs.stride(0), refs.stride(1), vectors.stride(0), vectors.stride(1), scales.stride(0), scales.stride(1),
-            stride, capacity, CP=triton.next_power_of_2(refs.shape[1]), D=D, DP=dot_size(D), G=G, GP=dot_size(G),
-            E=E, EP=dot_size(E), TOP_N=min(top_n, E), HAS_BIAS=int(bias_col >= 0), QUANT=quant, BLOCK=BLOCK,
-            WIDTH=width, KEEP=keep, num_warps=SCAN_WARPS[quant])
+            *inputs, part, eligible, tau, count, n, vectors.shape[0] - BLOCK, B, truth.shape[1], refs.shape[1],
+            refs.stride(0), refs.stride(1), stride, capacity, STRIDE_V=vectors.stride(0), STRIDE_S=scales.stride(0),
+            CP=triton.next_power_of_2(refs.shape[1]), D=D, DW=DW, G=G, G0=G0, GW=GW, EP=EP, TOP_N=min(top_n, E),
+            BIAS_COL=bias_col, BLOCK=BLOCK, WIDTH=width, KEEP=keep, num_warps=SCAN_WARPS)
 
     sampled = blocks // sample_stride if sample_stride else 0
     if sampled >= m:
