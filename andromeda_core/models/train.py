@@ -41,8 +41,6 @@ class TrainConfig:
     validate_every: int = 250  # steps between validations (0: never; train all steps)
     validation_users: int = 1000
     patience: int = 2  # validations without improvement before stopping
-    tune_towers: bool = False  # started from another model (init): fine-tune its towers too, not only the head
-    tower_lr: float = 0.3  # their learning rate, as a share of lr, when fine-tuned
 
     def __post_init__(self):
         if self.steps < 1:
@@ -65,7 +63,7 @@ def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_
     than one step. A run of <= 10 steps keeps cfg.lr: there OneCycleLR's warm-up phase ends at or before
     step 0, so it divides by zero (10 steps) or starts part-way down its decay (1 step: lr / 250,000)."""
     if cfg.steps * WARMUP > 1:
-        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in opt.param_groups], total_steps=cfg.steps, pct_start=WARMUP)
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=WARMUP)
     return torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0)
 
 
@@ -151,23 +149,19 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
     model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1), data.items.ids[data.train_items()])
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
-    warm, frozen = init is not None, init is not None and not cfg.tune_towers
-    if warm:  # the towers come trained; frozen, only the head learns
+    frozen = init is not None
+    if frozen:  # the towers come trained and stay as they are: only the head learns
         if not any(p.requires_grad for p in model.head.parameters()):
             raise ValueError(f"a {kind} model has no parameters outside its towers: only a ranker starts from another model")
         missing, _ = model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("head.")},
                                            strict=False)
         if any(not k.startswith("head.") for k in missing):
             raise ValueError(f"the model to start from lacks {[k for k in missing if not k.startswith('head.')][:3]}")
-        if cfg.validate_every:
-            best, best_state = validation_score(model, data, val_users), copy.deepcopy(model.state_dict())
-    if frozen:
         model.ad_tower.requires_grad_(False)
         model.user_towers.requires_grad_(False)
-    towers = [*model.ad_tower.parameters(), *model.user_towers.parameters()]
-    head = [p for p in model.parameters() if all(p is not t for t in towers)]
-    groups = [{"params": head, "lr": cfg.lr}] + ([] if frozen else [{"params": towers, "lr": cfg.lr * (cfg.tower_lr if warm else 1.0)}])
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=1e-5)
+        if cfg.validate_every:
+            best, best_state = validation_score(model, data, val_users), copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=1e-5)
     sched = lr_schedule(opt, cfg)
     draw = example_weights(data, examples, cfg.balanced)
     engaged = item_probability(np.array([data.users.items[u][p] for u, p in examples]), draw, n_items)
