@@ -11,6 +11,14 @@ each block's best key; the m-th best of those, tau (B,), is a lower bound of the
 merge folds. Where too few blocks are sampled, or the candidates overflow their buffer (an adversarial slot
 order), the scan keeps every block's top-m instead (exact too, B x n keys).
 
+Scoring runs on tensor cores. A program loads its table tiles once (int32 offsets at a constant row stride from
+one pointer, no row masks: the last block reads back over its neighbour's rows and leaves them ineligible); the
+request side comes split on the host (mma_operand): each expert and each request's gating keys scaled by a power
+of two, then rounded to float16 hi plus float16 lo = the rest. float16 tiles are exact as float16 and take two
+float16 dots (hi, lo) with float32 accumulation; int8 tiles too (q is exact in float16), against a block-diagonal
+operand whose column blocks the per-row scales of the SCALE_BLOCK-dim blocks then weight; float32 tiles take one
+tf32x3 dot.
+
 A key orders (score descending, slot ascending) as one int64 descending: the high 32 bits hold the score's float
 bits made orderable as a signed integer, the low 32 bits 0xFFFFFFFF - slot. Ineligible slots hold NO_KEY.
 """
@@ -26,8 +34,8 @@ from kernels.reference.fused import SCALE_BLOCK
 from kernels.triton.match import load_slots, match_request, refs_with_a_column
 
 BLOCK = 128  # slots per program
-SCAN_WARPS = 4  # on an H200 4 warps scanned fp16 1.6x faster than 8 (10M ads, B = 16); ahead for sm_90 4 warps
-# also take int8 in fewer instructions per ad than 8, without spilling
+SCAN_WARPS = 4  # on an H200 4 warps scanned fp16 1.6x faster than 8 (10M ads, B = 16, float32 dots then); with
+# float16 dots int8 compiles at 4 too without spilling (ahead for sm_90), in fewer instructions per ad than at 8
 SAMPLE_STRIDE = 16  # the threshold scan reads every 16th block
 CANDIDATES = 64  # candidate keys kept per request: CANDIDATES * m (at least MIN_CANDIDATES) before the exact fallback
 MIN_CANDIDATES = 8192
@@ -67,7 +75,9 @@ def columns_dot(x, scale, hi_ptr, lo_ptr, BLOCK: tl.constexpr, EP: tl.constexpr)
     if x.dtype == tl.float32:
         sums = tl.dot(x, tl.load(hi_ptr + w), input_precision="tf32x3")
     else:
-        x16 = x.to(tl.float16)
+        x16 = x
+        if x.dtype == tl.int8:  # float16 1024 + 128 + q has q + 128 as its low byte: two instructions, not three
+            x16 = (x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480).to(tl.float16, bitcast=True) - 1152.0
         sums = tl.dot(x16, tl.load(hi_ptr + w), tl.dot(x16, tl.load(lo_ptr + w)))
         if x.dtype == tl.int8:
             if NS == 1:
@@ -136,11 +146,11 @@ def unpack_keys(key):
 @triton.jit
 def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, now_ptr, truth_ptr, experts_hi_ptr,
                  experts_lo_ptr, keys_hi_ptr, keys_lo_ptr, usable_ptr, unscale_ptr, key_unscale_ptr, part_ptr,
-                 eligible_ptr, tau_ptr, count_ptr, n, last, B, W, C, stride_r0, stride_r1, block_stride, capacity,
-                 STRIDE_V: tl.constexpr, STRIDE_S: tl.constexpr, CP: tl.constexpr, D: tl.constexpr,
-                 DW: tl.constexpr, G: tl.constexpr, G0: tl.constexpr, GW: tl.constexpr, EP: tl.constexpr,
-                 TOP_N: tl.constexpr, BIAS_COL: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr,
-                 KEEP: tl.constexpr):
+                 eligible_ptr, tau_ptr, count_ptr, n, last, B, W, block_stride, capacity, C: tl.constexpr,
+                 STRIDE_R: tl.constexpr, CP: tl.constexpr, STRIDE_V: tl.constexpr, STRIDE_S: tl.constexpr,
+                 D: tl.constexpr, DW: tl.constexpr, G: tl.constexpr, G0: tl.constexpr, GW: tl.constexpr,
+                 EP: tl.constexpr, TOP_N: tl.constexpr, BIAS_COL: tl.constexpr, BLOCK: tl.constexpr,
+                 WIDTH: tl.constexpr, KEEP: tl.constexpr):
     """Program i serves block i * block_stride of BLOCK slots for every request b, keeping by KEEP:
     KEEP_TOP its WIDTH best keys at part[b, i] (B, programs, WIDTH) (all BLOCK keys, unsorted, when WIDTH == BLOCK);
     KEEP_MAX its best key at part[b, i] (B, programs); KEEP_ABOVE its keys >= tau[b] appended to part[b]
@@ -155,7 +165,7 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
     base = tl.minimum(first, last)
     offs = base + tl.arange(0, BLOCK)
     servable, start, end, clause, negate = load_slots(status_ptr, start_ptr, end_ptr, refs_ptr, offs, n, C,
-                                                      stride_r0, stride_r1, CP)
+                                                      STRIDE_R, CP)
     servable = servable & (offs >= first)
     rows = vec_ptr + base * STRIDE_V
     a = load_tile(rows, 0, 0, D, DW, STRIDE_V, BLOCK)
@@ -185,7 +195,7 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
     for b in range(B):
         ok = match_request(servable, start, end, clause, negate, truth_ptr + b * W, tl.load(now_ptr + b))
         if KEEP != KEEP_MAX:
-            tl.atomic_add(eligible_ptr + b, tl.sum(ok.to(tl.int64)))
+            tl.atomic_add(eligible_ptr + b, tl.sum(ok.to(tl.int32)).to(tl.int64))
         score = head_scores(a, q, a_scale, q_scale, bias, experts_hi_ptr + b * EXPERTS, experts_lo_ptr + b * EXPERTS,
                             keys_hi_ptr + b * KEYS, keys_lo_ptr + b * KEYS, usable_ptr + b * EP, unscale_ptr + b * EP,
                             tl.load(key_unscale_ptr + b), BLOCK, G, EP, TOP_N)
@@ -260,13 +270,14 @@ def table_rows(t: torch.Tensor) -> torch.Tensor:
 
 def mma_operand(w: torch.Tensor, lead: int, window: int, ep: int, table: torch.dtype,
                 per_row: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A request side (B, E, K) of weights for the table columns col0 .. col0 + K -> columns_dot's operand for a
-    tile of the window columns col0 - lead .. col0 - lead + window: (hi, lo) (B, window, NS * ep), and the factor
-    that undoes their scale, (B, ep) float32 when per_row else (B,). Each request's weights (each of its rows when
-    per_row) are scaled by a power of two 2^k (exact) that brings their largest magnitude into [2^14, 2^15): hi, the
-    float16 rounding, cannot overflow, and lo = float16(w - hi) keeps w to about 2^-22 of that magnitude (float16's
-    subnormals start 29 binades lower). float32 tables take hi = the scaled weights as float32 (lo unread); int8
-    tables (NS = window / SCALE_BLOCK) place the row of column c in column block c // SCALE_BLOCK of the window."""
+    """Request-side weights w (B, E, K), one per table column of a tile that starts lead columns before the first
+    (and is window columns wide) -> columns_dot's operand, (hi, lo) (B, window, NS * ep): row lead + j holds w[:, :,
+    j] in column block 0 (NS = 1), or for int8 tables (NS = window / SCALE_BLOCK; the tile starts at a scale block)
+    in column block (lead + j) // SCALE_BLOCK; and the factor that undoes the scaling, (B, ep) float32 when per_row
+    else (B,). Each request's weights (each expert's when per_row) are scaled by a power of two (exact) that brings
+    their largest magnitude into [2^14, 2^15): hi, their float16 rounding, cannot overflow, and lo = float16(w - hi)
+    keeps w to about 2^-22 of that magnitude (float16's subnormals start 29 binades below it; smaller weights lose
+    digits, but only beneath that). float32 tables take hi = the scaled weights as float32 (lo unread)."""
     B, E, K = w.shape
     w = w.double()
     peak = w.abs().amax(dim=2 if per_row else (1, 2), keepdim=True)
@@ -319,10 +330,10 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
 
     def scan(programs, part, keep, width=1, tau=eligible, count=eligible, stride=1, capacity=0):
         _scan_kernel[(programs,)](
-            *inputs, part, eligible, tau, count, n, vectors.shape[0] - BLOCK, B, truth.shape[1], refs.shape[1],
-            refs.stride(0), refs.stride(1), stride, capacity, STRIDE_V=vectors.stride(0), STRIDE_S=scales.stride(0),
-            CP=triton.next_power_of_2(refs.shape[1]), D=D, DW=DW, G=G, G0=G0, GW=GW, EP=EP, TOP_N=min(top_n, E),
-            BIAS_COL=bias_col, BLOCK=BLOCK, WIDTH=width, KEEP=keep, num_warps=SCAN_WARPS)
+            *inputs, part, eligible, tau, count, n, vectors.shape[0] - BLOCK, B, truth.shape[1], stride, capacity,
+            C=refs.shape[1], STRIDE_R=refs.stride(0), CP=triton.next_power_of_2(refs.shape[1]),
+            STRIDE_V=vectors.stride(0), STRIDE_S=scales.stride(0), D=D, DW=DW, G=G, G0=G0, GW=GW, EP=EP,
+            TOP_N=min(top_n, E), BIAS_COL=bias_col, BLOCK=BLOCK, WIDTH=width, KEEP=keep, num_warps=SCAN_WARPS)
 
     sampled = blocks // sample_stride if sample_stride else 0
     if sampled >= m:

@@ -19,16 +19,20 @@ _SERVABLE = tl.constexpr(SERVABLE)
 
 
 @triton.jit
-def load_slots(status_ptr, start_ptr, end_ptr, refs_ptr, offs, n, C, stride_r0, stride_r1, CP: tl.constexpr):
+def load_slots(status_ptr, start_ptr, end_ptr, refs_ptr, offs, n, C: tl.constexpr, STRIDE_R: tl.constexpr,
+               CP: tl.constexpr):
     """Slots offs (BLOCK,) int64 -> servable (BLOCK,) bool, start, end (BLOCK,) int64, clause, negate (BLOCK, CP)
-    int32. Slots at or past n are not servable; refs past C read as ALWAYS."""
+    int32 (refs rows STRIDE_R apart, unit column stride). Slots at or past n are not servable; refs past C read as
+    ALWAYS. A constant STRIDE_R lets a thread load a whole row of refs at once (and match it without shuffles)."""
     valid = offs < n
     status = tl.load(status_ptr + offs, mask=valid, other=0).to(tl.int32)
     start = tl.load(start_ptr + offs, mask=valid, other=0)
     end = tl.load(end_ptr + offs, mask=valid, other=0)
-    cols = tl.arange(0, CP)
-    refs = tl.load(refs_ptr + offs[:, None] * stride_r0 + cols[None, :] * stride_r1,
-                   mask=valid[:, None] & (cols < C)[None, :], other=_ALWAYS)
+    cols = tl.arange(0, CP)[None, :]
+    inside = valid[:, None]
+    if C < CP:
+        inside = inside & (cols < C)
+    refs = tl.load(refs_ptr + offs[:, None] * STRIDE_R + cols, mask=inside, other=_ALWAYS)
     return valid & ((status & _SERVABLE) == _SERVABLE), start, end, refs >> 1, refs & 1
 
 
@@ -43,11 +47,11 @@ def match_request(servable, start, end, clause, negate, truth_row_ptr, now):
 
 @triton.jit
 def _match_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, truth_ptr, now_ptr, mask_ptr, counts_ptr,
-                  n, B, W, C, stride_r0, stride_r1, CP: tl.constexpr, BLOCK: tl.constexpr):
+                  n, B, W, C: tl.constexpr, STRIDE_R: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
     """Writes mask (B, n) int8 and adds each request's count of eligible slots of this block to counts (B,)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     servable, start, end, clause, negate = load_slots(status_ptr, start_ptr, end_ptr, refs_ptr, offs, n, C,
-                                                      stride_r0, stride_r1, CP)
+                                                      STRIDE_R, CP)
     mask_row = mask_ptr
     for b in range(B):
         ok = match_request(servable, start, end, clause, negate, truth_ptr + b * W, tl.load(now_ptr + b))
@@ -57,8 +61,11 @@ def _match_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, truth_ptr, now_ptr, 
 
 
 def refs_with_a_column(refs: torch.Tensor) -> torch.Tensor:
-    """(n, C) int32 refs -> the same, or (n, 1) of ALWAYS when C == 0 (an empty tensor is no valid pointer)."""
-    return refs if refs.shape[1] else refs.new_full((refs.shape[0], 1), ALWAYS)
+    """(n, C) int32 refs -> the same with unit column stride, or (n, 1) of ALWAYS when C == 0 (an empty tensor is no
+    valid pointer)."""
+    if not refs.shape[1]:
+        return refs.new_full((refs.shape[0], 1), ALWAYS)
+    return refs if refs.stride(1) == 1 else refs.contiguous()
 
 
 def clause_match_count(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
@@ -71,6 +78,6 @@ def clause_match_count(status: torch.Tensor, start: torch.Tensor, end: torch.Ten
     counts = torch.zeros(B, dtype=torch.int64, device=status.device)
     _match_kernel[(max(triton.cdiv(n, BLOCK), 1),)](
         status.contiguous(), start.contiguous(), end.contiguous(), refs, truth.to(torch.int32).contiguous(),
-        now.to(torch.int64).contiguous(), mask, counts, n, B, truth.shape[1], refs.shape[1], refs.stride(0),
-        refs.stride(1), CP=triton.next_power_of_2(refs.shape[1]), BLOCK=BLOCK)
+        now.to(torch.int64).contiguous(), mask, counts, n, B, truth.shape[1], C=refs.shape[1], STRIDE_R=refs.stride(0),
+        CP=triton.next_power_of_2(refs.shape[1]), BLOCK=BLOCK)
     return mask.view(torch.bool), counts

@@ -360,8 +360,8 @@ def compile_for_sm90():
                 "scale_ptr": "*fp32", "part_ptr": "*i64", "eligible_ptr": "*i64", "counts_ptr": "*i64",
                 "mask_ptr": "*i8", "src_ptr": "*i64", "dst_ptr": "*i64", "slots_ptr": "*i64", "scores_ptr": "*fp32",
                 "tau_ptr": "*i64", "count_ptr": "*i32"}
-    head = dict(CP=4, D=64, DW=64, G=16, G0=64, GW=16, EP=8, TOP_N=2, BIAS_COL=112, BLOCK=fused.BLOCK, STRIDE_V=113,
-                STRIDE_S=8, stride_r1=1)  # a table row of S = 113: D = 64, G = 16, bias at 112
+    head = dict(C=4, STRIDE_R=4, CP=4, D=64, DW=64, G=16, G0=64, GW=16, EP=8, TOP_N=2, BIAS_COL=112, BLOCK=fused.BLOCK,
+                STRIDE_V=113, STRIDE_S=8)  # 4 refs, a row of S = 113 vector columns: D = 64, G = 16, bias at 112
 
     def scan(vec, **constants):
         operand = "*fp32" if vec == "*fp32" else "*fp16"  # fused.mma_operand
@@ -376,7 +376,7 @@ def compile_for_sm90():
                scan("*i8", D=40, G0=32, GW=32, BIAS_COL=-1, WIDTH=1, KEEP=2),  # q's tile over two scale blocks
                (fused._merge_kernel, {}, dict(W_IN=128, FAN=16, K=256, FINAL=False), 4),
                (fused._merge_kernel, {}, dict(W_IN=256, FAN=8, K=256, FINAL=True), 4),
-               (match._match_kernel, {}, dict(CP=4, BLOCK=match.BLOCK, stride_r1=1), 4)]
+               (match._match_kernel, {}, dict(C=4, STRIDE_R=4, CP=4, BLOCK=match.BLOCK), 4)]
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     for fn, types, constants, warps in builds:
         types = dict(pointers, **types)
