@@ -372,7 +372,7 @@ def compile_for_sm90():
     builds = [scan(vec, WIDTH=width, KEEP=keep)
               for vec, width, keep in (("*fp32", 16, 0), ("*fp16", 16, 0), ("*i8", 16, 0), ("*i8", fused.BLOCK, 0),
                                        ("*fp16", 1, 1), ("*fp16", 1, 2), ("*i8", 1, 2))]
-    builds += [scan("*fp16", G=0, EP=1, TOP_N=1, WIDTH=16, KEEP=0),  # the dot product
+    builds += [scan("*fp16", G=0, TOP_N=1, WIDTH=16, KEEP=0),  # the dot product (E = 1)
                scan("*i8", D=40, G0=32, GW=32, BIAS_COL=-1, WIDTH=1, KEEP=2),  # q's tile over two scale blocks
                (fused._merge_kernel, {}, dict(W_IN=128, FAN=16, K=256, FINAL=False), 4),
                (fused._merge_kernel, {}, dict(W_IN=256, FAN=8, K=256, FINAL=True), 4),
