@@ -51,7 +51,7 @@ def default_config(kind: str, seed: int = 0, distill: float = 0.0) -> TrainConfi
     """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x C pairs per step."""
     if kind == "ranker":  # warm-started from the MoE's towers: only its head learns
         return TrainConfig(steps=1000, batch=128, negatives=512, lr=1e-3, seed=seed, validate_every=100,
-                           validation_users=400, patience=3)
+                           validation_users=200, patience=2)  # ranking the corpus with the ranker is slow
     return TrainConfig(seed=seed, distill=distill)
 
 
