@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from andromeda_core.errors import (AndromedaError, DeadlineExceeded, ErrorCategory, InvalidInput, Overloaded,
                                    TooLarge, Unauthorized)
 from andromeda_core.types import RetrieveResponse, error_field
-from deployments.limits import retry_after
+from deployments.limits import LatencyShedder, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,8 @@ class GuardSettings:
     request_timeout_s: float = 10.0
     max_request_timeout_s: float = 60.0
     retry_after_s: int = 1
+    latency_target_s: float = 0.0  # LatencyShedder's target (0: off) and interval
+    latency_interval_s: float = 1.0
 
 
 def local_path(scope) -> str:
@@ -140,22 +142,30 @@ def local_path(scope) -> str:
 
 class Guard:
     """ASGI middleware in front of every /v1/ request, before any parsing: at most `inflight` requests at
-    once in this process (more: 503 + Retry-After at once, so latency does not grow with a queue), a body
+    once in this process and none while LatencyShedder sees a standing queue (more: 503 + Retry-After at
+    once, so latency does not grow with a queue), a body
     of at most `body_bytes` (413; also for bodies without Content-Length), and the request's deadline
     (`X-Request-Timeout-Ms`, else the default) in DEADLINE for everything the request awaits."""
 
     def __init__(self, app, on_error: Callable[[str], None]):
         self.app, self.on_error = app, on_error
         self.inflight = 0
+        self.shedder: LatencyShedder | None = None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not local_path(scope).startswith("/v1/"):
             return await self.app(scope, receive, send)
         g = getattr(scope["app"].state, "guard", None) or GuardSettings()  # the router sets app.state.guard
+        if self.shedder is None:
+            self.shedder = LatencyShedder(g.latency_target_s, g.latency_interval_s)
         try:
             if self.inflight >= g.inflight:
                 raise Overloaded(f"this router has {self.inflight} requests in flight (overload.router_inflight = "
                                  f"{g.inflight}); retry after Retry-After", "request", g.retry_after_s)
+            if not self.shedder.admit(self.inflight):
+                raise Overloaded(f"requests on this router have waited over {g.latency_target_s * 1000:.0f} ms for "
+                                 f"{g.latency_interval_s * 1000:.0f} ms (overload.latency_target_ms); retry after "
+                                 "Retry-After", "request", g.retry_after_s)
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
             budget_s = self.budget_s(g, headers.get(TIMEOUT_HEADER.lower()))
             length = headers.get("content-length")
@@ -168,12 +178,14 @@ class Guard:
             self.on_error(exc.category.value)
             return await http_error(exc, g.retry_after_s)(scope, receive, send)
         self.inflight += 1
+        started = time.monotonic()
         token = DEADLINE.set(time.time() + budget_s)
         try:
             await self.app(scope, receive, send)
         finally:
             DEADLINE.reset(token)
             self.inflight -= 1
+            self.shedder.done(time.monotonic() - started)
 
     @staticmethod
     def budget_s(g: GuardSettings, header: str | None) -> float:

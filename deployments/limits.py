@@ -63,6 +63,36 @@ class TokenBuckets:
             return wait
 
 
+class LatencyShedder:
+    """CoDel's signal on one router's requests: when every request completed over the last `interval_s` took
+    longer than `target_s`, a queue stands in front of the work (a request that found none would have been
+    fast), so new requests are refused (503) until one completes within the target or none is left in
+    flight. Admitted requests then stay near the target instead of waiting out the queue. target_s 0: off."""
+
+    def __init__(self, target_s: float, interval_s: float):
+        self.target_s, self.interval_s = target_s, interval_s
+        self.shedding = False
+        self._slow_since: float | None = None  # first completion over the target since the last fast one
+
+    def admit(self, inflight: int) -> bool:
+        """Whether a new request may start (`inflight`: this router's requests now in flight)."""
+        if inflight == 0:  # nothing queued: start over
+            self.shedding, self._slow_since = False, None
+        return not self.shedding
+
+    def done(self, latency_s: float, now: float | None = None) -> None:
+        """A request completed after latency_s seconds."""
+        if not self.target_s:
+            return
+        now = time.monotonic() if now is None else now
+        if latency_s <= self.target_s:
+            self.shedding, self._slow_since = False, None
+        elif self._slow_since is None:
+            self._slow_since = now
+        elif now - self._slow_since >= self.interval_s:
+            self.shedding = True
+
+
 def retry_after(seconds: float) -> str:
     """A Retry-After header value: whole seconds, at least 1."""
     return str(max(1, math.ceil(seconds)))

@@ -134,7 +134,8 @@ class Router:
         self.shards = list(shards)
         # one router per process: the app's guard and dependencies read these
         app.state.guard = GuardSettings(cfg.limits.body_bytes, cfg.overload.router_inflight, cfg.overload.request_timeout_s,
-                                        cfg.overload.max_request_timeout_s, cfg.overload.retry_after_s)
+                                        cfg.overload.max_request_timeout_s, cfg.overload.retry_after_s,
+                                        cfg.overload.latency_target_ms / 1000, cfg.overload.latency_interval_ms / 1000)
         app.state.retry_after_s = cfg.overload.retry_after_s
         app.state.tokens = TokenStore(load_settings().write_token, cfg.auth.token_file, cfg.auth.reload_s)
         app.state.read_auth = cfg.auth.read_auth

@@ -11,7 +11,7 @@ from andromeda_core.errors import InvalidInput
 from andromeda_core.types import parse_request
 from deployments.auth import ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
 from deployments.config import Limits
-from deployments.limits import TokenBuckets, check_requests, retry_after
+from deployments.limits import LatencyShedder, TokenBuckets, check_requests, retry_after
 
 
 def test_tokens_verify_by_role_and_the_file_holds_no_token(tmp_path):
@@ -67,6 +67,37 @@ def test_token_bucket_allows_a_burst_then_refills_and_stays_bounded():
     assert buckets.take("b", now=0.5) == 0 and buckets.take("c", now=0.5) == 0
     assert len(buckets._buckets) == 2  # "a", the least recently seen, was dropped
     assert retry_after(0.01) == "1" and retry_after(2.2) == "3"
+
+
+def test_latency_shedder_refuses_new_requests_while_a_queue_stands():
+    shed = LatencyShedder(target_s=0.5, interval_s=1.0)
+    shed.done(0.9, now=10.0)
+    shed.done(0.7, now=10.5)
+    assert shed.admit(inflight=3)  # slow, but not yet for a whole interval
+    shed.done(0.2, now=10.8)  # one fast completion: no standing queue
+    shed.done(0.9, now=11.0)
+    shed.done(0.8, now=11.9)
+    assert shed.admit(inflight=3)
+    shed.done(0.6, now=12.0)  # every completion slow for 1 s: shed
+    assert not shed.admit(inflight=3) and not shed.admit(inflight=1)
+    shed.done(0.9, now=12.1)
+    assert not shed.admit(inflight=2)
+    shed.done(0.4, now=12.2)  # fast again: admit
+    assert shed.admit(inflight=1)
+
+
+def test_latency_shedder_admits_once_nothing_is_in_flight_and_is_off_at_target_0():
+    shed = LatencyShedder(target_s=0.5, interval_s=1.0)
+    for t in (0.0, 0.5, 1.0):
+        shed.done(2.0, now=t)
+    assert not shed.admit(inflight=1)
+    assert shed.admit(inflight=0)  # the queue drained: start over
+    shed.done(2.0, now=1.2)
+    assert shed.admit(inflight=1)  # one slow completion since, not an interval of them
+    off = LatencyShedder(target_s=0.0, interval_s=1.0)
+    for t in (0.0, 0.5, 1.0, 5.0):
+        off.done(9.0, now=t)
+    assert off.admit(inflight=50)
 
 
 @pytest.mark.parametrize("user, k, field", [
