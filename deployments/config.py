@@ -95,9 +95,9 @@ class Overload(BaseModel):
     instead of queueing; a request's deadline is honoured by the router and the shards."""
 
     model_config = STRICT
-    router_inflight: int = Field(128, ge=1, le=65536)
+    router_inflight: int = Field(32, ge=1, le=65536)
     """Requests one router replica works on at once; more get 503 at once."""
-    router_queue: int = Field(256, ge=-1, le=65536)
+    router_queue: int = Field(32, ge=-1, le=65536)
     """Requests Ray Serve may queue in front of the routers (max_queued_requests; -1: unbounded)."""
     shard_queue: int = Field(128, ge=-1, le=65536)
     """Calls one router replica may queue for a shard's replicas (max_queued_requests; -1: unbounded);
