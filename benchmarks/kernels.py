@@ -209,7 +209,10 @@ def main() -> None:
     print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), kernels: {dispatch.implementation(dev)}")
     rows = []
     if args.table:
-        world, requests = load_table(args.table)
+        try:
+            world, requests = load_table(args.table)
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
+            p.error(f"--table: {args.table} is not a table saved by --save-table ({type(exc).__name__}: {exc})"[:500])
     else:
         with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
             world, requests = build(args.ads, Path(tmp))
