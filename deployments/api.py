@@ -178,14 +178,24 @@ class Guard:
             self.on_error(exc.category.value)
             return await http_error(exc, g.retry_after_s)(scope, receive, send)
         self.inflight += 1
-        started = time.monotonic()
+        started, status = time.monotonic(), 500
+
+        async def sending(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         token = DEADLINE.set(time.time() + budget_s)
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, sending)
         finally:
             DEADLINE.reset(token)
             self.inflight -= 1
-            self.shedder.done(time.monotonic() - started)
+            latency = time.monotonic() - started
+            # Retrievals feed the shedder; a refusal or error may show a queue (slow) but not its absence (fast).
+            if local_path(scope).startswith("/v1/retrieve") and (status < 400 or latency > g.latency_target_s):
+                self.shedder.done(latency)
 
     @staticmethod
     def budget_s(g: GuardSettings, header: str | None) -> float:

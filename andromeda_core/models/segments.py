@@ -1,7 +1,8 @@
 """A user's segments: the cohort ids and declared attribute values its segment expert reads, hashed.
 
 Cohort ids come with the request (`user.cohorts`). Declared attributes are the schema's enum-kind user
-categories (interests, behaviors, country, language, ...): each value is the token "category=value".
+categories (interests, behaviors, country, language, ...): each value of the vocabulary is the token
+"category=value" (values outside it, which targeting ignores too, and repeats are left out).
 Id-kind categories (custom audiences, city) and ordinals (age) are left out: too many distinct values
 for a hashed table, or numbers. Tokens hash with CRC-32 (stable across processes and machines); the
 tower takes them modulo its table size."""
@@ -20,6 +21,7 @@ def segment_ids(cohorts: Sequence[int], attributes: Mapping[str, Any], schema: S
     tokens = [f"cohort={c}" for c in cohorts]
     for category in schema.categories:
         if category.kind == "enum" and category.source == "user" and category.name in attributes:
-            value = attributes[category.name]
-            tokens += [f"{category.name}={v}" for v in (value if isinstance(value, list) else [value])]
+            values = attributes[category.name]
+            values = dict.fromkeys(values if isinstance(values, list) else [values])  # once each, in order
+            tokens += [f"{category.name}={v}" for v in values if category.value_index(v) is not None]
     return [zlib.crc32(t.encode()) for t in tokens[:SEGMENTS]]

@@ -212,7 +212,7 @@ class UserTowers(nn.Module):
         logits = logits.masked_fill(~x.hist_mask[:, None, :], float("-inf"))
         attn = torch.nan_to_num(torch.softmax(logits, -1))  # rows with no history are all zeros
         interests = self.interest_out(torch.einsum("bil,bld->bid", attn, seq))
-        # Cohort expert.
+        # Segment expert.
         segments = x.segments.clamp(min=0) % d.segment_buckets
         weights = x.segment_mask.float() / x.segment_mask.float().sum(1, keepdim=True).clamp(min=1)
         segment = self.segment(segments, per_sample_weights=weights) if segments.shape[1] \

@@ -346,7 +346,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         count = torch.zeros(B, dtype=torch.int32, device=status.device)
         scan(blocks, candidates, KEEP_ABOVE, tau=tau, count=count, capacity=capacity)
         used = int(count.max())
-        if used <= capacity:
+        if used <= capacity and bool((count >= eligible.clamp(max=m)).all()):  # every request kept its m
             used = triton.cdiv(max(used, 1), BLOCK) * BLOCK
             return (*merge_partials(candidates[:, :used].reshape(B, used // BLOCK, BLOCK), m), eligible)
         eligible.zero_()

@@ -19,6 +19,13 @@ def test_cohorts_and_enum_attributes_only_in_schema_order(default_schema):
     assert segment_ids([], {}, default_schema) == []
 
 
+def test_values_outside_the_vocabulary_and_repeats_are_left_out(default_schema):
+    """What a request may send that training data never holds: unknown or differently cased values, other types,
+    repeats; targeting ignores the same values."""
+    odd = {"country": 5, "gender": True, "interests": ["running", "Running", "no-such-interest", "running"]}
+    assert segment_ids([], odd, default_schema) == [zlib.crc32(b"interests=running")]
+
+
 def test_at_most_segments_cohorts_first(default_schema):
     got = segment_ids(list(range(SEGMENTS + 5)), {"country": "US"}, default_schema)
     assert got == [zlib.crc32(f"cohort={c}".encode()) for c in range(SEGMENTS)]
