@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up, then run the whole test suite.
 source "$(dirname "$0")/bootstrap.sh"
+if ! command -v openssl >/dev/null; then  # the Redis TLS tests make their certificates with it
+  apt_install openssl
+fi
 exec .venv/bin/python -m pytest "$@"
