@@ -89,6 +89,17 @@ def streams_empty(config: ServiceConfig) -> bool:
     return all(client.xlen(shard_stream(config.stream, s)) == 0 for s in range(config.shards))
 
 
+def embedded_by_another(config: ServiceConfig, model: str) -> bool:
+    """Whether a shard stream's first entry was embedded by a model other than `model`."""
+    import redis
+
+    from index_updater.records import shard_stream
+
+    client = redis.Redis.from_url(config.redis_url)
+    firsts = [client.xrange(shard_stream(config.stream, s), count=1) for s in range(config.shards)]
+    return any(f and f[0][1].get(b"model", b"").decode() != model for f in firsts)
+
+
 def demo_world(ads: int) -> Path:
     """A synthetic world of `ads` ads (cached under var/) whose time starts today (UTC), so its ads'
     windows are open now: events, requests, engagements, and an example request for curl."""
@@ -196,29 +207,34 @@ def cached_model_loads(path: Path) -> bool:
     return True
 
 
-def demo_model(world: Path) -> Path:
-    """A small MoE trained on the demo world's engagements (cached). Loading the world's data also
-    keeps its ads' text embeddings in memory, so publishing the demo ads needs no second MiniLM pass."""
+def demo_model(world: Path) -> tuple[Path, bool]:
+    """A small MoE trained on the demo world's engagements (cached) -> (its path, trained now). Loading the
+    world's data also keeps its ads' text embeddings in memory, so publishing the demo ads needs no second
+    MiniLM pass."""
     from andromeda_core.models.quality import checkpoint_meta
     from andromeda_core.models.recdata import load_synthetic
     from andromeda_core.models.train import TrainConfig, train
 
     path = world / "moe.safetensors"
     data = load_synthetic(world)
-    if not cached_model_loads(path):
-        print(f"training the demo MoE on {world} ({DEMO_TRAIN_STEPS} steps)", file=sys.stderr)
-        model = train(data, "moe", TrainConfig(steps=DEMO_TRAIN_STEPS))
-        model.save(path, checkpoint_meta(data, 0))
-    return path
+    if cached_model_loads(path):
+        return path, False
+    print(f"training the demo MoE on {world} ({DEMO_TRAIN_STEPS} steps)", file=sys.stderr)
+    model = train(data, "moe", TrainConfig(steps=DEMO_TRAIN_STEPS))
+    model.save(path, checkpoint_meta(data, 0))
+    return path, True
 
 
 def cmd_up(args: argparse.Namespace) -> None:
+    from andromeda_core.models.retrieval import served_name
     from index_updater.local_redis import LocalRedis
 
     settings = load_settings()
     service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0")  # bad flags fail before any work
     world = demo_world(args.demo_ads)
-    args.model = args.model or demo_model(world)
+    demo, retrained = args.model is None, False
+    if demo:
+        args.model, retrained = demo_model(world)
     token = settings.write_token or secrets.token_urlsafe(16)
     os.environ["ANDROMEDA_WRITE_TOKEN"] = token  # Ray workers inherit it; never written to a config
     server = None
@@ -230,6 +246,13 @@ def cmd_up(args: argparse.Namespace) -> None:
     try:
         config = service_config(args, redis_url)
         check_reachable(config)
+        if server is not None and demo and (retrained or embedded_by_another(config, served_name("moe"))) \
+                and not streams_empty(config):
+            # up's own Redis holds the demo ads as a replaced model embedded them: shards would refuse them
+            import redis
+
+            redis.Redis.from_url(redis_url).flushdb()
+            print("cleared var/redis: its demo ads were embedded by the previous demo model", file=sys.stderr)
         if streams_empty(config):
             publish_demo(config, world)
         run_service(config, world, f"write token (for POST /v1/ad-events): {token}")

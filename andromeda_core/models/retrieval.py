@@ -22,6 +22,11 @@ MODEL_VERSION = "4"  # 3: learned ad ids, ad bias, sequence expert; 4: segments 
 CO_ITEMS = 8
 
 
+def served_name(kind: str) -> str:
+    """The name a served model of `kind` stamps on the ads it embeds (stream entries carry it)."""
+    return f"{kind}-v{MODEL_VERSION}"
+
+
 class RetrievalModel(nn.Module):
     def __init__(self, kind: str, dims: Dims, item_ids: np.ndarray | torch.Tensor = ()):
         super().__init__()

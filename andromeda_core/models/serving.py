@@ -16,7 +16,7 @@ import torch
 from andromeda_core.errors import InvalidInput
 from andromeda_core.models import EmbeddingLookup, KernelHead
 from andromeda_core.models.recdata import EVENTS
-from andromeda_core.models.retrieval import CO_ITEMS, MODEL_VERSION, RetrievalModel
+from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel, served_name
 from andromeda_core.models.segments import SEGMENTS, segment_ids
 from andromeda_core.models.text import encode_texts
 from andromeda_core.models.towers import UserInputs, UserState
@@ -33,7 +33,7 @@ class ModelScorer:
         if not hasattr(model.head, "kernel_head"):
             raise InvalidInput(f"a {model.kind} checkpoint is not served (the ranker is the offline quality "
                                "ceiling): serve a moe, two_tower or sasrec checkpoint", "model")
-        self.model, self.name = model.eval(), f"{model.kind}-v{MODEL_VERSION}"
+        self.model, self.name = model.eval(), served_name(model.kind)
         self.dim = model.dims.stored
         self.categories = {c: i for i, c in enumerate(categories)}  # unknown -> len(categories)
         self.schema, self.surface, self.placement = schema, schema.by_name.get("surface"), schema.by_name.get("placement")
