@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math",
+FLAGS = ("-std=c++20", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math")  # reassociation (SIMD sums) but NaN and inf kept
 STORAGE = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 TASKS_PER_THREAD = 8
-LANES = 16  # experts per request at most (cpu_fused.cpp holds one request's gating logits in one register)
+LANES = 16  # experts per request at most (cpu_fused.cpp holds a value per expert in one register)
 
 
 def _machine() -> bytes:
@@ -48,14 +48,16 @@ def _cache_folder() -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled kernels, built on first use into the cache folder (_cache_folder)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _machine()).hexdigest()[:16]
+    """The compiled kernels, built on first use into the cache folder (_cache_folder), with FLAGS and then
+    $ANDROMEDA_CXXFLAGS."""
+    flags = (*FLAGS, *os.environ.get("ANDROMEDA_CXXFLAGS", "").split())  # appended: e.g. -mno-avx512f
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _machine()).hexdigest()[:16]
     path = _cache_folder() / f"cpu_fused-{key}.so"
     if not path.exists():
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         compiler = os.environ.get("CXX", "g++")
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
         except FileNotFoundError:
             raise RuntimeError(f"the CPU kernels need a C++ compiler ({compiler}); install g++ (apt-get install g++)") from None
         except subprocess.CalledProcessError as exc:
@@ -79,6 +81,33 @@ def merge_partials(scores: torch.Tensor, slots: torch.Tensor, m: int) -> tuple[t
     return slots.gather(1, by_score), scores.gather(1, by_score)
 
 
+def packing(E: int) -> int:
+    """Dims per 16-lane row of the request side (cpu_fused.cpp's P): 4 for up to 4 experts, 2 up to 8, else 1."""
+    return 4 if E <= 4 else 2 if E <= 8 else 1
+
+
+def packed_rows(t: torch.Tensor, P: int) -> torch.Tensor:
+    """(B, E, X) -> (B, ceil(X / P), LANES): lane e * P + h of row r holds t[:, e, r * P + h] (zero past E and X)."""
+    B, E, X = t.shape
+    rows = -(-X // P)
+    padded = torch.zeros((B, LANES // P, rows * P))
+    padded[:, :E, :X] = t.float()
+    return padded.reshape(B, LANES // P, rows, P).permute(0, 2, 1, 3).reshape(B, rows, LANES)
+
+
+def expert_weights(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The request side as cpu_fused.cpp reads it: experts (B, E, D), keys (B, E, G), mask (B, E) ->
+    (weights (B, ceil(D / P) + ceil(G / P), LANES) float32: the experts' packed rows, then the keys';
+    usable (B, LANES) uint8, lane e * P set when expert e is usable). A dot-product head (E = 1): weights (B, D)."""
+    B, E, _ = experts.shape
+    P = packing(E)
+    usable = torch.zeros((B, LANES // P, P), dtype=torch.uint8)
+    usable[:, :E, 0] = mask
+    if E == 1:
+        return experts[:, 0].float().contiguous(), usable.reshape(B, LANES)
+    return torch.cat([packed_rows(experts, P), packed_rows(keys, P)], 1), usable.reshape(B, LANES)
+
+
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
@@ -92,11 +121,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     now, truth = now.contiguous(), truth.contiguous()
     if experts.shape[1] > LANES:
         raise ValueError(f"the CPU kernel takes at most {LANES} experts, got {experts.shape[1]}")
-    experts = experts.float().contiguous()
-    keys_t = torch.zeros((B, keys.shape[2], LANES))  # (B, G, LANES): all experts' logits in one SIMD pass
-    keys_t[:, :, : keys.shape[1]] = keys.float().transpose(1, 2)
-    usable = torch.zeros((B, LANES), dtype=torch.uint8)
-    usable[:, : mask.shape[1]] = mask
+    weights, usable = expert_weights(experts, keys, mask)
     tasks = max(1, min(threads * TASKS_PER_THREAD, n))
     out_score = torch.full((tasks, B, m), float("-inf"))
     out_slot = torch.full((tasks, B, m), -1, dtype=torch.int64)
@@ -106,9 +131,9 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         i64(n), i64(refs.shape[1]), i64(vectors.stride(0)), i64(0 if scales is None else scales.shape[1]),
         _pointer(status), _pointer(start), _pointer(end), _pointer(refs), _pointer(vectors),
         ctypes.c_int(STORAGE[vectors.dtype]), _pointer(scales), i64(B), i64(truth.shape[1]), i64(experts.shape[1]),
-        i64(experts.shape[2]), i64(keys.shape[2]), _pointer(now), _pointer(truth), _pointer(experts), _pointer(keys_t),
-        _pointer(usable), i64(bias_col), i64(top_n), i64(m), i64(tasks), ctypes.c_int(threads),
-        _pointer(out_score), _pointer(out_slot), _pointer(counts))
+        i64(experts.shape[2]), i64(keys.shape[2]), i64(packing(experts.shape[1])), _pointer(now), _pointer(truth), _pointer(weights), _pointer(usable),
+        i64(bias_col), i64(top_n), i64(m), i64(tasks), ctypes.c_int(threads), _pointer(out_score), _pointer(out_slot),
+        _pointer(counts))
     slots, scores = merge_partials(out_score, out_slot, m)
     return slots, scores, counts.sum(0)
 

@@ -1,13 +1,17 @@
 // The fused pass on the CPU: same inputs and result as kernels/reference/fused.py (see kernels/cpu.py,
 // which compiles this file once per machine and calls it through ctypes).
 //
-// The slots are cut into `tasks` ranges run on OpenMP threads. A task walks its range in blocks of 64 ads:
-// it tests each ad's status, window and refs against every request of the batch without branching on the
-// data (a 64-bit mask per request), then visits only the ads some request matched: it decodes the ad's
-// vector once (int8 with block scales, fp16 or fp32; AVX-512 where the CPU has it) and scores it for
-// each request that matched: the gating logits of all experts at once (one SIMD lane each), the top-n,
-// their softmax, and the similarities of the chosen experts alone. Each task keeps a bounded heap of its m best (score, slot) per
-// request; kernels/cpu.py merges the tasks' heaps. Nothing of the table's size is allocated.
+// Requests are taken in groups of up to 64. For a group, the request side of the match is turned around
+// first: held[c] is a word with bit b set when request b holds clause c (bit-packed per request in `truth`).
+// The slots are then cut into `tasks` ranges run on OpenMP threads. Per ad, one pass over its refs gives
+// the word of every request it matches at once (a load, an xor and an and per ref, whatever the group's
+// size), and a shared test of the window against the group's earliest and latest `now`. Only an ad some
+// request matched is decoded (int8 with block scales, fp16 or fp32; AVX-512 where the CPU has it), once,
+// then scored for each request it matched: the request's experts and gating keys are one (D + G, 16)
+// matrix, so the similarities of every expert and the gating logits of every expert are 16-lane
+// multiply-adds over the ad's dims (no horizontal sums); then the top-n logits, their softmax and the
+// gated sum. Each task keeps a bounded heap of its m best (score, slot) per request; kernels/cpu.py merges
+// the tasks' heaps. Nothing of the table's size is allocated.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -53,29 +57,18 @@ struct Table {
     const float* scales;
 };
 
-constexpr int64_t LANES = 16;  // experts per request at most: one SIMD register of gating logits
+constexpr int64_t LANES = 16;  // experts per request at most: one SIMD register holds a value per expert
 
+// The request side packs P = 16 / (E rounded up to a power of two) consecutive dims per 16-lane row, lane
+// e * P + h holding dim r * P + h of expert e in row r (kernels/cpu.py expert_weights): with E = 6, P = 2.
 struct Requests {
-    int64_t B, W, E, D, G, bias_col, top_n;
+    int64_t B, E, D, G, P, bias_col, top_n;
     const int64_t* now;
-    const int32_t* truth;
-    const float* experts;  // (B, E, D)
-    const float* keys_t;   // (B, G, LANES): keys transposed, zero past E
-    const uint8_t* mask;   // (B, LANES): usable experts, zero past E
+    const float* weights;  // (B, ceil(D / P) + ceil(G / P), LANES): the experts' rows, then the gating keys'; with
+                           // E = 1, (B, D) the one expert (a dot product, no gating)
+    const uint8_t* mask;   // (B, LANES): lane e * P set when expert e is usable
+    int64_t rows() const { return (D + P - 1) / P + (G + P - 1) / P; }
 };
-
-// Whether request b may be served ad i; no branch on the data (the outcomes are unpredictable).
-inline uint64_t matches(const Table& t, const Requests& r, int64_t i, int64_t b) {
-    const int64_t now = r.now[b];
-    uint64_t ok = ((t.status[i] & SERVABLE) == SERVABLE) & (t.start[i] <= now) & (now < t.end[i]);
-    const int32_t* row = t.refs + i * t.C;
-    const int32_t* words = r.truth + b * r.W;
-    for (int64_t c = 0; c < t.C; ++c) {  // padding (clause 0, negated) holds for everyone
-        const int32_t ref = row[c], clause = ref >> 1;
-        ok &= ((static_cast<uint32_t>(words[clause >> 5]) >> (clause & 31)) ^ static_cast<uint32_t>(ref)) & 1u;
-    }
-    return ok;
-}
 
 // 16 int8 values times their block's scale into 16 floats (compilers do not vectorise the widening well).
 inline void int8_block(const int8_t* v, float scale, float* x) {
@@ -130,59 +123,117 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return acc;
 }
 
-// The top_n usable experts by gating logit, best first (of equal logits, the lower expert), into picked and
-// picked_logit; returns how many (fewer when fewer are usable). keys_t (G, LANES), q (G,), usable (LANES,).
-inline int64_t top_experts(const float* keys_t, const float* q, int64_t G, const uint8_t* usable, int64_t top_n,
-                           int64_t* picked, float* picked_logit) {
-    constexpr float NONE = -std::numeric_limits<float>::infinity();
-    int64_t n = 0;
+// The mixture of logits from every expert's similarity (sims) and gating logit (logits), one lane each: the
+// top_n usable experts by logit (of equal logits, the lower expert), their softmax, the gated sum.
 #if defined(__AVX512F__)
-    __m512 logits = _mm512_setzero_ps();  // every expert's logit at once, one lane each
-    for (int64_t g = 0; g < G; ++g) logits = _mm512_fmadd_ps(_mm512_set1_ps(q[g]), _mm512_loadu_ps(keys_t + g * LANES), logits);
+inline float mixture(__m512 sims, __m512 logits, const uint8_t* usable, int64_t top_n) {
+    const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     const __mmask16 ok = _mm_cmpneq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128());
-    logits = _mm512_mask_blend_ps(ok, _mm512_set1_ps(NONE), logits);
-    for (; n < top_n; ++n) {  // no branch on the data: lane maximum, then its lowest lane
+    logits = _mm512_mask_blend_ps(ok, none, logits);
+    float first = 0.0f, total = 1.0f, score = 0.0f;
+    for (int64_t n = 0; n < top_n; ++n) {  // no branch on the data: lane maximum, then its lowest lane
         const float best = _mm512_reduce_max_ps(logits);
-        if (best == NONE) break;
+        if (best == -std::numeric_limits<float>::infinity()) break;
         const int at = __builtin_ctz(_mm512_cmp_ps_mask(logits, _mm512_set1_ps(best), _CMP_EQ_OQ));
-        picked[n] = at;
-        picked_logit[n] = best;
-        logits = _mm512_mask_mov_ps(logits, static_cast<__mmask16>(1u << at), _mm512_set1_ps(NONE));
+        const float sim = _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set1_epi32(at), sims)));
+        if (n == 0) {
+            first = best;
+            score = sim;
+        } else {
+            const float weight = std::exp(best - first);
+            total += weight;
+            score += weight * sim;
+        }
+        logits = _mm512_mask_mov_ps(logits, static_cast<__mmask16>(1u << at), none);
     }
+    return score / total;
+}
 #else
-    float logits[LANES];
-    for (int64_t e = 0; e < LANES; ++e) {
-        float acc = 0.0f;
-        for (int64_t g = 0; g < G; ++g) acc += q[g] * keys_t[g * LANES + e];
-        logits[e] = usable[e] ? acc : NONE;
-    }
-    for (; n < top_n; ++n) {
+inline float mixture(float* sims, float* logits, const uint8_t* usable, int64_t top_n) {
+    constexpr float NONE = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < LANES; ++e) logits[e] = usable[e] ? logits[e] : NONE;
+    float first = 0.0f, total = 1.0f, score = 0.0f;
+    for (int64_t n = 0; n < top_n; ++n) {
         int64_t at = 0;
         for (int64_t e = 1; e < LANES; ++e) at = logits[e] > logits[at] ? e : at;
         if (logits[at] == NONE) break;
-        picked[n] = at;
-        picked_logit[n] = logits[at];
+        if (n == 0) {
+            first = logits[at];
+            score = sims[at];
+        } else {
+            const float weight = std::exp(logits[at] - first);
+            total += weight;
+            score += weight * sims[at];
+        }
         logits[at] = NONE;
     }
+    return score / total;
+}
 #endif
-    return n;
+
+#if defined(__AVX512F__)
+// P consecutive floats from x repeated over the 16 lanes.
+template <int P>
+inline __m512 repeated(const float* x) {
+    if constexpr (P == 1) return _mm512_set1_ps(*x);
+    if constexpr (P == 2) {
+        double pair;
+        std::memcpy(&pair, x, sizeof pair);
+        return _mm512_castpd_ps(_mm512_set1_pd(pair));
+    }
+    if constexpr (P == 4) return _mm512_broadcast_f32x4(_mm_loadu_ps(x));
 }
 
-// The mixture-of-logits score of the decoded ad x for request b (without its bias).
-inline float gated(const Requests& r, int64_t b, const float* x, int64_t* picked, float* picked_logit) {
-    const float* keys_t = r.keys_t + b * r.G * LANES;
-    const float* experts = r.experts + b * r.E * r.D;
-    const uint8_t* mask = r.mask + b * LANES;
-    if (r.E == 1) return mask[0] ? dot(experts, x, r.D) : 0.0f;  // a dot-product head: no gating
-    const int64_t n = top_experts(keys_t, x + r.D, r.G, mask, r.top_n, picked, picked_logit);
-    if (n == 0) return 0.0f;
-    float total = 1.0f, score = dot(experts + picked[0] * r.D, x, r.D);
-    for (int64_t j = 1; j < n; ++j) {
-        const float weight = std::exp(picked_logit[j] - picked_logit[0]);
-        total += weight;
-        score += weight * dot(experts + picked[j] * r.D, x, r.D);
+// sum_r x[r P : r P + P] (repeated) * w[r] over the rows of `dims` dims, each expert's P lanes then summed
+// (lane e * P holds expert e's product). x must be readable P floats past dims (the last row's lanes past dims
+// are masked out, so what they read never counts).
+template <int P>
+inline __m512 products(const float* w, const float* x, int64_t dims) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t full = dims / P;
+    int64_t r = 0;  // four accumulators: independent chains of multiply-adds
+    for (; r + 4 <= full; r += 4)
+        for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(repeated<P>(x + (r + j) * P), _mm512_loadu_ps(w + (r + j) * LANES), acc[j]);
+    for (; r < full; ++r) acc[0] = _mm512_fmadd_ps(repeated<P>(x + r * P), _mm512_loadu_ps(w + r * LANES), acc[0]);
+    if (dims % P) {  // lanes e * P + h with h < dims % P
+        const __mmask16 lanes = static_cast<__mmask16>((P == 2 ? 0x5555u : 0x1111u) * ((1u << (dims % P)) - 1u));
+        acc[1] = _mm512_mask3_fmadd_ps(repeated<P>(x + r * P), _mm512_loadu_ps(w + r * LANES), acc[1], lanes);
     }
-    return score / total;
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    if constexpr (P >= 2) sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, 0xB1));  // lanes 2k + 1 into 2k
+    if constexpr (P == 4) sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, 0x4E));  // lanes 4k + 2 into 4k
+    return sum;
+}
+
+template <int P>
+inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable) {
+    return mixture(products<P>(w, x, r.D), products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G), usable, r.top_n);
+}
+#else
+inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable) {
+    float sims[LANES] = {}, logits[LANES] = {};
+    for (int64_t lane = 0; lane < LANES; ++lane) {
+        const int64_t h = lane % r.P;
+        for (int64_t d = h; d < r.D; d += r.P) sims[lane - h] += x[d] * w[d / r.P * LANES + lane];
+        for (int64_t g = h; g < r.G; g += r.P) logits[lane - h] += x[r.D + g] * w[((r.D + r.P - 1) / r.P + g / r.P) * LANES + lane];
+    }
+    return mixture(sims, logits, usable, r.top_n);
+}
+#endif
+
+// The mixture-of-logits score of the decoded ad x for request b (without its bias): every expert's similarity
+// <expert e, x[:D]> and gating logit <key e, x[D:D + G]> as 16-lane multiply-adds over x's dims, then mixture.
+inline float gated(const Requests& r, int64_t b, const float* x) {
+    const uint8_t* usable = r.mask + b * LANES;
+    if (r.E == 1) return usable[0] ? dot(r.weights + b * r.D, x, r.D) : 0.0f;  // a dot-product head: no gating
+    const float* w = r.weights + b * r.rows() * LANES;
+#if defined(__AVX512F__)
+    if (r.P == 4) return packed_mixture<4>(r, w, x, usable);
+    if (r.P == 2) return packed_mixture<2>(r, w, x, usable);
+    return packed_mixture<1>(r, w, x, usable);
+#else
+    return packed_mixture(r, w, x, usable);
+#endif
 }
 
 inline bool better(float a, int64_t slot_a, float b, int64_t slot_b) {
@@ -222,56 +273,154 @@ inline int64_t push(float* score, int64_t* slot, int64_t size, int64_t m, float 
 
 }  // namespace
 
-// S: the row stride of vectors (dims are contiguous).
-extern "C" void fused_scan(int64_t n, int64_t C, int64_t S, int64_t n_scales, const int8_t* status,
-                           const int64_t* start, const int64_t* end, const int32_t* refs, const void* vectors,
-                           int kind, const float* scales, int64_t B, int64_t W, int64_t E, int64_t D, int64_t G,
-                           const int64_t* now, const int32_t* truth, const float* experts, const float* keys_t,
-                           const uint8_t* mask, int64_t bias_col, int64_t top_n, int64_t m, int64_t tasks,
-                           int threads, float* out_score, int64_t* out_slot, int64_t* counts) {
-    const Table t{n, C, S, n_scales, status, start, end, refs, vectors, kind, scales};
-    const Requests r{B, W, E, D, G, bias_col, top_n < E ? top_n : E, now, truth, experts, keys_t, mask};
-    const int64_t per = (n + tasks - 1) / tasks;
+namespace {
+
+// held (W * 32,) words: bit b of held[c] set when request first + b of the group holds clause c.
+template <typename Word>
+std::vector<Word> transpose_truth(const int32_t* truth, int64_t W, int64_t first, int64_t count) {
+    std::vector<Word> held(W * 32, 0);
+    for (int64_t b = 0; b < count; ++b) {
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(truth) + (first + b) * W;
+        for (int64_t w = 0; w < W; ++w)
+            for (uint32_t bits = words[w]; bits; bits &= bits - 1)
+                held[w * 32 + __builtin_ctz(bits)] |= static_cast<Word>(Word(1) << b);
+    }
+    return held;
+}
+
+// The requests of the group (now: theirs, count of them) that may be served ad i, one bit each.
+template <typename Word>
+inline Word matches(const Table& t, const Word* held, Word all, const int64_t* now, int64_t count, int64_t earliest,
+                    int64_t latest, int64_t i) {
+    const int64_t start = t.start[i], end = t.end[i];
+    Word ok = (start <= earliest) & (latest < end) ? all : Word(0);  // the window holds for the whole group
+    if (!ok)  // rare: then request by request
+        for (int64_t b = 0; b < count; ++b) ok |= static_cast<Word>(((start <= now[b]) & (now[b] < end)) ? Word(1) << b : 0);
+    ok = ((t.status[i] & SERVABLE) == SERVABLE) ? ok : Word(0);
+    const int32_t* row = t.refs + i * t.C;
+    for (int64_t c = 0; c < t.C; ++c) {  // padding (clause 0, negated) holds for everyone
+        const int32_t ref = row[c];
+        ok &= static_cast<Word>(held[ref >> 1] ^ static_cast<Word>(-(ref & 1)));
+    }
+    return ok;
+}
+
+constexpr int64_t BLOCK = 64;  // ads matched (and their rows prefetched) one block ahead of their scoring
+
+// Asks for the cache lines of row i that decode reads: its first `width` dims, its bias, its scales.
+inline void prefetch_row(const Table& t, int64_t i, int64_t width, int64_t bias_col) {
+    const int64_t size = t.kind == I8 ? 1 : t.kind == F16 ? 2 : 4;
+    const char* row = static_cast<const char*>(t.vectors) + i * t.S * size;
+    for (int64_t at = 0; at < width * size + (reinterpret_cast<uintptr_t>(row) & 63); at += 64) {
+        __builtin_prefetch(row + at);
+        asm volatile("" ::: "memory");  // GCC deletes a loop of prefetches alone as free of side effects
+    }
+    if (bias_col >= 0) __builtin_prefetch(row + bias_col * size);
+    if (t.kind == I8) __builtin_prefetch(t.scales + i * t.n_scales);
+}
+
+struct Group {
+    int64_t first, count, earliest, latest;
+};
+
+Group group_of(const int64_t* now, int64_t first, int64_t count) {
+    Group g{first, count, now[first], now[first]};
+    for (int64_t b = first; b < first + count; ++b) {
+        g.earliest = now[b] < g.earliest ? now[b] : g.earliest;
+        g.latest = now[b] > g.latest ? now[b] : g.latest;
+    }
+    return g;
+}
+
+template <typename Word>
+void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t W, const Group& g, int64_t m,
+                int64_t tasks, int threads, float* out_score, int64_t* out_slot, int64_t* counts) {
+    const std::vector<Word> held = transpose_truth<Word>(truth, W, g.first, g.count);
+    const Word all = static_cast<Word>(g.count == 8 * int64_t(sizeof(Word)) ? ~Word(0) : (Word(1) << g.count) - 1);
+    const int64_t* now = r.now + g.first;
+    const int64_t per = (t.n + tasks - 1) / tasks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; ++task) {
-        std::vector<float> x(D + G + 1), picked_logit(E + 1);
-        std::vector<int64_t> picked(E + 1), sizes(B, 0), eligible(B, 0);
-        std::vector<uint64_t> ok(B);  // per request, a bit per ad of the block
-        float* scores = out_score + task * B * m;
-        int64_t* slots = out_slot + task * B * m;
-        const int64_t last = (task + 1) * per < n ? (task + 1) * per : n;
-        for (int64_t block = task * per; block < last; block += 64) {
-            const int64_t count = last - block < 64 ? last - block : 64;
-            uint64_t some = 0;
-            for (int64_t b = 0; b < B; ++b) {
-                uint64_t bits = 0;
-                for (int64_t k = 0; k < count; ++k) bits |= matches(t, r, block + k, b) << k;
-                ok[b] = bits;
-                some |= bits;
-                eligible[b] += __builtin_popcountll(bits);
+        std::vector<float> x(r.D + r.G + LANES);  // LANES past the dims: packed rows may read (and mask) them
+        std::vector<int64_t> sizes(g.count, 0), eligible(g.count, 0);
+        float* scores = out_score + (task * r.B + g.first) * m;
+        int64_t* slots = out_slot + (task * r.B + g.first) * m;
+        const int64_t first = task * per, last = (task + 1) * per < t.n ? (task + 1) * per : t.n;
+        // Two blocks in flight: one is matched and its matched rows prefetched while the other is scored.
+        Word words[2][BLOCK];
+        int64_t matched[2][BLOCK], n_matched[2] = {0, 0};
+        auto match_block = [&](int64_t block, int j) {
+            const int64_t count = last - block < BLOCK ? last - block : BLOCK;
+            for (int64_t k = 0; k < count; ++k)
+                words[j][k] = matches<Word>(t, held.data(), all, now, g.count, g.earliest, g.latest, block + k);
+            int64_t n = 0;
+            for (int64_t k = 0; k < count; ++k) {  // the ads some request matched, without a branch on the data
+                matched[j][n] = block + k;
+                n += words[j][k] != 0;
             }
-            for (; some; some &= some - 1) {  // the vector's bytes are read only for an ad some request matches
-                const int k = __builtin_ctzll(some);
-                const int64_t i = block + k;
-                const float bias = decode(t, i, D + G, bias_col, x.data());
-                for (int64_t b = 0; b < B; ++b) {
-                    if (!((ok[b] >> k) & 1u)) continue;
-                    float s = gated(r, b, x.data(), picked.data(), picked_logit.data()) + bias;
+            for (int64_t k = 0; k < n; ++k) prefetch_row(t, matched[j][k], r.D + r.G, r.bias_col);
+            n_matched[j] = n;
+        };
+        if (first < last) match_block(first, 0);
+        for (int64_t block = first, j = 0; block < last; block += BLOCK, j ^= 1) {
+            if (block + BLOCK < last) match_block(block + BLOCK, j ^ 1);
+            for (int64_t k = 0; k < n_matched[j]; ++k) {  // the vector's bytes are read only for these ads
+                const int64_t i = matched[j][k];
+                const float bias = decode(t, i, r.D + r.G, r.bias_col, x.data());
+                for (Word word = words[j][i - block]; word; word &= static_cast<Word>(word - 1)) {
+                    const int64_t b = __builtin_ctzll(static_cast<uint64_t>(word));
+                    float s = gated(r, g.first + b, x.data()) + bias;
                     if (std::isnan(s)) s = -std::numeric_limits<float>::infinity();  // NaN ranks as -inf
                     sizes[b] = push(scores + b * m, slots + b * m, sizes[b], m, s, i);
+                    ++eligible[b];
                 }
             }
         }
-        for (int64_t b = 0; b < B; ++b) counts[task * B + b] = eligible[b];
+        for (int64_t b = 0; b < g.count; ++b) counts[task * r.B + g.first + b] = eligible[b];
     }
 }
 
+// Calls fn.template operator()<Word>(group) for each group of up to 64 requests, with the narrowest word that
+// holds a bit per request of the group (the transposed truth table then stays small: cache-resident).
+template <typename Fn>
+void for_each_group(const int64_t* now, int64_t B, Fn&& fn) {
+    for (int64_t first = 0; first < B; first += 64) {
+        const Group g = group_of(now, first, B - first < 64 ? B - first : 64);
+        if (g.count <= 8) fn.template operator()<uint8_t>(g);
+        else if (g.count <= 16) fn.template operator()<uint16_t>(g);
+        else if (g.count <= 32) fn.template operator()<uint32_t>(g);
+        else fn.template operator()<uint64_t>(g);
+    }
+}
+
+}  // namespace
+
+// S: the row stride of vectors (dims are contiguous). out_score, out_slot (tasks, B, m); counts (tasks, B).
+extern "C" void fused_scan(int64_t n, int64_t C, int64_t S, int64_t n_scales, const int8_t* status,
+                           const int64_t* start, const int64_t* end, const int32_t* refs, const void* vectors,
+                           int kind, const float* scales, int64_t B, int64_t W, int64_t E, int64_t D, int64_t G,
+                           int64_t P, const int64_t* now, const int32_t* truth, const float* weights, const uint8_t* mask,
+                           int64_t bias_col, int64_t top_n, int64_t m, int64_t tasks, int threads, float* out_score,
+                           int64_t* out_slot, int64_t* counts) {
+    const Table t{n, C, S, n_scales, status, start, end, refs, vectors, kind, scales};
+    const Requests r{B, E, D, G, P, bias_col, top_n < E ? top_n : E, now, weights, mask};
+    for_each_group(now, B, [&]<typename Word>(const Group& g) {
+        scan_group<Word>(t, r, truth, W, g, m, tasks, threads, out_score, out_slot, counts);
+    });
+}
+
+// out (B, n) bytes, 1 where request b may be served slot i.
 extern "C" void clause_match(int64_t n, int64_t C, const int8_t* status, const int64_t* start, const int64_t* end,
                              const int32_t* refs, int64_t B, int64_t W, const int64_t* now, const int32_t* truth,
                              int threads, uint8_t* out) {
     const Table t{n, C, 0, 0, status, start, end, refs, nullptr, F32, nullptr};
-    const Requests r{B, W, 0, 0, 0, -1, 0, now, truth, nullptr, nullptr, nullptr};
+    for_each_group(now, B, [&]<typename Word>(const Group& g) {
+        const std::vector<Word> held = transpose_truth<Word>(truth, W, g.first, g.count);
+        const Word all = static_cast<Word>(g.count == 8 * int64_t(sizeof(Word)) ? ~Word(0) : (Word(1) << g.count) - 1);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t b = 0; b < B; ++b) out[b * n + i] = matches(t, r, i, b);
+        for (int64_t i = 0; i < n; ++i) {
+            const Word ok = matches<Word>(t, held.data(), all, now + g.first, g.count, g.earliest, g.latest, i);
+            for (int64_t b = 0; b < g.count; ++b) out[(g.first + b) * n + i] = (ok >> b) & 1;
+        }
+    });
 }

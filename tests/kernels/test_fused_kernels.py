@@ -194,6 +194,37 @@ def test_fused_scan_equals_reference(kernel, n, B, dtype, E, D, G, top_n, bias, 
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("B", [9, 17, 40, 70])  # one group of 16, 32 and 64 requests, then two groups
+def test_cpu_match_of_wide_batches(B):
+    gen = torch.Generator().manual_seed(B)
+    status, start, end, refs, _, _ = make_table(gen, 301, 4, 1, torch.float32)
+    now, truth, *_ = make_requests(gen, B, 1, 1, 0)
+    assert torch.equal(cpu.clause_match(status, start, end, refs, truth, now),
+                       reference.clause_match(status, start, end, refs, truth, now))
+
+
+@pytest.mark.parametrize("B, E, D, G, top_n", [
+    (9, 6, 64, 16, 2), (17, 2, 13, 5, 1), (33, 3, 7, 3, 3), (70, 6, 9, 7, 2),  # every word width, two groups
+    (3, 9, 11, 6, 2), (2, 16, 64, 16, 3),  # more than 8 experts: one dim per row
+])
+def test_cpu_scan_of_wide_batches_and_many_experts(B, E, D, G, top_n):
+    gen = torch.Generator().manual_seed(B * 100 + E)
+    table = make_table(gen, 301, 4, D + G + 1, torch.float16)
+    requests = make_requests(gen, B, E, D, G)
+    assert_same(cpu.fused_scan(*table, *requests, D + G, top_n, 20),
+                reference.fused_scan(*table, *requests, D + G, top_n, 20))
+
+
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
+def test_cpu_kernels_without_avx512_or_avx2(flags):
+    """The portable paths of cpu_fused.cpp (what a CPU without AVX-512, or without AVX2 and F16C, runs)."""
+    env = {**os.environ, "ANDROMEDA_CXXFLAGS": flags}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "cpu and (equals_reference or wide_batches or every_rule or ties or nan or zero_scores)"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]  # 5 when nothing was collected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 def test_request_sides_far_from_float16s_range(kernel, dtype):
     """Experts and keys above float16's largest value (65504) and below its subnormals, far apart from each other
