@@ -300,6 +300,37 @@ def mma_operand(w: torch.Tensor, lead: int, window: int, ep: int, table: torch.d
     return hi.contiguous(), (operand - hi.double()).half().contiguous(), unscale.contiguous()
 
 
+def request_operands(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, D: int, G0: int, DW: int, GW: int,
+                     EP: int, table: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The scan kernel's request side, made on the host (a few dozen small ops that would each be a launch on the
+    GPU): (experts hi, experts lo, keys hi, keys lo, usable (B, EP) int8, unscale (B, EP), key unscale (B,) in
+    log2 units for the gates' exp2)."""
+    experts, keys, mask = experts.cpu(), keys.cpu(), mask.cpu()
+    B, E, G = experts.shape[0], experts.shape[1], keys.shape[2]
+    experts_hi, experts_lo, unscale = mma_operand(experts, 0, DW, EP, table, per_row=True)
+    if G:
+        keys_hi, keys_lo, key_unscale = mma_operand(keys, D - G0, GW, EP, table, per_row=False)
+    else:  # unread (an empty tensor is no valid pointer)
+        keys_hi, keys_lo, key_unscale = experts_hi, experts_lo, unscale[:, 0]
+    usable = torch.zeros((B, EP), dtype=torch.int8)
+    usable[:, :E] = mask.to(torch.int8)
+    return experts_hi, experts_lo, keys_hi, keys_lo, usable, unscale, key_unscale * math.log2(math.e)
+
+
+def upload(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Host tensors -> the same on device in one copy: packed into one byte buffer, each at a 128-byte boundary
+    (so that the kernels see aligned pointers), then viewed back."""
+    parts, at = [], 0
+    for t in tensors:
+        parts.append((at, t.contiguous()))
+        at += -(-t.numel() * t.element_size() // 128) * 128
+    host = torch.zeros(at, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
+    for start, t in parts:
+        host[start:start + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8)
+    on_device = host.to(device, non_blocking=True)
+    return tuple(on_device[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for start, t in parts)
+
+
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
@@ -316,16 +347,9 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     # more registers: for sm_90 the dot product, E = 1, took 142 at N = 1, 110 at N = 8)
     G0 = D - D % SCALE_BLOCK if quant else D  # int8: q's tile starts at its first scale block
     DW, GW = dot_size(D), dot_size(D + G - G0)
-    experts_hi, experts_lo, unscale = mma_operand(experts, 0, DW, EP, vectors.dtype, per_row=True)
-    if G:
-        keys_hi, keys_lo, key_unscale = mma_operand(keys, D - G0, GW, EP, vectors.dtype, per_row=False)
-    else:  # unread (an empty tensor is no valid pointer)
-        keys_hi, keys_lo, key_unscale = experts_hi, experts_lo, unscale[:, 0]
-    usable = torch.zeros((B, EP), dtype=torch.int8, device=status.device)
-    usable[:, :E] = mask.to(torch.int8)
+    request_side = upload(request_operands(experts, keys, mask, D, G0, DW, GW, EP, vectors.dtype), status.device)
     inputs = (status.contiguous(), start.contiguous(), end.contiguous(), refs, vectors, scales,
-              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(), experts_hi, experts_lo, keys_hi,
-              keys_lo, usable, unscale, (key_unscale * math.log2(math.e)).contiguous())
+              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(), *request_side)
     eligible = torch.zeros(B, dtype=torch.int64, device=status.device)
     blocks = max(triton.cdiv(n, BLOCK), 1)
 

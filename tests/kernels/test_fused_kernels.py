@@ -244,6 +244,15 @@ def test_request_sides_far_from_float16s_range(kernel, dtype):
     assert (want[1][1:].abs() < 1e-6).all() and (want[1][1:, 1:] != want[1][1:, :-1]).all()
 
 
+def test_request_side_goes_up_in_one_buffer_at_aligned_offsets():
+    tensors = (torch.randn(3, 5).half(), torch.arange(7, dtype=torch.int8), torch.randn(2, 3, 4), torch.randn(1))
+    got = fused.upload(tensors, DEVICE)
+    base = got[0].data_ptr()
+    for want, t in zip(tensors, got):
+        assert t.dtype == want.dtype and torch.equal(t.cpu(), want)
+        assert (t.data_ptr() - base) % 128 == 0 and t.untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
+
+
 def test_merge_rounds(monkeypatch):
     """A small merge tile folds the partials over several rounds (Triton)."""
     kernel = KERNELS["triton"]
