@@ -369,8 +369,8 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         candidates = torch.full((B, capacity), NO_KEY, dtype=torch.int64, device=status.device)
         count = torch.zeros(B, dtype=torch.int32, device=status.device)
         scan(blocks, candidates, KEEP_ABOVE, tau=tau, count=count, capacity=capacity)
-        used = int(count.max())
-        if used <= capacity and bool((count >= eligible.clamp(max=m)).all()):  # every request kept its m
+        used, kept = torch.stack([count.max(), (count >= eligible.clamp(max=m)).all()]).tolist()  # one sync
+        if used <= capacity and kept:  # every request kept its m
             used = triton.cdiv(max(used, 1), BLOCK) * BLOCK
             return (*merge_partials(candidates[:, :used].reshape(B, used // BLOCK, BLOCK), m), eligible)
         eligible.zero_()
