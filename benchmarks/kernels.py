@@ -16,7 +16,8 @@ ads over again: same clauses, same eligible share). Peers, each over the same ta
 Reported per (storage, B): ads/s (ads scanned per second, whatever B), user-ad pairs/s, the bytes per
 ad the fused pass reads (status 1 + start 8 + end 8 + refs 4 C, plus the vector bytes of the eligible
 share: int8 D + G + 1 bytes and their scales, fp16 2 (D + G + 1)), the GB/s that makes and its share of
-the copy bandwidth measured in the same run (a 1 GiB torch copy: bytes read + written per second).
+the copy bandwidth measured in the same run (a 1 GiB torch copy: bytes read + written per second), and
+the time with the MoE's user towers for the same B requests added (end to end on the device).
 
     python -m benchmarks.kernels --ads 1000000 --tile 1 10          # CPU
     python -m benchmarks.kernels --device cuda --ads 1000000 --tile 1 100
@@ -33,6 +34,9 @@ import torch
 from tqdm import tqdm
 
 from andromeda_core.index import AdIndex
+from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel
+from andromeda_core.models.segments import SEGMENTS
+from andromeda_core.models.towers import Dims, UserInputs
 from andromeda_core.ingest import load_events, read_events
 from andromeda_core.quantization import quantize_int8
 from andromeda_core.schema import load_schema
@@ -240,9 +244,10 @@ def main() -> None:
                 queries = np.random.rand(B, S).astype(np.float32)
                 flat = timed(lambda: flat_scan(queries), dev, args.repeats)
                 topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
+                tower = timed(towers(dev, B), dev, args.repeats)
                 per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + eligible * vector_bytes(storage)
                 row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, per_ad=per_ad, ref=ref,
-                           naive=naive, faiss=flat, topk=topk, gbs=n * per_ad / ours / 1e9)
+                           naive=naive, faiss=flat, topk=topk, tower=tower, gbs=n * per_ad / ours / 1e9)
                 rows.append(row)
                 print(line(row, copy))
             on = None  # frees the device copy before the next storage
@@ -268,6 +273,24 @@ def torch_flat(vectors: torch.Tensor, times: int, device: str):
     return lambda queries: (torch.from_numpy(queries).to(device).half() @ table.T).topk(K, dim=1)
 
 
+def towers(device: str, B: int):
+    """The MoE's user towers as served (default Dims, random weights): B requests with full histories (the last
+    50 engagements), 8 co-engagements and 32 segments -> their kernel head; a callable to time."""
+    d = Dims()
+    model = RetrievalModel("moe", d, np.arange(1000)).to(device).eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = UserInputs(torch.randn((B, d.history, d.stored), generator=gen), torch.zeros((B, d.history), dtype=torch.int64),
+                        torch.rand((B, d.history), generator=gen) * 1000, torch.ones((B, d.history), dtype=torch.bool),
+                        torch.randint(0, d.segment_buckets, (B, SEGMENTS), generator=gen), torch.ones((B, SEGMENTS), dtype=torch.bool),
+                        torch.randn((B, CO_ITEMS, d.stored), generator=gen), torch.ones((B, CO_ITEMS), dtype=torch.bool),
+                        torch.zeros((B, 3), dtype=torch.int64)).to(device)
+
+    @torch.no_grad()
+    def run():
+        return model.head.kernel_head(model.users(inputs))
+    return run
+
+
 def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
@@ -282,19 +305,22 @@ def line(r: dict, copy: float) -> str:
             f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / copy:.0%} of copy)  eligible {r['eligible']:.1%}  "
             f"match alone {ms(r['match'])} ms ({r['n'] / r['match'] / 1e9:.2f}G ads/s)  "
             f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])})  "
-            f"topk {ms(r['topk'])}")
+            f"topk {ms(r['topk'])}  with the user towers {ms(r['tower'] + r['ours'])} ms "
+            f"({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M ads/s)")
 
 
 def report(rows: list[dict], args, copy: float) -> str:
     table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of copy bw | eligible "
-             "| match alone ms (ads/s) | reference ms | naive ms | FAISS ms | FAISS time / ours | torch.topk ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| match alone ms (ads/s) | reference ms | naive ms | FAISS ms | FAISS time / ours | torch.topk ms "
+             "| with the user towers ms (ads/s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['n']:,} | {r['storage']} | {r['B']} | {ms(r['ours'])} | {r['n'] / r['ours'] / 1e6:.1f}M | "
                      f"{r['n'] * r['B'] / r['ours'] / 1e6:.1f}M | {r['per_ad']:.0f} | {r['gbs']:.1f} | "
                      f"{r['gbs'] / copy:.0%} | {r['eligible']:.1%} | {ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
                      f"{ms(r['ref'])} | {ms(r['naive'])} | "
-                     f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} |")
+                     f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} | "
+                     f"{ms(r['tower'] + r['ours'])} ({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M) |")
     command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, args.tile))} "
                f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}")
     return f"""## Fused kernels on {args.device} ({dispatch.implementation(args.device)}) beside their peers
@@ -307,7 +333,9 @@ stored shape (S = {S}), the world's requests with random user experts (E = {E}, 
 Ours = `kernels.dispatch.fused_scan`; "match alone" = `kernels.dispatch.clause_match` (the standalone
 match: the (B, n) eligibility mask); bytes/ad counts what the fused pass reads (41 B of status, window and clause
 refs per ad, plus the vector bytes of the eligible share). FAISS = {FLAT[args.device == "cpu"]}. Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
-pairs ("-" beyond). Times are medians of {args.repeats} (peers: one run).
+pairs ("-" beyond). "With the user towers" adds the time of the MoE's user towers for the B requests (default
+sizes, random weights, full histories) and their kernel head, on the same device: end to end but for the
+request's parsing and lookups. Times are medians of {args.repeats} (peers: one run).
 
 {chr(10).join(table)}
 """
