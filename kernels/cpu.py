@@ -10,9 +10,12 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
+
+from kernels.dispatch import require_top
 
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math",
@@ -46,6 +49,9 @@ def _cache_folder() -> Path:
     return folder
 
 
+_BUILD = threading.Lock()  # one build at a time: the temp file is named by the process
+
+
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled kernels, built on first use into the cache folder (_cache_folder), with FLAGS and then
@@ -53,16 +59,17 @@ def library() -> ctypes.CDLL:
     flags = (*FLAGS, *os.environ.get("ANDROMEDA_CXXFLAGS", "").split())  # appended: e.g. -mno-avx512f
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _machine()).hexdigest()[:16]
     path = _cache_folder() / f"cpu_fused-{key}.so"
-    if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        compiler = os.environ.get("CXX", "g++")
-        try:
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
-        except FileNotFoundError:
-            raise RuntimeError(f"the CPU kernels need a C++ compiler ({compiler}); install g++ (apt-get install g++)") from None
-        except subprocess.CalledProcessError as exc:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{exc.stderr[-2000:]}") from None
-        os.replace(tmp, path)
+    with _BUILD:
+        if not path.exists():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            compiler = os.environ.get("CXX", "g++")
+            try:
+                subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
+            except FileNotFoundError:
+                raise RuntimeError(f"the CPU kernels need a C++ compiler ({compiler}); install g++ (apt-get install g++)") from None
+            except subprocess.CalledProcessError as exc:
+                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{exc.stderr[-2000:]}") from None
+            os.replace(tmp, path)
     return ctypes.CDLL(str(path))
 
 
@@ -103,7 +110,7 @@ def expert_weights(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor
     P = packing(E)
     usable = torch.zeros((B, LANES // P, P), dtype=torch.uint8)
     usable[:, :E, 0] = mask
-    if E == 1:
+    if E == 1 and keys.shape[2] == 0:
         return experts[:, 0].float().contiguous(), usable.reshape(B, LANES)
     return torch.cat([packed_rows(experts, P), packed_rows(keys, P)], 1), usable.reshape(B, LANES)
 
@@ -112,8 +119,11 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
                m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels.reference.fused.fused_scan on CPU tensors."""
+    """kernels.reference.fused.fused_scan on CPU tensors (m and top_n at least 1)."""
     n, B, threads = status.shape[0], now.shape[0], torch.get_num_threads()
+    require_top(m, top_n)  # an empty heap would be written through
+    if B == 0:
+        return torch.zeros((0, m), dtype=torch.int64), torch.zeros((0, m)), torch.zeros(0, dtype=torch.int64)
     if vectors.stride(1) != 1:
         vectors = vectors.contiguous()
     status, start, end, refs = (t.contiguous() for t in (status, start, end, refs))

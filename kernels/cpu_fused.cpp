@@ -65,7 +65,7 @@ struct Requests {
     int64_t B, E, D, G, P, bias_col, top_n;
     const int64_t* now;
     const float* weights;  // (B, ceil(D / P) + ceil(G / P), LANES): the experts' rows, then the gating keys'; with
-                           // E = 1, (B, D) the one expert (a dot product, no gating)
+                           // E = 1 and G = 0, (B, D) the one expert (a dot product, no gating)
     const uint8_t* mask;   // (B, LANES): lane e * P set when expert e is usable
     int64_t rows() const { return (D + P - 1) / P + (G + P - 1) / P; }
 };
@@ -129,9 +129,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline float mixture(__m512 sims, __m512 logits, const uint8_t* usable, int64_t top_n) {
     const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     const __mmask16 ok = _mm_cmpneq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128());
+    const __mmask16 bad = (_mm512_cmp_ps_mask(logits, logits, _CMP_UNORD_Q) |
+                           _mm512_cmp_ps_mask(logits, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ)) & ok;
+    if (bad) return 0.0f;  // a NaN or +inf logit is chosen first and makes every gate NaN: all 0 (the reference)
     logits = _mm512_mask_blend_ps(ok, none, logits);
     float first = 0.0f, total = 1.0f, score = 0.0f;
-    for (int64_t n = 0; n < top_n; ++n) {  // no branch on the data: lane maximum, then its lowest lane
+    for (int64_t n = 0; n < top_n; ++n) {  // the lane maximum, then its lowest lane
         const float best = _mm512_reduce_max_ps(logits);
         if (best == -std::numeric_limits<float>::infinity()) break;
         const int at = __builtin_ctz(_mm512_cmp_ps_mask(logits, _mm512_set1_ps(best), _CMP_EQ_OQ));
@@ -139,8 +142,7 @@ inline float mixture(__m512 sims, __m512 logits, const uint8_t* usable, int64_t 
         if (n == 0) {
             first = best;
             score = sim;
-        } else {
-            const float weight = std::exp(best - first);
+        } else if (const float weight = std::exp(best - first); weight > 0.0f) {  // a gate of 0 adds nothing
             total += weight;
             score += weight * sim;
         }
@@ -151,7 +153,10 @@ inline float mixture(__m512 sims, __m512 logits, const uint8_t* usable, int64_t 
 #else
 inline float mixture(float* sims, float* logits, const uint8_t* usable, int64_t top_n) {
     constexpr float NONE = -std::numeric_limits<float>::infinity();
-    for (int64_t e = 0; e < LANES; ++e) logits[e] = usable[e] ? logits[e] : NONE;
+    for (int64_t e = 0; e < LANES; ++e) {
+        if (usable[e] && !(logits[e] < std::numeric_limits<float>::infinity())) return 0.0f;  // NaN or +inf: gates 0
+        logits[e] = usable[e] ? logits[e] : NONE;
+    }
     float first = 0.0f, total = 1.0f, score = 0.0f;
     for (int64_t n = 0; n < top_n; ++n) {
         int64_t at = 0;
@@ -160,8 +165,7 @@ inline float mixture(float* sims, float* logits, const uint8_t* usable, int64_t 
         if (n == 0) {
             first = logits[at];
             score = sims[at];
-        } else {
-            const float weight = std::exp(logits[at] - first);
+        } else if (const float weight = std::exp(logits[at] - first); weight > 0.0f) {  // a gate of 0 adds nothing
             total += weight;
             score += weight * sims[at];
         }
@@ -225,7 +229,7 @@ inline float packed_mixture(const Requests& r, const float* w, const float* x, c
 // <expert e, x[:D]> and gating logit <key e, x[D:D + G]> as 16-lane multiply-adds over x's dims, then mixture.
 inline float gated(const Requests& r, int64_t b, const float* x) {
     const uint8_t* usable = r.mask + b * LANES;
-    if (r.E == 1) return usable[0] ? dot(r.weights + b * r.D, x, r.D) : 0.0f;  // a dot-product head: no gating
+    if (r.E == 1 && r.G == 0) return usable[0] ? dot(r.weights + b * r.D, x, r.D) : 0.0f;  // a dot product
     const float* w = r.weights + b * r.rows() * LANES;
 #if defined(__AVX512F__)
     if (r.P == 4) return packed_mixture<4>(r, w, x, usable);
@@ -314,7 +318,7 @@ inline void prefetch_row(const Table& t, int64_t i, int64_t width, int64_t bias_
     const char* row = static_cast<const char*>(t.vectors) + i * t.S * size;
     for (int64_t at = 0; at < width * size + (reinterpret_cast<uintptr_t>(row) & 63); at += 64) {
         __builtin_prefetch(row + at);
-        asm volatile("" ::: "memory");  // GCC deletes a loop of prefetches alone as free of side effects
+        asm volatile("" : : "r"(row + at));  // GCC deletes a loop of prefetches alone as free of side effects
     }
     if (bias_col >= 0) __builtin_prefetch(row + bias_col * size);
     if (t.kind == I8) __builtin_prefetch(t.scales + i * t.n_scales);

@@ -10,11 +10,18 @@ def implementation(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" else "cpp-cpu"
 
 
+def require_top(m: int, top_n: int) -> None:
+    """The fused ops keep the m best of the top_n experts' mixture: both must be at least 1."""
+    if m < 1 or top_n < 1:
+        raise ValueError(f"m and top_n must be at least 1, got m={m}, top_n={top_n}")
+
+
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
                m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Match, score and top-m in one pass (kernels.reference.fused.fused_scan) on the table's device."""
+    require_top(m, top_n)
     if vectors.is_cuda:
         from kernels.triton.fused import fused_scan as run
     else:

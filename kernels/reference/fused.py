@@ -14,8 +14,9 @@ Request side, B requests:
   holds a value of clause c (W * 32 > every clause id in refs).
 Head (a mixture of logits; the dot product is E = 1, G = 0): with a = vectors[:, :D], q = vectors[:, D:D + G]
 and bias = vectors[:, bias_col] (0 when bias_col < 0), each candidate's gating logits keys[b, e] . q over
-the experts with mask[b, e] pick its top_n experts (of equal logits, the lower expert); softmax over those gives the gates (experts beyond the
-usable ones get gate 0) and score = sum_e gate_e * <experts[b, e], a> + bias.
+the experts with mask[b, e] pick its top_n experts (of equal logits, the lower expert; NaN above all); softmax over
+those gives the gates (the others get gate 0; all gates are 0 when a usable logit is NaN or +inf, or none is
+usable) and score = sum over the experts with gate_e > 0 of gate_e * <experts[b, e], a>, plus bias.
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: tor
     logits = torch.einsum("beg,ng->ben", keys.float(), x[:, D: D + G]).masked_fill(~mask[:, :, None], float("-inf"))
     top = torch.argsort(logits, dim=1, descending=True, stable=True)[:, :top_n]  # equal logits: the lower expert
     chosen = torch.full_like(logits, float("-inf")).scatter(1, top, logits.gather(1, top))
-    gates = torch.nan_to_num(torch.softmax(chosen, dim=1))  # no usable expert: all gates 0
-    score = (gates * torch.einsum("bed,nd->ben", experts.float(), x[:, :D])).sum(1)
+    gates = torch.nan_to_num(torch.softmax(chosen, dim=1))  # no usable expert, or a NaN / +inf logit: all gates 0
+    sims = torch.einsum("bed,nd->ben", experts.float(), x[:, :D])
+    score = torch.where(gates > 0, gates * sims, 0.0).sum(1)  # a gate of 0 adds nothing, whatever its similarity
     return score + x[:, bias_col] if bias_col >= 0 else score
 
 

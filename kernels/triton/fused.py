@@ -91,7 +91,8 @@ def columns_dot(x, scale, hi_ptr, lo_ptr, BLOCK: tl.constexpr, EP: tl.constexpr)
 def expert_gates(logits, TOP_N: tl.constexpr, EP: tl.constexpr):
     """logits (BLOCK, EP) float32, -inf for unusable experts -> (weights (BLOCK, EP), total (BLOCK,)): the gates of
     the softmax over each row's TOP_N largest logits (ties to the lower expert) are weights / total; all 0 in a row
-    without a usable expert (total 0). exp2 of logits in base-2 units (the caller's scale folds in log2 e)."""
+    without a usable expert or with a NaN or +inf logit (total 0). exp2 of logits in base-2 units (the caller's
+    scale folds in log2 e)."""
     idx = tl.arange(0, EP)[None, :]
     top = tl.max(logits, axis=1)  # the first pick: its logit is the softmax's maximum
     chosen = idx == tl.min(tl.where(logits == top[:, None], idx, EP), axis=1)[:, None]
@@ -101,6 +102,8 @@ def expert_gates(logits, TOP_N: tl.constexpr, EP: tl.constexpr):
         chosen = chosen | (idx == tl.min(tl.where(rest == best[:, None], idx, EP), axis=1)[:, None])
     top = tl.where(top > float("-inf"), top, 0.0)  # a row without a usable expert: no -inf - -inf
     weight = tl.where(chosen & (logits > float("-inf")), tl.exp2(logits - top[:, None]), 0.0)
+    bad = tl.max(((logits != logits) | (logits == float("inf"))).to(tl.int32), axis=1) > 0  # NaN or +inf: gates 0
+    weight = tl.where(bad[:, None], 0.0, weight)
     return weight, tl.sum(weight, axis=1)
 
 
@@ -118,7 +121,7 @@ def head_scores(a, q, a_scale, q_scale, bias, experts_hi, experts_lo, keys_hi, k
         logits = tl.zeros((BLOCK, EP), tl.float32)  # the reference's einsum over no dims
     logits = tl.where((tl.load(usable_row + e) != 0)[None, :], logits, float("-inf"))
     weight, total = expert_gates(logits, TOP_N, EP)
-    return tl.sum(weight * sims, axis=1) / tl.where(total > 0, total, 1.0) + bias
+    return tl.sum(tl.where(weight > 0, weight * sims, 0.0), axis=1) / tl.where(total > 0, total, 1.0) + bias
 
 
 @triton.jit
@@ -305,8 +308,10 @@ def request_operands(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tens
     """The scan kernel's request side, made on the host (a few dozen small ops that would each be a launch on the
     GPU): (experts hi, experts lo, keys hi, keys lo, usable (B, EP) int8, unscale (B, EP), key unscale (B,) in
     log2 units for the gates' exp2)."""
-    experts, keys, mask = experts.cpu(), keys.cpu(), mask.cpu()
     B, E, G = experts.shape[0], experts.shape[1], keys.shape[2]
+    host = torch.cat([experts.flatten().float(), keys.flatten().float(), mask.flatten().float()]).cpu()  # one sync
+    experts, keys, mask = host.split([experts.numel(), keys.numel(), mask.numel()])
+    experts, keys, mask = experts.view(B, E, -1), keys.view(B, E, G), mask.view(B, E) > 0
     experts_hi, experts_lo, unscale = mma_operand(experts, 0, DW, EP, table, per_row=True)
     if G:
         keys_hi, keys_lo, key_unscale = mma_operand(keys, D - G0, GW, EP, table, per_row=False)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from kernels import cpu  # noqa: E402
+from kernels import cpu, dispatch  # noqa: E402
 from kernels.reference import fused as reference  # noqa: E402
 from kernels.reference.fused import ALWAYS, SCALE_BLOCK  # noqa: E402
 import triton  # noqa: E402
@@ -194,7 +194,7 @@ def test_fused_scan_equals_reference(kernel, n, B, dtype, E, D, G, top_n, bias, 
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("B", [9, 17, 40, 70])  # one group of 16, 32 and 64 requests, then two groups
+@pytest.mark.parametrize("B", [8, 9, 16, 17, 32, 40, 64, 70])  # groups of 8, 16, 32, 64 (full and not), two groups
 def test_cpu_match_of_wide_batches(B):
     gen = torch.Generator().manual_seed(B)
     status, start, end, refs, _, _ = make_table(gen, 301, 4, 1, torch.float32)
@@ -205,6 +205,7 @@ def test_cpu_match_of_wide_batches(B):
 
 @pytest.mark.parametrize("B, E, D, G, top_n", [
     (9, 6, 64, 16, 2), (17, 2, 13, 5, 1), (33, 3, 7, 3, 3), (70, 6, 9, 7, 2),  # every word width, two groups
+    (8, 6, 8, 4, 2), (16, 6, 8, 4, 2), (32, 4, 8, 4, 2), (64, 6, 8, 4, 2),  # groups whose every bit is a request
     (3, 9, 11, 6, 2), (2, 16, 64, 16, 3),  # more than 8 experts: one dim per row
 ])
 def test_cpu_scan_of_wide_batches_and_many_experts(B, E, D, G, top_n):
@@ -352,6 +353,58 @@ def test_nan_scores_rank_after_the_finite_and_before_the_ineligible(kernel):
     got, want = both(kernel, status, start, end, refs, vectors, None, *requests, -1, 1, n + 3)
     assert_same(got, want)
     assert got[0][0, n - 4:].tolist() == [3, 10] + [-1] * 5
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy meets the NaNs
+def test_nan_or_infinite_logits_leave_the_bias_and_gate_0_experts_add_nothing(kernel):
+    """A NaN or +inf gating logit makes every gate 0 (the score is the bias alone); an expert with gate 0 adds
+    nothing even when its similarity is infinite, whether it was not chosen (request 0) or not usable (request 1)."""
+    n, D, G = 5, 2, 2
+    status, start, end, refs = servable_table(n)
+    inf, nan = float("inf"), float("nan")
+    vectors = torch.tensor([[1.0, 0.5, 0.2, 0.1, 0.3], [1.0, 0.5, nan, 0.1, 0.4], [1.0, 0.5, inf, inf, 0.5],
+                            [0.5, 1.0, 0.3, 0.2, 0.6], [-1.0, 2.0, 0.1, 0.9, 0.7]])  # a, q, bias
+    experts = torch.tensor([[[1.0, 2.0], [0.5, -1.0], [inf, 1.0]]]).repeat(2, 1, 1)
+    keys = torch.tensor([[[1.0, 1.0], [2.0, 0.5], [0.1, 0.1]],  # expert 2 has the lowest logit: never in the top 2
+                         [[1.0, 1.0], [2.0, 0.5], [9.0, 9.0]]])  # the highest, but not usable
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    now, truth = torch.full((2,), NOW), torch.zeros((2, W), dtype=torch.int32)
+    got, want = both(kernel, status, start, end, refs, vectors, None, now, truth, experts, keys, mask, D + G, 2, n)
+    assert_same(got, want)
+    for slots, scores in zip(want[0].tolist(), want[1].tolist()):
+        by_slot = dict(zip(slots, scores))
+        assert by_slot[1] == pytest.approx(0.4) and by_slot[2] == pytest.approx(0.5)
+        assert all(math.isfinite(v) for v in scores)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_one_expert_with_gating_dims_is_gated(kernel):
+    """E = 1 with G > 0: the expert's gate is 1, or 0 (the bias alone) where its logit is NaN or +inf."""
+    n = 4
+    status, start, end, refs = servable_table(n)
+    vectors = torch.tensor([[1.0, 2.0, 0.5, 0.1], [1.0, 2.0, float("inf"), 0.2], [1.0, 2.0, float("nan"), 0.3],
+                            [2.0, 1.0, -3.0, 0.4]])  # a (2), q (1), bias
+    got, want = both(kernel, status, start, end, refs, vectors, None, torch.full((1,), NOW),
+                     torch.zeros((1, W), dtype=torch.int32), torch.tensor([[[1.0, 1.0]]]), torch.tensor([[[1.0]]]),
+                     torch.tensor([[True]]), 3, 1, n)
+    assert_same(got, want)
+    assert got[0].tolist() == [[3, 0, 2, 1]] and got[1][0].tolist() == pytest.approx([3.4, 3.1, 0.3, 0.2])
+
+
+@pytest.mark.parametrize("m, top_n", [(0, 1), (5, 0)])
+@pytest.mark.parametrize("scan", [cpu.fused_scan, dispatch.fused_scan])
+def test_scans_refuse_an_empty_top(scan, m, top_n):
+    table = make_table(torch.Generator().manual_seed(0), 10, 2, 5, torch.float32)
+    with pytest.raises(ValueError, match="at least 1"):
+        scan(*table, *make_requests(torch.Generator().manual_seed(1), 2, 2, 2, 2), -1, top_n, m)
+
+
+def test_cpu_scan_of_no_request():
+    table = make_table(torch.Generator().manual_seed(0), 10, 2, 5, torch.float32)
+    now, truth, experts, keys, mask = make_requests(torch.Generator().manual_seed(1), 1, 2, 2, 2)
+    got = cpu.fused_scan(*table, now[:0], truth[:0], experts[:0], keys[:0], mask[:0], -1, 1, 4)
+    want = reference.fused_scan(*table, now[:0], truth[:0], experts[:0], keys[:0], mask[:0], -1, 1, 4)
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want] == [(0, 4), (0, 4), (0,)]
 
 
 def test_zero_scores_tie_whatever_their_sign(kernel):
