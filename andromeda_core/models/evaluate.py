@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from andromeda_core.models import score_each
+from andromeda_core.models.features import N_FEATURES, RECENT, PairFeatures
 from andromeda_core.models.recdata import RecData
 from andromeda_core.quantization import int8_blocks, round_trip
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
@@ -24,7 +25,8 @@ def bytes_per_ad(model: RetrievalModel, dtype: str, rescore: int = 0) -> tuple[i
     """(bytes the scan reads per ad, bytes the index holds per ad, the exact copy included)."""
     S = model.dims.stored
     scanned = {"fp32": 4 * S, "fp16": 2 * S, "int8": S + 4 * int8_blocks(S)}[dtype]
-    scanned += 2 * 384 if model.kind == "ranker" else 0  # the ranker also reads the text embedding
+    if model.pair_features:  # the ranker also reads the text embedding (fp16), and per pair one float32
+        scanned += 2 * 384 + 4 * (sum(RECENT) + 1)  # similarity per recent engagement and the popularity
     return scanned, scanned + (4 * S if rescore else 0)
 
 
@@ -56,12 +58,16 @@ def ranking_from_scores(scores: torch.Tensor, data: RecData, users: np.ndarray,
     in top and in target_rank alike (target_rank < k iff the target is in top[:k]): counting only
     strictly higher scores would put a target tied with thousands of zero-score items near the top."""
     scores = without_history(scores.clone(), data, users, positions)
+    top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :TOP].numpy()
+    return top, rank_of_targets(scores, data, users, positions)
+
+
+def rank_of_targets(scores: torch.Tensor, data: RecData, users: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """(B,) the target_rank of ranking_from_scores, for scores (B, N) whose history is already at -inf."""
     targets = torch.tensor([data.users.items[u][p] for u, p in zip(users, positions)])
     target_scores = scores[torch.arange(len(users)), targets][:, None]
     tied_before = (scores == target_scores) & (torch.arange(scores.shape[1]) < targets[:, None])
-    rank = ((scores > target_scores) | tied_before).sum(1).numpy()
-    top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :TOP].numpy()
-    return top, rank
+    return ((scores > target_scores) | tied_before).sum(1).numpy()
 
 
 @torch.no_grad()
@@ -70,8 +76,10 @@ def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: s
                chunk: int = 4096, progress: bool = True) -> Ranking:
     """Each user's state at their test (split=1) or validation (split=0) position ranks the full corpus.
     keep: the user towers read only the last `keep` engagements (a short-history user); content_only:
-    every ad is embedded as if created after training (no learned identity)."""
+    every ad is embedded as if created after training (no learned identity, no pair features). The ranker's
+    pair features read the same (last `keep`) history as its towers."""
     known = torch.zeros(len(data.items.ids), dtype=torch.bool) if content_only else None
+    pair = PairFeatures.fit(data) if model.pair_features and not content_only else None  # a new ad has none
     exact = model.item_vectors(data.items, known=known)
     stored = round_trip(exact, dtype)
     text = torch.from_numpy(data.items.text).float()
@@ -81,7 +89,9 @@ def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: s
         us = users[first:first + batch]
         positions = np.array([data.split(u)[split] for u in us])
         state = model.users(user_inputs(data, exact if rescore else stored, us, positions, model.dims.history, keep))
-        scores = torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk])
+        cross = pair.dense(data, us, positions, keep) if pair is not None else None
+        scores = torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk],
+                                        None if cross is None else cross[:, a:a + chunk])
                             for a in range(0, len(stored), chunk)], 1)
         if rescore:  # the shortlist is of items the user may be shown
             scores = rescored(model, state, without_history(scores, data, us, positions), exact, rescore * TOP)
@@ -124,6 +134,7 @@ def counted_flops_per_pair(model: RetrievalModel, data: RecData, n: int = 512) -
         state = model.users(user_inputs(data, stored.new_zeros((len(data.items.ids), stored.shape[1])), user,
                                         np.array([data.split(user[0])[1]]), model.dims.history))
         text = torch.from_numpy(data.items.text[:n]).float()
+        cross = torch.zeros((1, n, N_FEATURES)) if model.pair_features else None  # computed outside the head
         with FlopCounterMode(display=False) as counter:
-            model.score(state, stored, text)
+            model.score(state, stored, text, cross)
     return counter.get_total_flops() / n

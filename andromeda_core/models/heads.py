@@ -6,9 +6,12 @@ Every head adds the ad's bias b (the stored vector's last element) to its score.
 - DotHead (two-tower): one user vector (learned mix of the experts) . a + b.
 - SequenceDotHead (SASRec-style two-tower baseline): the sequence expert alone . a + b.
 - RankerHead (quality ceiling and distillation teacher, not served): deep MLP over every expert, the
-  full stored vector, the expert-ad products and the ad's text projection, plus the gated
-  mixture-of-logits term as a wide part (so it can only add to what the retriever can express).
-Every head: score(state, stored (n, S), text (n, 384) or None) -> (B, n) and flops_per_pair().
+  full stored vector, the expert-ad products, the ad's text projection and the pair features
+  (andromeda_core.models.features: item-kNN of the candidate against the user's recent engagements,
+  popularity), plus a wide part: the gated mixture-of-logits term (so it can only add to what the
+  retriever can express) and a learned weight per pair feature.
+Every head: score(state, stored (n, S), text (n, 384) or None, cross (B, n, F) or None) -> (B, n) and
+flops_per_pair(); only the ranker reads text and cross (`pair_features`).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from torch import nn
 
 from andromeda_core.models import KernelHead, dot_head
+from andromeda_core.models import features
 from andromeda_core.models.text import TEXT_DIM
 from andromeda_core.models.towers import Dims, UserState
 
@@ -33,7 +37,8 @@ class MoEHead(nn.Module):
         chosen = torch.full_like(logits, float("-inf")).scatter(1, top, logits.gather(1, top))
         return torch.nan_to_num(torch.softmax(chosen, dim=1))  # fewer than n usable experts: zero gates
 
-    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
+              cross: torch.Tensor | None = None) -> torch.Tensor:
         a, q = stored[:, : self.d.dim].float(), stored[:, self.d.dim: self.d.dim + self.d.gate]
         sims = torch.einsum("bed,nd->ben", state.experts, a)
         return (self.gates(state, q) * sims).sum(1) + self.d.bias(stored)
@@ -58,7 +63,8 @@ class DotHead(nn.Module):
         self.d = d
         self.mix = nn.Linear(d.experts * d.dim, d.dim)
 
-    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
+              cross: torch.Tensor | None = None) -> torch.Tensor:
         return _user_vector(self.mix, state) @ stored[:, : self.d.dim].float().T + self.d.bias(stored)
 
     def kernel_head(self, state: UserState) -> KernelHead:
@@ -75,7 +81,8 @@ class SequenceDotHead(nn.Module):
         super().__init__()
         self.d = d
 
-    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
+              cross: torch.Tensor | None = None) -> torch.Tensor:
         return state.experts[:, 0] @ stored[:, : self.d.dim].float().T + self.d.bias(stored)
 
     def kernel_head(self, state: UserState) -> KernelHead:
@@ -86,49 +93,66 @@ class SequenceDotHead(nn.Module):
 
 
 class RankerHead(nn.Module):
-    """Wide and deep: the MoE's gated sum of expert-ad similarities plus an MLP over
-    [every expert (E*D) | expert-ad products (E*D) | stored vector (S) | text projection (D)].
+    """Wide and deep. Wide: the MoE's gated sum of expert-ad similarities plus a learned weight per pair
+    feature. Deep: an MLP over [every expert (E*D) | expert-ad products (E*D) | stored vector (S) |
+    text projection (D) | pair features (F)].
 
     The first layer is evaluated in factored form, the same function with fewer FLOPs: the expert
     and ad blocks are projected once per user and once per ad, and the product block
     sum_{e,d} W[h, e, d] u_e[d] a[d] = a . (sum_e W[h, e, :] * u_e) is one (D x H1) matrix per user.
+    Pair features absent (cross None) read as 0, what a new ad has.
     """
+
+    pair_features = True
 
     def __init__(self, d: Dims, hidden: tuple[int, int] = (256, 192)):
         super().__init__()
         self.d, self.hidden = d, hidden
         self.wide = MoEHead(d)
         self.text = nn.Linear(TEXT_DIM, d.dim)
-        self.width = 2 * d.experts * d.dim + d.stored + d.dim
+        self.cross = nn.Parameter(torch.zeros(features.N_FEATURES))  # wide weights of the pair features: they
+        # start silent, like the deep part; a warm-started ranker chooses them on validation (train.choose_pair_weights)
+        self.width = 2 * d.experts * d.dim + d.stored + d.dim + features.N_FEATURES
         self.mlp = nn.Sequential(nn.Linear(self.width, hidden[0]), nn.GELU(), nn.Linear(hidden[0], hidden[1]), nn.GELU(),
                                  nn.Linear(hidden[1], 1))
         nn.init.zeros_(self.mlp[-1].weight)  # the deep part starts silent: a ranker warm-started from a
         nn.init.zeros_(self.mlp[-1].bias)  # MoE's towers starts as that MoE and can only learn to add to it
 
-    def first_layer(self, state: UserState, stored: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def _cross(self, state: UserState, stored: torch.Tensor, cross: torch.Tensor | None) -> torch.Tensor:
+        if cross is None:
+            return stored.new_zeros((state.experts.shape[0], stored.shape[0], features.N_FEATURES), dtype=torch.float32)
+        return cross.float()
+
+    def first_layer(self, state: UserState, stored: torch.Tensor, text: torch.Tensor,
+                    cross: torch.Tensor | None = None) -> torch.Tensor:
         """(B, n, H1) pre-activations of the first layer."""
-        E, D = self.d.experts, self.d.dim
+        E, D, S = self.d.experts, self.d.dim, self.d.stored
         experts = state.experts * state.mask[..., None]  # (B, E, D)
         w = self.mlp[0].weight  # (H1, width)
-        w_user, w_pair, w_ad = w[:, : E * D], w[:, E * D: 2 * E * D].reshape(-1, E, D), w[:, 2 * E * D:]
+        w_user, w_pair = w[:, : E * D], w[:, E * D: 2 * E * D].reshape(-1, E, D)
+        w_ad, w_cross = w[:, 2 * E * D: 2 * E * D + S + D], w[:, 2 * E * D + S + D:]
         ad = torch.cat([stored.float(), self.text(text.float())], 1)  # (n, S + D)
         per_user = experts.flatten(1) @ w_user.T + self.mlp[0].bias  # (B, H1)
         pair_weights = torch.einsum("hed,bed->bdh", w_pair, experts)  # (B, D, H1)
         pairs = torch.einsum("nd,bdh->bnh", stored[:, :D].float(), pair_weights)
-        return pairs + per_user[:, None, :] + (ad @ w_ad.T)[None]
+        return pairs + per_user[:, None, :] + (ad @ w_ad.T)[None] + self._cross(state, stored, cross) @ w_cross.T
 
-    def deep(self, state: UserState, stored: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def deep(self, state: UserState, stored: torch.Tensor, text: torch.Tensor,
+             cross: torch.Tensor | None = None) -> torch.Tensor:
         """(B, n) output of the MLP."""
-        return self.mlp[1:](self.first_layer(state, stored, text)).squeeze(-1)
+        return self.mlp[1:](self.first_layer(state, stored, text, cross)).squeeze(-1)
 
-    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
-        return self.deep(state, stored, text) + self.wide.score(state, stored)
+    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
+              cross: torch.Tensor | None = None) -> torch.Tensor:
+        wide = self._cross(state, stored, cross) @ self.cross
+        return self.deep(state, stored, text, cross) + self.wide.score(state, stored) + wide
 
     def flops_per_pair(self) -> int:
-        D = self.d.dim
+        D, F = self.d.dim, features.N_FEATURES
         h1, h2 = self.hidden
-        deep = 2 * D * h1 + 2 * h1 + h1 + 2 * h1 * h2 + h2 + 2 * h2  # product block, adds, GELU, layer 2, GELU, out
-        return deep + self.wide.flops_per_pair() + 1
+        deep = 2 * D * h1 + 2 * F * h1 + 3 * h1 + h1 + 2 * h1 * h2 + h2 + 2 * h2  # product and feature blocks, adds,
+        # GELU, layer 2, GELU, out
+        return features.FLOPS_PER_PAIR + deep + 2 * F + self.wide.flops_per_pair() + 2  # features, wide weights, sums
 
 
 HEADS = {"moe": MoEHead, "two_tower": DotHead, "sasrec": SequenceDotHead, "ranker": RankerHead}

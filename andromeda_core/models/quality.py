@@ -16,6 +16,7 @@ from andromeda_core.models.baselines import item_knn, most_popular
 from andromeda_core.models.distill import TEACHER_TOP, Teacher, ask_teacher
 from andromeda_core.models.evaluate import (CUTOFFS, Ranking, bytes_per_ad, counted_flops_per_pair, crossings,
                                             per_user_metrics, rank_items, ranking_from_scores, recall_within)
+from andromeda_core.models.features import NAMES as FEATURE_NAMES
 from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
 from andromeda_core.models.retrieval import RetrievalModel
@@ -252,12 +253,15 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
                                                         bootstrap_ci(per_user_metrics(r.ranking.target_rank)["HR@10"])))}
          for r in by_name.values()], plot_dir / f"quality-{data.name}.png", f"{data.name}: HR@10 against FLOPs per pair")
     tuning = ", ".join(f"{w:g}: {s:.4f}" for w, s in trained.validation.items())
+    pair = ", ".join(f"{name} {w:g}" for name, w in zip(FEATURE_NAMES, trained.models["ranker"].head.cross.tolist()))
     return (f"## {data.name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, {len(users)} evaluated "
             f"(last engagement held out, full corpus ranked, history excluded). Models trained in this run: "
             f"{', '.join(trained.trained) or 'none (all from checkpoints of the same defaults)'}. "
             f"The MoE's weight of distillation from the ranker's top-{TEACHER_TOP}, chosen on the validation "
             f"split (mean of the four metrics at each user's second-to-last engagement): {tuning}; chosen: "
             f"{trained.chosen:g} (the teacher is asked at those same states, which favours distillation a little). "
+            f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "
+            f"part trains: {pair}. "
             f"Cells: mean [95% bootstrap interval over users].\n\n"
             f"{main_table(rows, ranker_top, truth)}\n\n![quality against FLOPs]({plot.name})\n\n"
             f"### The MoE against every other row: paired bootstrap over the same users\n\n"
@@ -288,6 +292,10 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
             f"(`andromeda train`); checkpoints in `.cache/models/`. Baselines: most popular (training "
             f"engagements), item-kNN (cosine over co-engagement, summed over the user's last 50), and a "
             f"SASRec-style two-tower (the MoE's sequence expert alone, dot product). The oracle ranks by the "
-            f"synthetic world's own true affinity.\n\n" + "\n\n".join(sections) + "\n")
+            f"synthetic world's own true affinity. The ranker (the MoE's frozen towers, a deep part and a wide "
+            f"part) also reads pair features no two-tower can compute: the item-kNN score of the candidate "
+            f"against the user's last 1, 5 and 50 engagements (mean cosine over co-engagement) and its log "
+            f"popularity, fit on training engagements without the user's own (leave-one-user-out); a new ad "
+            f"has none.\n\n" + "\n\n".join(sections) + "\n")
     out.write_text(text)
     return text

@@ -18,7 +18,8 @@ from andromeda_core.models.recdata import Items, RecData
 from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
-MODEL_VERSION = "4"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes)
+MODEL_VERSION = "5"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
+# 5: the ranker reads pair features (head.cross and a wider first layer)
 CO_ITEMS = 8
 
 
@@ -60,9 +61,16 @@ class RetrievalModel(nn.Module):
     def users(self, inputs: UserInputs) -> UserState:
         return self.user_towers(inputs)
 
-    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, n) scores of n candidates (stored (n, S); text (n, 384) for the ranker only)."""
-        return self.head.score(state, stored, text)
+    @property
+    def pair_features(self) -> bool:
+        """Whether the head reads pair features (andromeda_core.models.features): the ranker's does."""
+        return getattr(self.head, "pair_features", False)
+
+    def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
+              cross: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, n) scores of n candidates (stored (n, S); text (n, 384) and pair features cross (B, n, F) for
+        the ranker only: absent features read as 0, what an ad created after training has)."""
+        return self.head.score(state, stored, text, cross)
 
     def save(self, path: str | Path, meta: dict | None = None) -> None:
         config = {"model": self.kind, "model_version": MODEL_VERSION, "dims": asdict(self.dims), **(meta or {})}

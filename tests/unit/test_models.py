@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from andromeda_core.quantization import quantize_int8, round_trip
+from andromeda_core.models.features import N_FEATURES
 from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
@@ -220,7 +221,8 @@ def test_ranker_factored_first_layer_equals_the_plain_mlp():
     experts = state.experts * state.mask[..., None]
     products = torch.einsum("bed,nd->bned", experts, stored[:, : DIMS.dim]).flatten(2)
     ad = torch.cat([stored, model.head.text(text)], 1)
-    pair = torch.cat([experts.flatten(1)[:, None].expand(3, 40, -1), products, ad[None].expand(3, -1, -1)], -1)
+    pair = torch.cat([experts.flatten(1)[:, None].expand(3, 40, -1), products, ad[None].expand(3, -1, -1),
+                      torch.zeros(3, 40, N_FEATURES)], -1)  # no pair features: tests/unit/test_ranker_features.py
     with torch.no_grad():
         assert torch.allclose(model.head.deep(state, stored, text), model.head.mlp(pair).squeeze(-1), atol=1e-5)
         wide = model.head.wide.score(state, stored)

@@ -1,0 +1,158 @@
+"""The ranker's pair features (item-kNN against recent engagements, popularity) against a plain-Python
+reading of their definition; they never see held-out engagements or the user's own training row; the
+ranker reads them in its wide and deep parts, everywhere it is scored."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from andromeda_core.models import features
+from andromeda_core.models.evaluate import rank_items, ranking_from_scores
+from andromeda_core.models.features import RECENT, PairFeatures
+from andromeda_core.models.retrieval import RetrievalModel, user_inputs
+from andromeda_core.models.train import TrainConfig, choose_pair_weights, train, validation_score
+from tests.unit.test_baselines import HAND, random_data, rec_data
+from tests.unit.test_models import DIMS, tiny_data
+
+
+def brute_features(data, u: int, p: int, keep: int | None = None) -> np.ndarray:
+    """(N, F) by the definition: cosine over the other users' training sets, mean over the recent window
+    (repeats counted, h == j skipped), log(1 + users who engaged j in training, u excluded)."""
+    n = len(data.items.ids)
+    others = [set(s.tolist()) for v, s in enumerate(data.train_sequences()) if v != u]
+    count = [sum(j in s for s in others) for j in range(n)]
+    out = np.zeros((n, len(RECENT) + 1))
+    for f, r in enumerate(RECENT):
+        r = min(r, keep or r)
+        recent = data.users.items[u][max(p - r, 0):p].tolist()
+        for j in range(n):
+            total = sum(sum(h in s and j in s for s in others) / math.sqrt(count[h] * count[j])
+                        for h in recent if h != j and count[h] and count[j])
+            out[j, f] = total / max(len(recent), 1)
+    out[:, -1] = np.log1p(count)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_features_equal_the_brute_force_definition(seed):
+    data = random_data(seed, n_items=9, n_users=7)
+    rng = np.random.default_rng(seed)
+    users = np.array([0, 1, 2, 3, 4, 5, 6, 2])
+    positions = np.array([rng.integers(0, len(data.users.items[u]) + 1) for u in users])
+    got = PairFeatures.fit(data).dense(data, users, positions).numpy()
+    for b, (u, p) in enumerate(zip(users, positions)):
+        np.testing.assert_allclose(got[b], brute_features(data, u, p), atol=1e-6)
+    candidates = np.array([4, 0, 4, 8, 2])
+    assert torch.equal(PairFeatures.fit(data).pairs(data, users, positions, candidates), torch.from_numpy(got[:, candidates]))
+    short = PairFeatures.fit(data).dense(data, users, positions, keep=2).numpy()
+    for b, (u, p) in enumerate(zip(users, positions)):
+        np.testing.assert_allclose(short[b], brute_features(data, u, p, keep=2), atol=1e-6)
+
+
+def test_features_on_hand_made_data():
+    """User 2 at its test position (history 0, 2, 5, 3, 6: the window of 5 holds it all), candidate 1.
+    The other users' training sets: {0, 1, 2}, {1, 2, 5}, {1, 5}, {0, 1, 2, 3, 6} (1 in all four, 0 in
+    two, 2 in three, 5 in two, 3 and 6 in one); 1 is with 0 in two, with 2 in three, with 5 in two,
+    with 3 and with 6 in one."""
+    data = rec_data(HAND, 8)
+    got = PairFeatures.fit(data).dense(data, np.array([2]), np.array([5]))[0].numpy()
+    knn = (2 / math.sqrt(2 * 4) + 3 / math.sqrt(3 * 4) + 2 / math.sqrt(2 * 4) + 2 / math.sqrt(1 * 4)) / 5
+    assert got[1, 0] == pytest.approx(1 / math.sqrt(1 * 4))  # the last engagement alone: 6
+    assert got[1, 1] == pytest.approx(knn) and got[1, 2] == pytest.approx(knn)
+    assert got[1, 3] == pytest.approx(math.log(5))
+    assert got[4].tolist() == [0.0] * 4 and got[7].tolist() == [0.0] * 4  # never engaged in training
+
+
+def test_features_never_see_held_out_engagements_nor_the_users_own_row():
+    """Changing every user's last two engagements (validation, test) changes no feature at a training
+    position; changing user u's own later engagements changes none of u's features at p."""
+    data = random_data(3, n_items=12, n_users=8)
+    users = np.arange(8)
+    positions = np.array([max(len(s) - 3, 0) for s in data.users.items])
+    before = PairFeatures.fit(data).dense(data, users, positions)
+    for seq in data.users.items:
+        seq[-2:] = (seq[-2:] + 5) % 12
+    assert torch.equal(PairFeatures.fit(data).dense(data, users, positions), before)
+    u, p = 4, 1
+    mine = PairFeatures.fit(data).dense(data, np.array([u]), np.array([p]))
+    data.users.items[u][p:] = (data.users.items[u][p:] + 7) % 12
+    assert torch.equal(PairFeatures.fit(data).dense(data, np.array([u]), np.array([p])), mine)
+
+
+def test_the_ranker_reads_the_features_in_its_wide_and_deep_parts():
+    """Factored first layer = the plain MLP over the concatenated pair with the features; the wide part
+    adds weights . features; absent features read as zero."""
+    torch.manual_seed(3)
+    data, model = tiny_data(), RetrievalModel("ranker", DIMS)
+    stored, text = model.item_vectors(data.items), torch.from_numpy(data.items.text).float()
+    state = model.users(user_inputs(data, stored, np.array([0, 1, 2]), np.array([3, 0, 5]), DIMS.history))
+    cross = torch.rand(3, 40, features.N_FEATURES)
+    torch.nn.init.normal_(model.head.mlp[-1].weight)
+    with torch.no_grad():
+        model.head.cross.copy_(torch.tensor([0.3, -0.2, 0.1, 0.4]))
+        experts = state.experts * state.mask[..., None]
+        products = torch.einsum("bed,nd->bned", experts, stored[:, : DIMS.dim]).flatten(2)
+        ad = torch.cat([stored, model.head.text(text)], 1)
+        pair = torch.cat([experts.flatten(1)[:, None].expand(3, 40, -1), products, ad[None].expand(3, -1, -1), cross], -1)
+        deep = model.head.mlp(pair).squeeze(-1)
+        wide = model.head.wide.score(state, stored) + cross @ model.head.cross
+        assert torch.allclose(model.score(state, stored, text, cross), deep + wide, atol=1e-5)
+        assert torch.allclose(model.score(state, stored, text),
+                              model.score(state, stored, text, torch.zeros_like(cross)), atol=1e-6)
+    assert model.pair_features and not RetrievalModel("moe", DIMS).pair_features
+    assert model.head.flops_per_pair() > features.FLOPS_PER_PAIR >= sum(RECENT)
+
+
+def test_rank_items_gives_the_ranker_its_features_and_none_for_new_ads():
+    torch.manual_seed(1)
+    data, model = tiny_data(), RetrievalModel("ranker", DIMS)
+    with torch.no_grad():
+        model.head.cross.copy_(torch.tensor([2.0, 1.0, 0.5, 0.2]))
+    users = data.eval_users()[:5]
+    positions = np.array([data.split(u)[1] for u in users])
+    stored, text = model.item_vectors(data.items), torch.from_numpy(data.items.text).float()
+    with torch.no_grad():
+        state = model.users(user_inputs(data, stored, users, positions, DIMS.history, keep=2))
+        cross = PairFeatures.fit(data).dense(data, users, positions, keep=2)
+        want = ranking_from_scores(model.score(state, stored, text, cross), data, users, positions)
+    got = rank_items(model, data, users, keep=2, progress=False)
+    assert np.array_equal(got.top, want[0]) and np.array_equal(got.target_rank, want[1])
+    with torch.no_grad():
+        new = model.item_vectors(data.items, known=torch.zeros(40, dtype=torch.bool))
+        state = model.users(user_inputs(data, new, users, positions, DIMS.history))
+        want = ranking_from_scores(model.score(state, new, text), data, users, positions)
+    got = rank_items(model, data, users, content_only=True, progress=False)
+    assert np.array_equal(got.top, want[0])
+
+
+def test_pair_weights_are_chosen_on_validation_within_the_funnel_and_stay_fixed():
+    """Each combination's score is the validation score of the ranker with those wide weights (deep part
+    silent) and its share kept is the share of its top-100 inside the MoE's top-1000; the best allowed
+    combination is set; a warm-started ranker keeps the weights chosen while its deep part trains."""
+    data = tiny_data(n_items=1200, n_users=30)
+    moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
+    model = RetrievalModel("ranker", moe.dims, moe.item_ids)
+    model.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
+    users = data.eval_users()
+    grid = ((0.0, 30.0), (0.0, 20.0), (0.0, 10.0), (0.0, -1.0))
+    moe_top = rank_items(moe, data, users, split=0, progress=False).top[:, :1000]
+    for funnel in (0.0, 0.99, 1.0):
+        scores = choose_pair_weights(model, data, users, PairFeatures.fit(data), grid, funnel=funnel)
+        allowed = {w: score for w, (score, kept) in scores.items() if kept >= funnel}
+        assert len(scores) == 16 and (0.0,) * 4 in allowed
+        assert tuple(model.head.cross.tolist()) == max(allowed, key=allowed.get)
+    for weights, (score, kept) in scores.items():
+        with torch.no_grad():
+            model.head.cross.copy_(torch.tensor(weights))
+        assert validation_score(model, data, users) == pytest.approx(score)
+        top = rank_items(model, data, users, split=0, progress=False).top[:, :100]
+        assert kept == pytest.approx(np.mean([len(set(t) & set(m)) / len(t) for t, m in zip(top, moe_top)]))
+    ranker = train(data, "ranker", TrainConfig(steps=12, batch=16, negatives=16, seed=1, validate_every=6,
+                                               pair_users=len(users)), init=moe, progress=False)
+    chosen = RetrievalModel("ranker", moe.dims, moe.item_ids)
+    chosen.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
+    choose_pair_weights(chosen, data, users, PairFeatures.fit(data))
+    assert torch.equal(ranker.head.cross, chosen.head.cross)
