@@ -61,7 +61,7 @@ def default_config(kind: str, seed: int = 0, distill: float = 0.0) -> TrainConfi
     return TrainConfig(seed=seed, distill=distill)
 
 
-PAIR_WEIGHTS = ((0.0, 5.0, 10.0, 20.0), (0.0, 5.0, 10.0, 20.0, 40.0), (0.0, 5.0, 10.0, 20.0), (0.0, -0.5, 0.5))
+PAIR_WEIGHTS = ((0.0, 10.0, 20.0), (0.0, 10.0, 20.0, 40.0), (0.0, 10.0, 20.0), (0.0, 0.5, -0.5))  # 108 combinations
 # per pair feature (features.NAMES: knn1, knn5, knn50, pop); ties go to the earlier combination, the smaller weights
 FUNNEL = 0.95  # the least share of the ranker's top-100 that must lie inside the MoE's top-1000 on validation
 
