@@ -105,7 +105,8 @@ def packed_rows(t: torch.Tensor, P: int) -> torch.Tensor:
 def expert_weights(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The request side as cpu_fused.cpp reads it: experts (B, E, D), keys (B, E, G), mask (B, E) ->
     (weights (B, ceil(D / P) + ceil(G / P), LANES) float32: the experts' packed rows, then the keys';
-    usable (B, LANES) uint8, lane e * P set when expert e is usable). A dot-product head (E = 1): weights (B, D)."""
+    usable (B, LANES) uint8, lane e * P set when expert e is usable). A dot-product head (E = 1, G = 0): weights
+    (B, D)."""
     B, E, _ = experts.shape
     P = packing(E)
     usable = torch.zeros((B, LANES // P, P), dtype=torch.uint8)
@@ -141,8 +142,8 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         i64(n), i64(refs.shape[1]), i64(vectors.stride(0)), i64(0 if scales is None else scales.shape[1]),
         _pointer(status), _pointer(start), _pointer(end), _pointer(refs), _pointer(vectors),
         ctypes.c_int(STORAGE[vectors.dtype]), _pointer(scales), i64(B), i64(truth.shape[1]), i64(experts.shape[1]),
-        i64(experts.shape[2]), i64(keys.shape[2]), i64(packing(experts.shape[1])), _pointer(now), _pointer(truth), _pointer(weights), _pointer(usable),
-        i64(bias_col), i64(top_n), i64(m), i64(tasks), ctypes.c_int(threads), _pointer(out_score), _pointer(out_slot),
+        i64(experts.shape[2]), i64(keys.shape[2]), i64(packing(experts.shape[1])), _pointer(now), _pointer(truth),
+        _pointer(weights), _pointer(usable), i64(bias_col), i64(top_n), i64(m), i64(tasks), ctypes.c_int(threads), _pointer(out_score), _pointer(out_slot),
         _pointer(counts))
     slots, scores = merge_partials(out_score, out_slot, m)
     return slots, scores, counts.sum(0)
