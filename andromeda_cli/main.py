@@ -126,12 +126,15 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if args.distill is not None and args.teacher is None:
         raise InvalidInput("--distill needs --teacher (the ranker checkpoint to distil)", "--distill")
-    if args.init is not None and args.model != "ranker":
-        raise InvalidInput("only a ranker starts from another model's towers (--model ranker)", "--init")
+    if args.teacher is not None and args.init is None:
+        raise InvalidInput("--teacher needs --init (the trained model distillation continues from)", "--teacher")
     with checkpoint("--teacher", args.teacher):  # a bad --teacher or --init fails before the data is loaded
         ranker = RetrievalModel.load(args.teacher)[0] if args.teacher else None
     with checkpoint("--init", args.init):
         init = RetrievalModel.load(args.init)[0] if args.init else None
+    if init is not None and init.kind != args.model and args.model != "ranker":
+        raise InvalidInput(f"{args.init} is a {init.kind} model: a {args.model} goes on only from a {args.model} "
+                           f"(only a ranker starts from another kind's towers)", "--init")
     data = load_data(args.data, args.world)
     distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
     cfg = default_config(args.model, args.seed, distill)
@@ -248,7 +251,8 @@ def parser() -> argparse.ArgumentParser:
                    help="ranker checkpoint to distil (its top-100 per user); `andromeda eval` uses DATA-ranker")
     s.add_argument("--distill", type=float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
     s.add_argument("--init", type=input_file, default=None,
-                   help="checkpoint whose towers the model starts from (`andromeda eval` starts the ranker from the MoE)")
+                   help="checkpoint to start from: a model of the same kind goes on training from all its weights "
+                        "(distillation does); a ranker starts from a MoE's towers, frozen")
     s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
     s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors)")
     s.set_defaults(func=cmd_train)

@@ -86,7 +86,7 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
 
 def train_all(data: RecData, retrain: bool) -> Trained:
     """The two-tower baselines and the MoE undistilled; the ranker on the MoE's frozen towers; then the
-    MoE distilled from the ranker at each other weight of DISTILL_GRID. The MoE kept is the weight with
+    MoE distilled from the ranker at each other weight of DISTILL_GRID, going on from the undistilled one. The MoE kept is the weight with
     the best validation score (each user's second-to-last engagement, never the test one)."""
     out, runs = Trained(), {}
 
@@ -100,7 +100,7 @@ def train_all(data: RecData, retrain: bool) -> Trained:
     out.models["ranker"] = fit("ranker", init=runs[("moe", 0.0)])
     teacher = ask_teacher(out.models["ranker"], data) if any(DISTILL_GRID) else None
     for weight in filter(None, DISTILL_GRID):
-        fit("moe", weight, teacher)
+        fit("moe", weight, teacher, init=runs[("moe", 0.0)])
     val_users = data.eval_users()[:EVAL_USERS]
     out.validation = {w: validation_score(runs[("moe", w)], data, val_users) for w in DISTILL_GRID}
     out.chosen = max(DISTILL_GRID, key=out.validation.get)

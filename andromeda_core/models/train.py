@@ -58,6 +58,8 @@ def default_config(kind: str, seed: int = 0, distill: float = 0.0) -> TrainConfi
     if kind == "ranker":  # warm-started from the MoE's towers: only its head learns
         return TrainConfig(steps=300, batch=128, negatives=512, lr=1e-3, seed=seed, validate_every=100,
                            validation_users=200, patience=2)  # ranking the corpus with the ranker is slow
+    if distill:  # goes on from the undistilled model, so it stays near the retriever the ranker was built on
+        return TrainConfig(steps=300, lr=5e-4, seed=seed, distill=distill)
     return TrainConfig(seed=seed, distill=distill)
 
 
@@ -189,8 +191,9 @@ def learn_mode(model: RetrievalModel, frozen: bool) -> None:
 
 def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None, init: RetrievalModel | None = None,
           progress: bool = True) -> RetrievalModel:
-    """A `kind` model trained on data; init: a trained model whose towers it starts from (the ranker
-    starts from the MoE's: it then begins as good as the MoE on validation and keeps that if it can't do better)."""
+    """A `kind` model trained on data. init: a trained model to start from. Of the same kind, training
+    goes on from all its weights (distillation starts from the undistilled MoE). A ranker starts from a
+    MoE's towers, frozen: it then begins as good as the MoE on validation and keeps that if it can't do better."""
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     examples = data.train_examples()
@@ -198,10 +201,13 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
     model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1), data.items.ids[data.train_items()])
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
-    frozen = init is not None
+    frozen = init is not None and init.kind != kind
+    if init is not None and not frozen:  # the same kind: training goes on from all its weights
+        model.load_state_dict(init.state_dict())
     if frozen:  # the towers come trained and stay as they are: only the head learns
         if not any(p.requires_grad for p in model.head.parameters()):
-            raise ValueError(f"a {kind} model has no parameters outside its towers: only a ranker starts from another model")
+            raise ValueError(f"a {kind} model has no parameters outside its towers: only a ranker starts from "
+                             f"another kind of model")
         missing, _ = model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("head.")},
                                            strict=False)
         if any(not k.startswith("head.") for k in missing):

@@ -66,7 +66,8 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
     env = {**os.environ, "ANDROMEDA_CACHE": str(tmp_path / "cache")}
     for args in (["--model", "moe", "--out", str(base)],
                  ["--model", "ranker", "--init", str(base), "--out", str(ranker)],
-                 ["--model", "moe", "--teacher", str(ranker), "--distill", "0.25", "--out", str(checkpoint)]):
+                 ["--model", "moe", "--init", str(base), "--teacher", str(ranker), "--distill", "0.25",
+                  "--out", str(checkpoint)]):
         result = subprocess.run([sys.executable, "-m", "andromeda_cli", "train", "--data", "synthetic",
                                  "--world", str(world), "--steps", "3", *args],
                                 capture_output=True, text=True, timeout=600, env=env)

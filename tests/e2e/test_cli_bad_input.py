@@ -87,7 +87,9 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("serve", "--model", "{d}/not_a_checkpoint.safetensors"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
      ("config model", "not_a_checkpoint.safetensors is not a checkpoint")),
     (("train", "--data", "movielens", "--model", "moe", "--init", "{d}/not_a_checkpoint.safetensors"), {},
-     ("--init", "only a ranker")),
+     ("--init", "is not a checkpoint")),
+    (("train", "--data", "movielens", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors"), {},
+     ("--teacher", "needs --init")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_RESCORE": "abc"}, ("ANDROMEDA_RESCORE",)),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_DEVICE": "bogus"}, ("ANDROMEDA_DEVICE",)),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json"), {"ANDROMEDA_DEVICE": "cuda:99"},
@@ -111,8 +113,8 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("demo", "--out", "{d}/w", "--show", "-1"), {}, ("argument --show",)),
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "-1"), {}, ("argument --steps",)),
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "0"), {}, ("argument --steps",)),
-    (("train", "--data", "synthetic", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors"), {},
-     ("--teacher", "is not a checkpoint")),
+    (("train", "--data", "synthetic", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors",
+      "--init", "{d}/not_a_checkpoint.safetensors"), {}, ("--teacher", "is not a checkpoint")),
 ]
 
 

@@ -245,7 +245,20 @@ def test_a_warm_started_ranker_starts_as_the_moe_and_learns_only_its_head():
     assert all(torch.equal(v, moe.state_dict()[k]) for k, v in towers.items())  # frozen: only the head learned
     assert not ranker.training and not ranker.user_towers.sequence.training
     with pytest.raises(ValueError, match="only a ranker"):
-        train(data, "moe", TrainConfig(steps=2, batch=8, negatives=4), init=moe, progress=False)
+        train(data, "sasrec", TrainConfig(steps=2, batch=8, negatives=4), init=moe, progress=False)
+
+
+def test_a_model_of_the_same_kind_goes_on_from_all_its_weights():
+    data = tiny_data()
+    moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
+    tiny_step = TrainConfig(steps=1, batch=16, negatives=16, seed=2, lr=1e-9, validate_every=0)
+    went_on = train(data, "moe", tiny_step, init=moe, progress=False)
+    fresh = train(data, "moe", tiny_step, progress=False)
+    for name, weight in moe.state_dict().items():
+        assert torch.allclose(went_on.state_dict()[name].float(), weight.float(), atol=1e-6), name
+    assert not all(torch.equal(fresh.state_dict()[k], v) for k, v in moe.state_dict().items())
+    went_on_params = dict(went_on.named_parameters())
+    assert all(p.requires_grad for p in went_on_params.values())  # nothing frozen: every weight may move
 
 
 def test_validation_scores_in_eval_mode_and_restores_the_modes():
