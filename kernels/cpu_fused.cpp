@@ -10,7 +10,7 @@
 // then scored for each request it matched: the request's experts and gating keys are one (D + G, 16)
 // matrix, so the similarities of every expert and the gating logits of every expert are 16-lane
 // multiply-adds over the ad's dims (no horizontal sums); then the top-n logits, their softmax and the
-// gated sum, for a block's ads of one request together, an ad per lane. Each task keeps a bounded heap of its m best (score, slot) per request; kernels/cpu.py merges
+// gated sum. Each task keeps a bounded heap of its m best (score, slot) per request; kernels/cpu.py merges
 // the tasks' heaps. Nothing of the table's size is allocated.
 #include <cmath>
 #include <cstdint>
@@ -123,6 +123,58 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return acc;
 }
 
+// The mixture of logits from every expert's similarity (sims) and gating logit (logits), one lane each: the
+// top_n usable experts by logit (of equal logits, the lower expert), their softmax, the gated sum.
+#if defined(__AVX512F__)
+inline float mixture(__m512 sims, __m512 logits, const uint8_t* usable, int64_t top_n) {
+    const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __mmask16 ok = _mm_cmpneq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128());
+    const __mmask16 bad = (_mm512_cmp_ps_mask(logits, logits, _CMP_UNORD_Q) |
+                           _mm512_cmp_ps_mask(logits, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ)) & ok;
+    if (bad) return 0.0f;  // a NaN or +inf logit is chosen first and makes every gate NaN: all 0 (the reference)
+    logits = _mm512_mask_blend_ps(ok, none, logits);
+    float first = 0.0f, total = 1.0f, score = 0.0f;
+    for (int64_t n = 0; n < top_n; ++n) {  // the lane maximum, then its lowest lane
+        const float best = _mm512_reduce_max_ps(logits);
+        if (best == -std::numeric_limits<float>::infinity()) break;
+        const int at = __builtin_ctz(_mm512_cmp_ps_mask(logits, _mm512_set1_ps(best), _CMP_EQ_OQ));
+        const float sim = _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set1_epi32(at), sims)));
+        if (n == 0) {
+            first = best;
+            score = sim;
+        } else if (const float weight = std::exp(best - first); weight > 0.0f) {  // a gate of 0 adds nothing
+            total += weight;
+            score += weight * sim;
+        }
+        logits = _mm512_mask_mov_ps(logits, static_cast<__mmask16>(1u << at), none);
+    }
+    return score / total;
+}
+#else
+inline float mixture(float* sims, float* logits, const uint8_t* usable, int64_t top_n) {
+    constexpr float NONE = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < LANES; ++e) {
+        if (usable[e] && !(logits[e] < std::numeric_limits<float>::infinity())) return 0.0f;  // NaN or +inf: gates 0
+        logits[e] = usable[e] ? logits[e] : NONE;
+    }
+    float first = 0.0f, total = 1.0f, score = 0.0f;
+    for (int64_t n = 0; n < top_n; ++n) {
+        int64_t at = 0;
+        for (int64_t e = 1; e < LANES; ++e) at = logits[e] > logits[at] ? e : at;
+        if (logits[at] == NONE) break;
+        if (n == 0) {
+            first = logits[at];
+            score = sims[at];
+        } else if (const float weight = std::exp(logits[at] - first); weight > 0.0f) {  // a gate of 0 adds nothing
+            total += weight;
+            score += weight * sims[at];
+        }
+        logits[at] = NONE;
+    }
+    return score / total;
+}
+#endif
+
 #if defined(__AVX512F__)
 // P consecutive floats from x repeated over the 16 lanes.
 template <int P>
@@ -157,87 +209,11 @@ inline __m512 products(const float* w, const float* x, int64_t dims) {
     return sum;
 }
 
-// The similarities and gating logits of the decoded ad x (lane e * P: expert e) into sims and logits (16 each).
 template <int P>
-inline void packed_products(const Requests& r, const float* w, const float* x, float* sims, float* logits) {
-    _mm512_store_ps(sims, products<P>(w, x, r.D));
-    _mm512_store_ps(logits, products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G));
-}
-
-// mixture for up to 16 ads at once, one ad per lane: sims and logits (16, LANES) hold each ad's products
-// (lane e * P: expert e). The choices and arithmetic of the portable mixture, in its order, so the same floats;
-// only the exp is taken lane by lane. Lanes past `count` are garbage.
-inline __m512 mixtures(const float* sims, const float* logits, int64_t count, const Requests& r, const uint8_t* usable) {
-    const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), zero = _mm512_setzero_ps();
-    const __m512i ads = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(LANES));
-    __m512 S[LANES], L[LANES];
-    int64_t n_experts = 0;
-    __mmask16 bad = 0;
-    for (int64_t e = 0; e < r.E; ++e) {
-        if (!usable[e * r.P]) continue;
-        const __m512i at = _mm512_add_epi32(ads, _mm512_set1_epi32(static_cast<int>(e * r.P)));
-        L[n_experts] = _mm512_i32gather_ps(at, logits, 4);
-        S[n_experts] = _mm512_i32gather_ps(at, sims, 4);
-        bad |= _mm512_cmp_ps_mask(L[n_experts], L[n_experts], _CMP_UNORD_Q) |
-               _mm512_cmp_ps_mask(L[n_experts], _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
-        ++n_experts;
-    }
-    __mmask16 chosen[LANES] = {};
-    __m512 first = none, score = zero, total = _mm512_set1_ps(1.0f);
-    for (int64_t n = 0; n < r.top_n; ++n) {  // per lane: the highest logit not chosen yet, of equals the lowest expert
-        __m512 best = none, sim = zero;
-        __m512i at = _mm512_set1_epi32(-1);
-        for (int64_t k = 0; k < n_experts; ++k) {
-            const __mmask16 higher = _mm512_mask_cmp_ps_mask(static_cast<__mmask16>(~chosen[k]), L[k], best, _CMP_GT_OQ);
-            best = _mm512_mask_mov_ps(best, higher, L[k]);
-            sim = _mm512_mask_mov_ps(sim, higher, S[k]);
-            at = _mm512_mask_mov_epi32(at, higher, _mm512_set1_epi32(static_cast<int>(k)));
-        }
-        for (int64_t k = 0; k < n_experts; ++k) chosen[k] |= _mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32(static_cast<int>(k)));
-        const __mmask16 live = _mm512_cmp_ps_mask(best, none, _CMP_NEQ_OQ);
-        if (!live) break;
-        if (n == 0) {
-            first = best;
-            score = _mm512_maskz_mov_ps(live, sim);
-            continue;
-        }
-        alignas(64) float gap[16], weight[16];
-        _mm512_store_ps(gap, _mm512_sub_ps(best, first));
-        for (int64_t lane = 0; lane < count; ++lane) weight[lane] = std::exp(gap[lane]);
-        const __m512 w = _mm512_maskz_loadu_ps(live & static_cast<__mmask16>((1u << count) - 1u), weight);
-        const __mmask16 adds = _mm512_cmp_ps_mask(w, zero, _CMP_GT_OQ);  // a gate of 0 adds nothing
-        total = _mm512_mask_add_ps(total, adds, total, w);
-        score = _mm512_mask_add_ps(score, adds, score, _mm512_mul_ps(w, sim));
-    }
-    return _mm512_mask_mov_ps(_mm512_div_ps(score, total), bad, zero);  // a NaN or +inf logit: every gate 0
+inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable) {
+    return mixture(products<P>(w, x, r.D), products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G), usable, r.top_n);
 }
 #else
-// The mixture of logits from every expert's similarity (sims) and gating logit (logits), one lane each: the
-// top_n usable experts by logit (of equal logits, the lower expert), their softmax, the gated sum.
-inline float mixture(float* sims, float* logits, const uint8_t* usable, int64_t top_n) {
-    constexpr float NONE = -std::numeric_limits<float>::infinity();
-    for (int64_t e = 0; e < LANES; ++e) {
-        if (usable[e] && !(logits[e] < std::numeric_limits<float>::infinity())) return 0.0f;  // NaN or +inf: gates 0
-        logits[e] = usable[e] ? logits[e] : NONE;
-    }
-    float first = 0.0f, total = 1.0f, score = 0.0f;
-    for (int64_t n = 0; n < top_n; ++n) {
-        int64_t at = 0;
-        for (int64_t e = 1; e < LANES; ++e) at = logits[e] > logits[at] ? e : at;
-        if (logits[at] == NONE) break;
-        if (n == 0) {
-            first = logits[at];
-            score = sims[at];
-        } else if (const float weight = std::exp(logits[at] - first); weight > 0.0f) {  // a gate of 0 adds nothing
-            total += weight;
-            score += weight * sims[at];
-        }
-        logits[at] = NONE;
-    }
-    return score / total;
-}
-
 inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable) {
     float sims[LANES] = {}, logits[LANES] = {};
     for (int64_t lane = 0; lane < LANES; ++lane) {
@@ -249,32 +225,18 @@ inline float packed_mixture(const Requests& r, const float* w, const float* x, c
 }
 #endif
 
-constexpr int64_t BLOCK = 16;  // ads matched (and their rows prefetched) one block ahead of their scoring (16 measured
-                               // 10-15% faster than 64 at B = 1: fewer prefetches in flight at once); at most 16
-
-// The mixture-of-logits scores (without bias) of request b for the decoded ads xs + ks[k] * stride, k < count,
-// into out (16): every expert's similarity <expert e, x[:D]> and gating logit <key e, x[D:D + G]> as 16-lane
-// multiply-adds over x's dims, then the top-n logits, their softmax and the gated sum (with AVX-512, for all
-// the ads at once, one per lane).
-inline void gated(const Requests& r, int64_t b, const float* xs, int64_t stride, const int64_t* ks, int64_t count,
-                  float* out) {
+// The mixture-of-logits score of the decoded ad x for request b (without its bias): every expert's similarity
+// <expert e, x[:D]> and gating logit <key e, x[D:D + G]> as 16-lane multiply-adds over x's dims, then mixture.
+inline float gated(const Requests& r, int64_t b, const float* x) {
     const uint8_t* usable = r.mask + b * LANES;
-    if (r.E == 1 && r.G == 0) {  // a dot product
-        for (int64_t k = 0; k < count; ++k) out[k] = usable[0] ? dot(r.weights + b * r.D, xs + ks[k] * stride, r.D) : 0.0f;
-        return;
-    }
+    if (r.E == 1 && r.G == 0) return usable[0] ? dot(r.weights + b * r.D, x, r.D) : 0.0f;  // a dot product
     const float* w = r.weights + b * r.rows() * LANES;
 #if defined(__AVX512F__)
-    alignas(64) float sims[BLOCK * LANES], logits[BLOCK * LANES];
-    for (int64_t k = 0; k < count; ++k) {
-        const float* x = xs + ks[k] * stride;
-        if (r.P == 4) packed_products<4>(r, w, x, sims + k * LANES, logits + k * LANES);
-        else if (r.P == 2) packed_products<2>(r, w, x, sims + k * LANES, logits + k * LANES);
-        else packed_products<1>(r, w, x, sims + k * LANES, logits + k * LANES);
-    }
-    _mm512_storeu_ps(out, mixtures(sims, logits, count, r, usable));
+    if (r.P == 4) return packed_mixture<4>(r, w, x, usable);
+    if (r.P == 2) return packed_mixture<2>(r, w, x, usable);
+    return packed_mixture<1>(r, w, x, usable);
 #else
-    for (int64_t k = 0; k < count; ++k) out[k] = packed_mixture(r, w, xs + ks[k] * stride, usable);
+    return packed_mixture(r, w, x, usable);
 #endif
 }
 
@@ -347,6 +309,9 @@ inline Word matches(const Table& t, const Word* held, Word all, const int64_t* n
     return ok;
 }
 
+constexpr int64_t BLOCK = 16;  // ads matched (and their rows prefetched) one block ahead of their scoring (16 measured
+                               // 10-15% faster than 64 at B = 1: fewer prefetches in flight at once)
+
 // Asks for the cache lines of row i that decode reads: its first `width` dims, its bias, its scales.
 inline void prefetch_row(const Table& t, int64_t i, int64_t width, int64_t bias_col) {
     const int64_t size = t.kind == I8 ? 1 : t.kind == F16 ? 2 : 4;
@@ -381,8 +346,7 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
     const int64_t per = (t.n + tasks - 1) / tasks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t stride = r.D + r.G + LANES;  // LANES past the dims: packed rows may read (and mask) them
-        std::vector<float> xs(BLOCK * stride);
+        std::vector<float> x(r.D + r.G + LANES);  // LANES past the dims: packed rows may read (and mask) them
         std::vector<int64_t> sizes(g.count, 0), eligible(g.count, 0);
         float* scores = out_score + (task * r.B + g.first) * m;
         int64_t* slots = out_slot + (task * r.B + g.first) * m;
@@ -405,28 +369,16 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
         if (first < last) match_block(first, 0);
         for (int64_t block = first, j = 0; block < last; block += BLOCK, j ^= 1) {
             if (block + BLOCK < last) match_block(block + BLOCK, j ^ 1);
-            const int64_t n = n_matched[j];
-            float biases[BLOCK];
-            Word any = 0;
-            for (int64_t k = 0; k < n; ++k) {  // the vector's bytes are read only for these ads, once
-                biases[k] = decode(t, matched[j][k], r.D + r.G, r.bias_col, xs.data() + k * stride);
-                any |= words[j][matched[j][k] - block];
-            }
-            for (Word left = any; left; left &= static_cast<Word>(left - 1)) {  // each request some ad matched
-                const int64_t b = __builtin_ctzll(static_cast<uint64_t>(left));
-                int64_t ks[BLOCK], count = 0;
-                for (int64_t k = 0; k < n; ++k) {
-                    ks[count] = k;
-                    count += (words[j][matched[j][k] - block] >> b) & 1;
-                }
-                alignas(64) float block_scores[BLOCK];
-                gated(r, g.first + b, xs.data(), stride, ks, count, block_scores);
-                for (int64_t q = 0; q < count; ++q) {
-                    float s = block_scores[q] + biases[ks[q]];
+            for (int64_t k = 0; k < n_matched[j]; ++k) {  // the vector's bytes are read only for these ads
+                const int64_t i = matched[j][k];
+                const float bias = decode(t, i, r.D + r.G, r.bias_col, x.data());
+                for (Word word = words[j][i - block]; word; word &= static_cast<Word>(word - 1)) {
+                    const int64_t b = __builtin_ctzll(static_cast<uint64_t>(word));
+                    float s = gated(r, g.first + b, x.data()) + bias;
                     if (std::isnan(s)) s = -std::numeric_limits<float>::infinity();  // NaN ranks as -inf
-                    sizes[b] = push(scores + b * m, slots + b * m, sizes[b], m, s, matched[j][ks[q]]);
+                    sizes[b] = push(scores + b * m, slots + b * m, sizes[b], m, s, i);
+                    ++eligible[b];
                 }
-                eligible[b] += count;
             }
         }
         for (int64_t b = 0; b < g.count; ++b) counts[task * r.B + g.first + b] = eligible[b];
