@@ -346,8 +346,9 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
     const int64_t per = (t.n + tasks - 1) / tasks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t stride = (r.D + r.G + LANES + 15) / 16 * 16;  // LANES past the dims: packed rows may read (and
-                                                                     // mask) them; rows of whole cache lines
+        // A decoded row per ad of a block, in whole cache lines, with LANES floats past the dims (packed rows
+        // may read them, and mask them out).
+        const int64_t stride = (r.D + r.G + LANES + 15) / 16 * 16;
         std::vector<float> xs(BLOCK * stride);
         std::vector<int64_t> sizes(g.count, 0), eligible(g.count, 0);
         float* scores = out_score + (task * r.B + g.first) * m;
@@ -371,10 +372,12 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
         if (first < last) match_block(first, 0);
         for (int64_t block = first, j = 0; block < last; block += BLOCK, j ^= 1) {
             if (block + BLOCK < last) match_block(block + BLOCK, j ^ 1);
+            // The vector's bytes are read only for these ads, all the block's before any is scored: their loads
+            // overlap (measured 5-13% faster at 2 threads than decoding each just before its scoring).
             float biases[BLOCK];
-            for (int64_t k = 0; k < n_matched[j]; ++k)  // the vector's bytes are read only for these ads: all the
-                biases[k] = decode(t, matched[j][k], r.D + r.G, r.bias_col, xs.data() + k * stride);  // block's first
-            for (int64_t k = 0; k < n_matched[j]; ++k) {  // (their loads overlap; measured 5-13% faster at 2 threads)
+            for (int64_t k = 0; k < n_matched[j]; ++k)
+                biases[k] = decode(t, matched[j][k], r.D + r.G, r.bias_col, xs.data() + k * stride);
+            for (int64_t k = 0; k < n_matched[j]; ++k) {
                 const int64_t i = matched[j][k];
                 for (Word word = words[j][i - block]; word; word &= static_cast<Word>(word - 1)) {
                     const int64_t b = __builtin_ctzll(static_cast<uint64_t>(word));

@@ -86,8 +86,9 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
 
 def train_all(data: RecData, retrain: bool) -> Trained:
     """The two-tower baselines and the MoE undistilled; the ranker on the MoE's frozen towers; then the
-    MoE distilled from the ranker at each other weight of DISTILL_GRID, going on from the undistilled one. The MoE kept is the weight with
-    the best validation score (each user's second-to-last engagement, never the test one)."""
+    MoE distilled from the ranker at each other weight of DISTILL_GRID, going on from the undistilled one.
+    The MoE kept is the weight with the best validation score (each user's second-to-last engagement,
+    never the test one)."""
     out, runs = Trained(), {}
 
     def fit(kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: RetrievalModel | None = None):
