@@ -135,8 +135,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     if init is not None and init.kind != args.model and args.model != "ranker":
         raise InvalidInput(f"{args.init} is a {init.kind} model: a {args.model} goes on only from a {args.model} "
                            f"(only a ranker starts from another kind's towers)", "--init")
-    data = load_data(args.data, args.world)
     distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
+    out = args.out or checkpoint_path(args.data, args.model, distill)
+    if args.init is not None and out.resolve() == args.init.resolve():
+        raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
+    data = load_data(args.data, args.world)
     cfg = default_config(args.model, args.seed, distill)
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
@@ -146,7 +149,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     if not fits:
         raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
     model = train(data, args.model, cfg, teacher, init)
-    out = args.out or checkpoint_path(data.name, args.model, distill)
     model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill))
     print(f"wrote {out}")
 

@@ -346,7 +346,7 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
     const int64_t per = (t.n + tasks - 1) / tasks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; ++task) {
-        // A decoded row per ad of a block, in whole cache lines, with LANES floats past the dims (packed rows
+        // A decoded row per ad of a block (a multiple of 16 floats), with LANES floats past the dims (packed rows
         // may read them, and mask them out).
         const int64_t stride = (r.D + r.G + LANES + 15) / 16 * 16;
         std::vector<float> xs(BLOCK * stride);

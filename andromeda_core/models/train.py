@@ -8,8 +8,10 @@ often. With a teacher, distillation rows follow: a user state and one item drawn
 ranker's top-k for it, weighted by `distill`. Ad ids are dropped with probability `id_dropout` so the
 content tower learns to stand in for them. Training stops early on the validation split (the
 engagement before each user's test one, never a training target) and keeps the best weights. A ranker
-warm-started from a MoE first takes the wide weights of its pair features from a grid scored on that
-split (choose_pair_weights); they stay fixed while its deep part trains.
+warm-started from a MoE's frozen towers first takes the wide weights of its pair features from a grid
+scored on that split (choose_pair_weights); they stay fixed while its deep part trains. Any other model
+may go on from one of its own kind (the distilled MoE goes on from the undistilled one); the caller
+compares the result with where it started (quality.train_all's choice includes distillation weight 0).
 """
 from __future__ import annotations
 
@@ -201,13 +203,13 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
     model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1), data.items.ids[data.train_items()])
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
-    frozen = init is not None and init.kind != kind
-    if init is not None and not frozen:  # the same kind: training goes on from all its weights
+    frozen = init is not None and kind == "ranker"
+    if init is not None and not frozen:  # training goes on from all the weights of a model of the same kind
+        if init.kind != kind:
+            raise ValueError(f"a {kind} goes on only from a {kind}, not a {init.kind}: only a ranker starts from "
+                             f"another kind's towers")
         model.load_state_dict(init.state_dict())
     if frozen:  # the towers come trained and stay as they are: only the head learns
-        if not any(p.requires_grad for p in model.head.parameters()):
-            raise ValueError(f"a {kind} model has no parameters outside its towers: only a ranker starts from "
-                             f"another kind of model")
         missing, _ = model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("head.")},
                                            strict=False)
         if any(not k.startswith("head.") for k in missing):
