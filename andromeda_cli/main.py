@@ -149,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if not fits:
         raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
     model = train(data, args.model, cfg, teacher, init)
-    model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill))
+    model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill, args.init))
     print(f"wrote {out}")
 
 

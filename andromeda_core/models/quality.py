@@ -54,10 +54,12 @@ def checkpoint_path(data: str, kind: str, distill: float = 0.0) -> Path:
     return load_settings().cache_dir / "models" / f"{data}-{kind}{suffix}.safetensors"
 
 
-def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, distill: float = 0.0) -> dict:
+def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, distill: float = 0.0,
+                    init: Path | None = None) -> dict:
     schema = load_schema()
     meta = {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": seed,
             "categories": data.items.categories}
+    meta = {**meta, "init": init.name} if init else meta
     return {**meta, "teacher": teacher.name, "distill": distill} if teacher else meta
 
 
@@ -74,13 +76,17 @@ class Trained:
 
 def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None = None, distill: float = 0.0,
               init: RetrievalModel | None = None, seed: int = 0) -> tuple[RetrievalModel, bool]:
-    """(model, trained in this call) from its checkpoint, training and saving it when missing."""
+    """(model, trained in this call) from its checkpoint, training and saving it when missing (or, distilled,
+    when it does not name the model it went on from: it was trained from scratch, as before)."""
     path = checkpoint_path(data.name, kind, distill)
     if path.exists() and not retrain:
-        return RetrievalModel.load(path)[0], False
+        model, config = RetrievalModel.load(path)
+        if not distill or config.get("init"):
+            return model, False
     cfg = default_config(kind, seed, distill)
     model = train(data, kind, cfg, teacher if distill else None, init)
-    model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill))
+    model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill,
+                                     checkpoint_path(data.name, init.kind) if init is not None else None))
     return model, True
 
 

@@ -74,6 +74,7 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
         assert result.returncode == 0, result.stderr
     config = RetrievalModel.load(checkpoint)[1]
     assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 0.25
+    assert config["init"] == "base.safetensors"
     for args, words in ((["--model", "sasrec", "--init", str(ranker)], "is a ranker model: a sasrec goes on only"),
                         (["--model", "moe", "--init", str(base), "--out", str(base)], "would overwrite --init")):
         refused = andromeda("train", "--data", "synthetic", "--world", str(world), *args, check=False)

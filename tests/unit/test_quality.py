@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from andromeda_core.models import quality
+from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.train import TrainConfig
 from tests.unit.test_models import tiny_data
 
@@ -43,6 +44,15 @@ def test_a_second_run_reuses_the_checkpoints(tiny_report, monkeypatch):
     _, out = tiny_report
     monkeypatch.setattr(quality, "train", lambda *a, **k: pytest.fail("trained again"))
     assert "Models trained in this run: none" in quality.quality_report(("tiny",), out)
+
+
+def test_a_distilled_checkpoint_that_names_no_start_is_trained_again(tiny_report, monkeypatch):
+    _, out = tiny_report
+    path = quality.checkpoint_path("tiny", "moe", 0.5)
+    model, config = RetrievalModel.load(path)
+    assert config["init"] == "tiny-moe.safetensors" and config["teacher"] == "tiny-ranker.safetensors"
+    model.save(path, {k: v for k, v in config.items() if k not in ("model", "model_version", "dims", "init")})
+    assert "Models trained in this run: moe (distill 0.5)" in quality.quality_report(("tiny",), out)
 
 
 def test_the_oracle_ranks_by_the_worlds_true_affinity():
