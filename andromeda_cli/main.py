@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 from pydantic import ValidationError
 from tqdm import tqdm
@@ -145,7 +146,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     teacher = ask_teacher(ranker, data) if ranker is not None else None
     with checkpoint("--init", args.init):  # a model of other data or shape does not fit
-        fits = init is None or init.state_dict()["item_ids"].shape == (len(data.train_items()),)
+        fits = init is None or np.array_equal(init.item_ids.numpy(), np.sort(data.items.ids[data.train_items()]))
     if not fits:
         raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
     model = train(data, args.model, cfg, teacher, init)

@@ -75,8 +75,12 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
     config = RetrievalModel.load(checkpoint)[1]
     assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 0.25
     assert config["init"] == "base.safetensors"
+    other = tmp_path / "other-world"  # the same shape, other ads clicked: other learned ids
+    andromeda("synth", "--ads", "2000", "--users", "5", "--seed", "2", "--out", str(other))
     for args, words in ((["--model", "sasrec", "--init", str(ranker)], "is a ranker model: a sasrec goes on only"),
-                        (["--model", "moe", "--init", str(base), "--out", str(base)], "would overwrite --init")):
+                        (["--model", "moe", "--init", str(base), "--out", str(base)], "would overwrite --init"),
+                        (["--model", "moe", "--init", str(base), "--world", str(other), "--out", str(tmp_path / "x")],
+                         "was trained on other data")):
         refused = andromeda("train", "--data", "synthetic", "--world", str(world), *args, check=False)
         assert refused.returncode == 2 and words in refused.stderr and refused.stdout == ""
     request = tmp_path / "req.json"
