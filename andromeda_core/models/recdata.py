@@ -2,7 +2,8 @@
 
 Items: per item its text (MiniLM embedding), category, advertiser and bid. Users: engagement
 sequences of item rows in time order, plus segments (cohorts and declared attributes, hashed), cross-surface
-engagements and serving context.
+engagements and serving context, and (synthetic worlds, which log them) the impressions before the held-out engagements,
+clicked or not.
 Protocol: per user the last engagement is the test target, the one before it the validation
 target; every earlier position (with its prefix as history) is a training example. Cross-surface
 engagements never include a user's two held-out items (they would hand them to the co-engagement expert).
@@ -21,6 +22,7 @@ from andromeda_core.models.segments import segment_ids
 from andromeda_core.models.text import encode_texts_cached
 from andromeda_core.schema import load_schema
 
+CLICK_SMOOTHING = 2.0  # impressions at the overall click rate added to each item's counts (RecData.click_logodds)
 EVENTS = ("impression", "click", "like", "share", "conversion", "hide")
 
 
@@ -43,6 +45,8 @@ class Users:
     co_items: list[list[int]]  # item rows engaged on other surfaces
     context: np.ndarray  # (U, 3) int64: surface, placement, hour (0 = unknown for the first two)
     now: np.ndarray  # (U,) request time
+    shown: list[np.ndarray] = field(default_factory=list)  # per user (K, 3) int64: impressions logged before
+    # the held-out engagements (item row, clicked 0/1, position: engagements before it); empty when none are logged
 
 
 @dataclass
@@ -69,6 +73,25 @@ class RecData:
         """Per user the items engaged before their validation engagement: all that models and baselines fit on."""
         return [seq[: max(self.split(u)[0], 0)] for u, seq in enumerate(self.users.items)]
 
+    def train_impressions(self) -> np.ndarray:
+        """(n, 4) int64: (user, position, item row, clicked 0/1) of every impression logged before the user's
+        held-out engagements; the history is everything before the position."""
+        rows = [np.column_stack([np.full(len(s), u), s[:, 2], s[:, 0], s[:, 1]]) for u, s in enumerate(self.users.shown)]
+        return np.concatenate(rows or [np.zeros((0, 4))]).astype(np.int64).reshape(-1, 4)
+
+    def click_logodds(self, smoothing: float = CLICK_SMOOTHING) -> np.ndarray:
+        """(N,) float32 per item: the log-odds of a click per training impression, each item's counts smoothed
+        toward the overall click rate by `smoothing` impressions, minus the log-odds of that rate; 0 for an
+        item never shown, and for every item of data that logs no impressions."""
+        shown = self.train_impressions()
+        n = len(self.items.ids)
+        if not len(shown):
+            return np.zeros(n, np.float32)
+        seen, clicked = np.bincount(shown[:, 2], minlength=n), np.bincount(shown[:, 2], weights=shown[:, 3], minlength=n)
+        rate = clicked.sum() / seen.sum()
+        odds = (clicked + smoothing * rate) / (seen - clicked + smoothing * (1 - rate))
+        return (np.log(odds) - np.log(rate / (1 - rate))).astype(np.float32)
+
     def train_items(self) -> np.ndarray:
         """Sorted item rows engaged in training: the items a model can learn an identity for; every
         other item is new to it (cold)."""
@@ -93,10 +116,11 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
                   bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories)
     row = {ad_id: r for r, ad_id in enumerate(order)}
     surfaces, placements = schema.by_name["surface"], schema.by_name["placement"]
-    seqs, events, times, segments, co, context, now = [], [], [], [], [], [], []
+    seqs, events, times, segments, co, context, now, user_ids = [], [], [], [], [], [], [], {}
     with open(world / "requests.jsonl", encoding="utf-8") as f:
         for line in f:
             r = json.loads(line)
+            user_ids[r["user"]["user_id"]] = len(seqs)
             hist = [h for h in r["user"]["history"] if h["ad_id"] in row]
             seqs.append(np.array([row[h["ad_id"]] for h in hist], np.int64))
             events.append(np.array([EVENTS.index(h["event"]) for h in hist], np.int64))
@@ -109,11 +133,30 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
             context.append([surfaces.value_index(ctx["surface"]) + 1, placements.value_index(ctx["placement"]) + 1,
                             ctx["ts"] // 3600 % 24])
             now.append(ctx["ts"])
+    shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
     truth = dict(np.load(world / "truth.npz"))
     keep = np.array(order) - 1
     truth = {"user_latent": truth["user_latent"], "ad_latent": truth["ad_latent"][keep], "ad_quality": truth["ad_quality"][keep]}
-    users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64))
+    users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown)
     return RecData("synthetic", items, users, truth)
+
+
+def _impressions(log: Path, row: dict[int, int], user_ids: dict[int, int], times: list[np.ndarray]) -> list[np.ndarray]:
+    """Per user (user_ids: user id -> index) the impressions of ads in `row` logged strictly
+    before the user's first held-out engagement (the validation one; the test one with a single
+    engagement): (K, 3) int64 item row, clicked, position (the user's engagements strictly before it)."""
+    by_user: list[list[tuple[int, int, int]]] = [[] for _ in times]
+    with open(log, encoding="utf-8") as f:
+        for line in f:
+            e = json.loads(line)
+            u = user_ids.get(e["user_id"])
+            if u is None:
+                continue
+            held_out = times[u][max(len(times[u]) - 2, 0)] if len(times[u]) else np.inf
+            if e["ad_id"] in row and e["ts"] < held_out:
+                position = int(np.searchsorted(times[u], e["ts"], side="left"))
+                by_user[u].append((row[e["ad_id"]], int(e["event"] == "click"), position))
+    return [np.array(s, np.int64).reshape(-1, 3) for s in by_user]
 
 
 def load_movielens(directory: Path | None = None) -> RecData:

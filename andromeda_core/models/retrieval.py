@@ -18,8 +18,8 @@ from andromeda_core.models.recdata import Items, RecData
 from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
-MODEL_VERSION = "5"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
-# 5: the ranker reads pair features (head.cross and a wider first layer)
+MODEL_VERSION = "6"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
+# 5: the ranker reads pair features (head.cross and a wider first layer); 6: ad bias reads logged click log-odds
 CO_ITEMS = 8
 
 
@@ -47,6 +47,15 @@ class RetrievalModel(nn.Module):
             return torch.full_like(ids, -1)
         rows = torch.searchsorted(self.item_ids, ids).clamp(max=len(self.item_ids) - 1)
         return torch.where(self.item_ids[rows] == ids, rows, -1)
+
+    @torch.no_grad()
+    def set_click_logodds(self, ids: np.ndarray, logodds: np.ndarray) -> None:
+        """The click log-odds (AdTower.click_logodds) of the ads with external ids (n,) to logodds (n,);
+        ads without a learned identity are left out, every other identity gets 0."""
+        rows = self.id_rows(torch.as_tensor(np.asarray(ids, np.int64)))
+        known = rows >= 0
+        self.ad_tower.click_logodds.zero_()
+        self.ad_tower.click_logodds[rows[known]] = torch.as_tensor(np.asarray(logodds, np.float32))[known]
 
     def item_vectors(self, items: Items, rows: np.ndarray | None = None, known: torch.Tensor | None = None) -> torch.Tensor:
         """(n, S) stored vectors of the items at `rows` (every item when None); known (n,) bool, when

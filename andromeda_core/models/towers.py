@@ -46,6 +46,7 @@ class Dims:
     surfaces: int = 16
     placements: int = 32
     history: int = 50  # most recent engagements the user towers read
+    click_weight: float = 2.0  # weight of an ad's logged click log-odds (AdTower) in its bias
     layers: int = 2  # self-attention blocks of the sequence expert
     heads: int = 2
 
@@ -103,11 +104,14 @@ class UserState(Tensors):
 
 class AdTower(nn.Module):
     """Content tower plus learned per-id residuals for `ids` ads ((ids + 1, D + 1) table: embedding and
-    bias; the last row, zero and never trained, stands for "no id")."""
+    bias; the last row, zero and never trained, stands for "no id"), plus, in the bias, d.click_weight
+    times each id's click log-odds over the impressions logged before training (`click_logodds`
+    (ids + 1,), a buffer set from the data, not learned; 0 for ads never shown and for "no id")."""
 
     def __init__(self, d: Dims, ids: int = 0):
         super().__init__()
         self.d = d
+        self.register_buffer("click_logodds", torch.zeros(ids + 1))
         self.text = nn.Linear(TEXT_DIM, 128)
         self.category = nn.Embedding(d.categories, 32)
         self.advertiser = nn.Embedding(d.advertiser_buckets, 16)
@@ -126,9 +130,10 @@ class AdTower(nn.Module):
                        self.advertiser(advertiser % d.advertiser_buckets), torch.log1p(bid.clamp(min=0))[:, None]], 1)
         out = self.mlp(h)
         no_id = self.identity.num_embeddings - 1
-        ident = self.identity(torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id))
+        rows = torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id)
+        ident = self.identity(rows)
         a = out[:, : d.dim] + ident[:, : d.dim]
-        bias = out[:, -1:] + ident[:, -1:]
+        bias = out[:, -1:] + ident[:, -1:] + d.click_weight * self.click_logodds[rows][:, None]
         return torch.cat([a, out[:, d.dim: d.dim + d.gate], F.normalize(self.semantic(text), dim=1), bias], 1)
 
 

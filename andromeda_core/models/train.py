@@ -216,11 +216,12 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
             raise ValueError(f"the model to start from lacks {[k for k in missing if not k.startswith('head.')][:3]}")
         model.ad_tower.requires_grad_(False)
         model.user_towers.requires_grad_(False)
-        if model.pair_features and cfg.validate_every:  # the deep part is silent: the ranker is MoE + wide weights
-            choose_pair_weights(model, data, data.eval_users()[: cfg.pair_users], PairFeatures.fit(data))
-            model.head.cross.requires_grad_(False)
-        if cfg.validate_every:
-            best, best_state = validation_score(model, data, val_users), copy.deepcopy(model.state_dict())
+    model.set_click_logodds(np.zeros(0), np.zeros(0))  # trained and validated without the click prior (added after)
+    if frozen and model.pair_features and cfg.validate_every:  # the deep part is silent: the ranker is MoE + wide
+        choose_pair_weights(model, data, data.eval_users()[: cfg.pair_users], PairFeatures.fit(data))  # weights
+        model.head.cross.requires_grad_(False)
+    if frozen and cfg.validate_every:
+        best, best_state = validation_score(model, data, val_users), copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=1e-5)
     sched = lr_schedule(opt, cfg)
     draw = example_weights(data, examples, cfg.balanced)
@@ -268,4 +269,5 @@ def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = 
                     break
     if best_state is not None:
         model.load_state_dict(best_state)
+    model.set_click_logodds(data.items.ids, data.click_logodds())
     return model.eval()

@@ -81,6 +81,32 @@ def test_an_ad_without_a_learned_id_gets_its_content_vector():
     assert torch.equal(with_ids[:20, DIMS.dim: -1], content[:20, DIMS.dim: -1])  # gating query, semantic: content
 
 
+def test_the_click_prior_moves_only_the_bias_of_ads_with_a_learned_id():
+    """An ad's bias gains click_weight x its click log-odds; an ad created after training (no id) gets none."""
+    torch.manual_seed(0)
+    data, model = tiny_data(), RetrievalModel("moe", DIMS, np.arange(1, 21))
+    before = model.item_vectors(data.items)
+    logodds = np.linspace(-1, 1, 40).astype(np.float32)
+    model.set_click_logodds(data.items.ids, logodds)
+    after = model.item_vectors(data.items)
+    assert torch.equal(after[:, :-1], before[:, :-1])
+    assert torch.allclose(after[:20, -1] - before[:20, -1], DIMS.click_weight * torch.from_numpy(logodds[:20]), atol=1e-6)
+    assert torch.equal(after[20:, -1], before[20:, -1])  # ids 21-40: never learned
+    model.set_click_logodds(np.zeros(0), np.zeros(0))
+    assert torch.equal(model.item_vectors(data.items), before)
+
+
+def test_training_adds_the_datas_click_prior_after_training():
+    data = tiny_data()
+    data.users.shown = [np.array([[(u * 3 + 7) % 40, u % 2, 1]]) for u in range(len(data.users.items))]
+    model = train(data, "moe", TrainConfig(steps=3, batch=8, negatives=4, validate_every=0), progress=False)
+    rows = model.id_rows(torch.from_numpy(data.items.ids))
+    expected = torch.from_numpy(data.click_logodds())[rows >= 0]
+    assert expected.abs().sum() > 0 and torch.equal(model.ad_tower.click_logodds[rows[rows >= 0]], expected)
+    plain = train(tiny_data(), "moe", TrainConfig(steps=3, batch=8, negatives=4, validate_every=0), progress=False)
+    assert not plain.ad_tower.click_logodds.any()  # no impressions logged: no prior
+
+
 def test_log_q_is_the_log_of_each_candidates_expected_count():
     """3 items; engagements drawn with item probabilities [0.5, 0.3, 0.2]; 4 rows, 6 uniform negatives,
     2 teacher rows drawn from [0, 0.5, 0.5]: expected counts 4 * p + 6 / 3 + 2 * t."""

@@ -51,3 +51,37 @@ def test_synthetic_loader_keeps_latest_versions_and_clicks(tmp_path, default_sch
     clicks = [h["ad_id"] for h in first["user"]["history"]]
     assert data.items.ids[data.users.items[0]].tolist() == clicks
     assert data.users.context[0, 0] == default_schema.by_name["surface"].value_index(first["context"]["surface"]) + 1
+
+
+def test_synthetic_impressions_are_the_logged_ones_before_the_held_out_engagements(tmp_path, default_schema):
+    world = synthesize(WorldConfig(ads=600, users=30, seed=2), tmp_path, default_schema, workers=1, progress=False)
+    data = load_synthetic(world)
+    log = [json.loads(line) for line in (world / "engagements.jsonl").read_text().splitlines()]
+    row = {int(ad_id): r for r, ad_id in enumerate(data.items.ids)}
+    for u in range(len(data.users.items)):
+        times = data.users.times[u]
+        held_out = times[max(len(times) - 2, 0)] if len(times) else np.inf
+        expected = [(row[e["ad_id"]], int(e["event"] == "click"), int((times < e["ts"]).sum()))
+                    for e in log if e["user_id"] == u + 1 and e["ts"] < held_out]
+        assert data.users.shown[u].tolist() == [list(x) for x in expected]
+        clicked_times = {e["ts"] for e in log if e["user_id"] == u + 1 and e["event"] == "click"}
+        assert set(times[-2:].tolist()) <= clicked_times  # the held-out engagements are clicks of the log, left out
+    shown = data.train_impressions()
+    assert shown.shape[1] == 4 and 0 < shown[:, 3].mean() < 1
+    assert all(p <= max(data.split(u)[0], 0) for u, p in shown[:, :2])  # no engagement held out is in a history
+
+
+def test_click_logodds_smooths_each_items_click_rate_toward_the_overall_one(tmp_path, default_schema):
+    data = load_synthetic(synthesize(WorldConfig(ads=600, users=30, seed=2), tmp_path, default_schema, workers=1,
+                                     progress=False))
+    shown = data.train_impressions()
+    rate = shown[:, 3].mean()
+    item = int(np.bincount(shown[:, 2]).argmax())  # the item shown most often
+    seen, clicked = (shown[:, 2] == item).sum(), shown[shown[:, 2] == item, 3].sum()
+    by_hand = np.log((clicked + 2 * rate) / (seen - clicked + 2 * (1 - rate))) - np.log(rate / (1 - rate))
+    logodds = data.click_logodds(smoothing=2.0)
+    assert logodds[item] == pytest.approx(by_hand, rel=1e-5)
+    never = np.setdiff1d(np.arange(len(data.items.ids)), shown[:, 2])
+    assert len(never) and not logodds[never].any()
+    data.users.shown = []  # data that logs no impressions (MovieLens): every item 0
+    assert not data.click_logodds().any()
