@@ -15,9 +15,11 @@ compares the result with where it started (quality.train_all's choice includes d
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -191,11 +193,31 @@ def learn_mode(model: RetrievalModel, frozen: bool) -> None:
         model.user_towers.eval()
 
 
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """torch's deterministic algorithms inside, the caller's choice restored after. Without them, the CPU
+    backward of indexing with repeated rows (stored[candidates], histories) adds into the gradient from
+    several threads in no fixed order, so two processes trained different weights from the same seed."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None, init: RetrievalModel | None = None,
           progress: bool = True) -> RetrievalModel:
-    """A `kind` model trained on data. init: a trained model to start from. Of the same kind, training
-    goes on from all its weights (distillation starts from the undistilled MoE). A ranker starts from a
-    MoE's towers, frozen: it then begins as good as the MoE on validation and keeps that if it can't do better."""
+    """A `kind` model trained on data, bit for bit the same for a seed in any process on the same machine and
+    thread count. init: a trained model to start from. Of the same kind, training goes on from all its
+    weights (distillation starts from the undistilled MoE). A ranker starts from a MoE's towers, frozen: it
+    then begins as good as the MoE on validation and keeps that if it can't do better."""
+    with deterministic():
+        return _train(data, kind, cfg, teacher, init, progress)
+
+
+def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, init: RetrievalModel | None,
+           progress: bool) -> RetrievalModel:
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     examples = data.train_examples()

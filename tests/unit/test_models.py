@@ -145,7 +145,8 @@ WEIGHTS_DIGEST = """
 import hashlib, torch
 from andromeda_core.models.train import TrainConfig, train
 from tests.unit.test_models import tiny_data
-model = train(tiny_data(), "moe", TrainConfig(steps=12, batch=8, negatives=4, seed=3, validate_every=6), progress=False)
+model = train(tiny_data(n_items=400, n_users=200), "moe",  # big enough for the CPU backward to add from several threads
+              TrainConfig(steps=4, batch=256, negatives=256, seed=3, validate_every=2), progress=False)
 print(hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest())
 """
 
