@@ -4,6 +4,8 @@ The retrieval models learn to put the ranker's top-k near the top of their own r
 production retriever is distilled from the ranking stage's logged scores. The teacher is asked at
 each user's validation-time state (history = everything before the validation engagement), so no
 held-out engagement is ever shown to it or to the student; evaluation uses the later test-time state.
+The teacher ranks without its click prior: the student is trained without one and gets the same prior
+after training, so a teacher with it would count the prior twice.
 """
 from __future__ import annotations
 
@@ -32,5 +34,6 @@ def ask_teacher(ranker: RetrievalModel, data: RecData, k: int = TEACHER_TOP, pro
     if ranker.kind != "ranker":
         raise ValueError(f"the teacher must be a ranker checkpoint, got a {ranker.kind!r} model")
     users = data.eval_users()
-    ranking = rank_items(ranker, data, users, split=0, progress=progress)
+    with ranker.without_click_prior():
+        ranking = rank_items(ranker, data, users, split=0, progress=progress)
     return Teacher(users, np.array([data.split(u)[0] for u in users]), ranking.top[:, :k])

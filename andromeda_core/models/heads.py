@@ -94,8 +94,8 @@ class SequenceDotHead(nn.Module):
 
 class RankerHead(nn.Module):
     """Wide and deep. Wide: the MoE's gated sum of expert-ad similarities plus a learned weight per pair
-    feature. Deep: an MLP over [every expert (E*D) | expert-ad products (E*D) | stored vector (S) |
-    text projection (D) | pair features (F)].
+    feature. Deep: an MLP over [every expert (E*D) | expert-ad products (E*D) | stored vector but its bias
+    (S - 1) | text projection (D) | pair features (F)].
 
     The first layer is evaluated in factored form, the same function with fewer FLOPs: the expert
     and ad blocks are projected once per user and once per ad, and the product block
@@ -112,7 +112,7 @@ class RankerHead(nn.Module):
         self.text = nn.Linear(TEXT_DIM, d.dim)
         self.cross = nn.Parameter(torch.zeros(features.N_FEATURES))  # wide weights of the pair features: they
         # start silent, like the deep part; a warm-started ranker chooses them on validation (train.choose_pair_weights)
-        self.width = 2 * d.experts * d.dim + d.stored + d.dim + features.N_FEATURES
+        self.width = 2 * d.experts * d.dim + d.stored - 1 + d.dim + features.N_FEATURES
         self.mlp = nn.Sequential(nn.Linear(self.width, hidden[0]), nn.GELU(), nn.Linear(hidden[0], hidden[1]), nn.GELU(),
                                  nn.Linear(hidden[1], 1))
         nn.init.zeros_(self.mlp[-1].weight)  # the deep part starts silent: a ranker warm-started from a
@@ -130,8 +130,8 @@ class RankerHead(nn.Module):
         experts = state.experts * state.mask[..., None]  # (B, E, D)
         w = self.mlp[0].weight  # (H1, width)
         w_user, w_pair = w[:, : E * D], w[:, E * D: 2 * E * D].reshape(-1, E, D)
-        w_ad, w_cross = w[:, 2 * E * D: 2 * E * D + S + D], w[:, 2 * E * D + S + D:]
-        ad = torch.cat([stored.float(), self.text(text.float())], 1)  # (n, S + D)
+        w_ad, w_cross = w[:, 2 * E * D: 2 * E * D + S - 1 + D], w[:, 2 * E * D + S - 1 + D:]
+        ad = torch.cat([self.d.features(stored).float(), self.text(text.float())], 1)  # (n, S - 1 + D)
         per_user = experts.flatten(1) @ w_user.T + self.mlp[0].bias  # (B, H1)
         pair_weights = torch.einsum("hed,bed->bdh", w_pair, experts)  # (B, D, H1)
         pairs = torch.einsum("nd,bdh->bnh", stored[:, :D].float(), pair_weights)

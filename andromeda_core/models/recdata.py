@@ -45,8 +45,8 @@ class Users:
     co_items: list[list[int]]  # item rows engaged on other surfaces
     context: np.ndarray  # (U, 3) int64: surface, placement, hour (0 = unknown for the first two)
     now: np.ndarray  # (U,) request time
-    shown: list[np.ndarray] = field(default_factory=list)  # per user (K, 3) int64: impressions logged before
-    # the held-out engagements (item row, clicked 0/1, position: engagements before it); empty when none are logged
+    shown: list[np.ndarray] = field(default_factory=list)  # per user (K, 2) int64: the impressions logged before
+    # the held-out engagements (item row, clicked 0/1); empty when none are logged
 
 
 @dataclass
@@ -73,22 +73,17 @@ class RecData:
         """Per user the items engaged before their validation engagement: all that models and baselines fit on."""
         return [seq[: max(self.split(u)[0], 0)] for u, seq in enumerate(self.users.items)]
 
-    def train_impressions(self) -> np.ndarray:
-        """(n, 4) int64: (user, position, item row, clicked 0/1) of every impression logged before the user's
-        held-out engagements; the history is everything before the position."""
-        rows = [np.column_stack([np.full(len(s), u), s[:, 2], s[:, 0], s[:, 1]]) for u, s in enumerate(self.users.shown)]
-        return np.concatenate(rows or [np.zeros((0, 4))]).astype(np.int64).reshape(-1, 4)
-
     def click_logodds(self, smoothing: float = CLICK_SMOOTHING) -> np.ndarray:
-        """(N,) float32 per item: the log-odds of a click per training impression, each item's counts smoothed
-        toward the overall click rate by `smoothing` impressions, minus the log-odds of that rate; 0 for an
-        item never shown, and for every item of data that logs no impressions."""
-        shown = self.train_impressions()
+        """(N,) float32 per item: the log-odds of a click per impression logged before the held-out
+        engagements (Users.shown), each item's counts smoothed toward the overall click rate by `smoothing`
+        impressions, minus the log-odds of that rate; 0 for an item never shown, and for every item when no
+        impressions are logged (MovieLens) or none or all of them were clicked."""
         n = len(self.items.ids)
-        if not len(shown):
+        shown = np.concatenate(self.users.shown or [np.zeros((0, 2), np.int64)])
+        rate = shown[:, 1].mean() if len(shown) else 0.0
+        if not 0 < rate < 1:
             return np.zeros(n, np.float32)
-        seen, clicked = np.bincount(shown[:, 2], minlength=n), np.bincount(shown[:, 2], weights=shown[:, 3], minlength=n)
-        rate = clicked.sum() / seen.sum()
+        seen, clicked = np.bincount(shown[:, 0], minlength=n), np.bincount(shown[:, 0], weights=shown[:, 1], minlength=n)
         odds = (clicked + smoothing * rate) / (seen - clicked + smoothing * (1 - rate))
         return (np.log(odds) - np.log(rate / (1 - rate))).astype(np.float32)
 
@@ -142,21 +137,18 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
 
 
 def _impressions(log: Path, row: dict[int, int], user_ids: dict[int, int], times: list[np.ndarray]) -> list[np.ndarray]:
-    """Per user (user_ids: user id -> index) the impressions of ads in `row` logged strictly
-    before the user's first held-out engagement (the validation one; the test one with a single
-    engagement): (K, 3) int64 item row, clicked, position (the user's engagements strictly before it)."""
-    by_user: list[list[tuple[int, int, int]]] = [[] for _ in times]
+    """Per user (user_ids: user id -> index) the impressions of ads in `row` logged strictly before the
+    user's first held-out engagement (RecData.split: the validation one; with a single engagement, the
+    test one): (K, 2) int64 item row, clicked."""
+    cut = [t[max(len(t) - 2, 0)] if len(t) else np.inf for t in times]
+    by_user: list[list[tuple[int, int]]] = [[] for _ in times]
     with open(log, encoding="utf-8") as f:
         for line in f:
             e = json.loads(line)
             u = user_ids.get(e["user_id"])
-            if u is None:
-                continue
-            held_out = times[u][max(len(times[u]) - 2, 0)] if len(times[u]) else np.inf
-            if e["ad_id"] in row and e["ts"] < held_out:
-                position = int(np.searchsorted(times[u], e["ts"], side="left"))
-                by_user[u].append((row[e["ad_id"]], int(e["event"] == "click"), position))
-    return [np.array(s, np.int64).reshape(-1, 3) for s in by_user]
+            if u is not None and e["ad_id"] in row and e["ts"] < cut[u]:
+                by_user[u].append((row[e["ad_id"]], int(e["event"] == "click")))
+    return [np.array(s, np.int64).reshape(-1, 2) for s in by_user]
 
 
 def load_movielens(directory: Path | None = None) -> RecData:

@@ -1,12 +1,16 @@
 """RetrievalModel = ad tower + user expert towers + one interaction head; safetensors checkpoints.
 
 The model knows the external ids of the ads it learned an identity for (`item_ids`, sorted); any
-other ad is embedded from its content alone."""
+other ad is embedded from its content alone. It also holds a click prior per ad shown in training
+(`click_ids`, sorted, and `click_logodds`: RecData.click_logodds), set after training and added,
+times dims.click_weight, to the bias of the ad's stored vector; an ad it holds none for gets 0."""
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -19,7 +23,8 @@ from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
 MODEL_VERSION = "6"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
-# 5: the ranker reads pair features (head.cross and a wider first layer); 6: ad bias reads logged click log-odds
+# 5: the ranker reads pair features (head.cross and a wider first layer); 6: click prior in the bias, which
+# the user towers and the ranker's deep part no longer read
 CO_ITEMS = 8
 
 
@@ -29,12 +34,16 @@ def served_name(kind: str) -> str:
 
 
 class RetrievalModel(nn.Module):
-    def __init__(self, kind: str, dims: Dims, item_ids: np.ndarray | torch.Tensor = ()):
+    def __init__(self, kind: str, dims: Dims, item_ids: np.ndarray | torch.Tensor = (),
+                 click_ids: np.ndarray | torch.Tensor = (), click_logodds: np.ndarray | torch.Tensor = ()):
         super().__init__()
         if kind not in HEADS:
             raise ValueError(f"model must be one of {sorted(HEADS)}, got {kind!r}")
         self.kind, self.dims = kind, dims
         self.register_buffer("item_ids", torch.as_tensor(np.sort(np.asarray(item_ids, np.int64))))
+        self.register_buffer("click_ids", torch.zeros(0, dtype=torch.int64))
+        self.register_buffer("click_logodds", torch.zeros(0))
+        self.set_click_prior(click_ids, click_logodds)
         self.ad_tower = AdTower(dims, len(self.item_ids))
         self.user_towers = UserTowers(dims)
         self.head = HEADS[kind](dims)
@@ -49,23 +58,51 @@ class RetrievalModel(nn.Module):
         return torch.where(self.item_ids[rows] == ids, rows, -1)
 
     @torch.no_grad()
-    def set_click_logodds(self, ids: np.ndarray, logodds: np.ndarray) -> None:
-        """The click log-odds (AdTower.click_logodds) of the ads with external ids (n,) to logodds (n,);
-        ads without a learned identity are left out, every other identity gets 0."""
-        rows = self.id_rows(torch.as_tensor(np.asarray(ids, np.int64)))
-        known = rows >= 0
-        self.ad_tower.click_logodds.zero_()
-        self.ad_tower.click_logodds[rows[known]] = torch.as_tensor(np.asarray(logodds, np.float32))[known]
+    def set_click_prior(self, ids: np.ndarray | torch.Tensor, logodds: np.ndarray | torch.Tensor) -> None:
+        """Holds the click log-odds (n,) of the ads with external ids (n,) (none: every ad gets 0)."""
+        ids, logodds = np.asarray(ids, np.int64).reshape(-1), np.asarray(logodds, np.float32).reshape(-1)
+        if len(ids) != len(logodds):
+            raise ValueError(f"{len(ids)} ids but {len(logodds)} click log-odds")
+        order = np.argsort(ids, kind="stable")
+        self.click_ids = torch.as_tensor(ids[order], device=self.click_ids.device)
+        self.click_logodds = torch.as_tensor(logodds[order], device=self.click_logodds.device)
+
+    @contextlib.contextmanager
+    def without_click_prior(self) -> Iterator["RetrievalModel"]:
+        """The model with no click prior inside; the one it held is restored after."""
+        held = self.click_ids, self.click_logodds
+        self.set_click_prior((), ())
+        try:
+            yield self
+        finally:
+            self.click_ids, self.click_logodds = held
+
+    def click_prior(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) external ad ids -> (n,) float32 click log-odds held for them, 0 for the others."""
+        ids = ids.to(self.click_ids.device)
+        if not len(self.click_ids):
+            return torch.zeros(ids.shape, device=ids.device)
+        rows = torch.searchsorted(self.click_ids, ids).clamp(max=len(self.click_ids) - 1)
+        return torch.where(self.click_ids[rows] == ids, self.click_logodds[rows], 0.0)
+
+    def embed_ads(self, text: torch.Tensor, category: torch.Tensor, advertiser: torch.Tensor, bid: torch.Tensor,
+                  ids: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, S) stored vectors: the ad tower's (text (n, 384), category, advertiser, bid, external ids (n,)),
+        its bias raised by dims.click_weight x the ad's click prior. known (n,) bool, when given: False embeds
+        the ad as one created after training (no learned identity, no prior)."""
+        id_rows, prior = self.id_rows(ids), self.click_prior(ids)
+        if known is not None:
+            id_rows, prior = torch.where(known, id_rows, -1), torch.where(known, prior, 0.0)
+        stored = self.ad_tower(text, category, advertiser, bid, id_rows)
+        return torch.cat([stored[:, :-1], stored[:, -1:] + self.dims.click_weight * prior[:, None]], 1)
 
     def item_vectors(self, items: Items, rows: np.ndarray | None = None, known: torch.Tensor | None = None) -> torch.Tensor:
         """(n, S) stored vectors of the items at `rows` (every item when None); known (n,) bool, when
-        given, keeps the learned identity only where True (False: as an ad created after training)."""
+        given, keeps the learned identity and click prior only where True (False: as an ad created after training)."""
         rows = np.arange(len(items.ids)) if rows is None else rows
-        id_rows = self.id_rows(torch.from_numpy(items.ids[rows]))
-        if known is not None:
-            id_rows = torch.where(known, id_rows, -1)
-        return self.ad_tower(torch.from_numpy(items.text[rows]), torch.from_numpy(items.category[rows]),
-                             torch.from_numpy(items.advertiser[rows]), torch.from_numpy(items.bid[rows]), id_rows)
+        return self.embed_ads(torch.from_numpy(items.text[rows]), torch.from_numpy(items.category[rows]),
+                              torch.from_numpy(items.advertiser[rows]), torch.from_numpy(items.bid[rows]),
+                              torch.from_numpy(items.ids[rows]), known)
 
     def users(self, inputs: UserInputs) -> UserState:
         return self.user_towers(inputs)
@@ -96,7 +133,8 @@ class RetrievalModel(nn.Module):
         if config.get("model_version") != MODEL_VERSION:
             raise ValueError(f"{path}: model version {config.get('model_version')} is not {MODEL_VERSION}")
         tensors = load_file(str(path))
-        model = cls(config["model"], Dims(**config["dims"]), tensors["item_ids"])
+        model = cls(config["model"], Dims(**config["dims"]), tensors["item_ids"], tensors["click_ids"],
+                    tensors["click_logodds"])
         model.load_state_dict(tensors)
         return model.eval(), config
 

@@ -59,10 +59,10 @@ class ModelScorer:
             return torch.zeros((0, self.dim))
         text = torch.from_numpy(encode_texts([f"{a.creative.title}. {a.creative.body}" for a in ads])).to(self.device)
         category = [self.categories.get(a.creative.category, len(self.categories)) for a in ads]
-        stored = self.model.ad_tower(text, torch.tensor(category, device=self.device),
-                                     torch.tensor([a.advertiser_id for a in ads], device=self.device),
-                                     torch.tensor([a.bid for a in ads], dtype=torch.float32, device=self.device),
-                                     self.model.id_rows(torch.tensor([a.ad_id for a in ads], device=self.device)))
+        stored = self.model.embed_ads(text, torch.tensor(category, device=self.device),
+                                      torch.tensor([a.advertiser_id for a in ads], device=self.device),
+                                      torch.tensor([a.bid for a in ads], dtype=torch.float32, device=self.device),
+                                      torch.tensor([a.ad_id for a in ads], device=self.device))
         return stored.cpu()
 
     def _context(self, r: RetrieveRequest, now: int) -> list[int]:

@@ -46,7 +46,7 @@ class Dims:
     surfaces: int = 16
     placements: int = 32
     history: int = 50  # most recent engagements the user towers read
-    click_weight: float = 2.0  # weight of an ad's logged click log-odds (AdTower) in its bias
+    click_weight: float = 2.0  # weight of an ad's click log-odds (RetrievalModel.click_prior) in its bias
     layers: int = 2  # self-attention blocks of the sequence expert
     heads: int = 2
 
@@ -61,6 +61,12 @@ class Dims:
     def bias(self, stored: torch.Tensor) -> torch.Tensor:
         """(n, S) stored vectors -> (n,) ad biases."""
         return stored[:, -1].float()
+
+    @staticmethod
+    def features(stored: torch.Tensor) -> torch.Tensor:
+        """(..., S) stored vectors -> (..., S - 1): all but the bias, which only the score adds (it carries the
+        click prior, set after training: RetrievalModel.click_prior)."""
+        return stored[..., :-1]
 
 
 class Tensors:
@@ -104,14 +110,11 @@ class UserState(Tensors):
 
 class AdTower(nn.Module):
     """Content tower plus learned per-id residuals for `ids` ads ((ids + 1, D + 1) table: embedding and
-    bias; the last row, zero and never trained, stands for "no id"), plus, in the bias, d.click_weight
-    times each id's click log-odds over the impressions logged before training (`click_logodds`
-    (ids + 1,), a buffer set from the data, not learned; 0 for ads never shown and for "no id")."""
+    bias; the last row, zero and never trained, stands for "no id")."""
 
     def __init__(self, d: Dims, ids: int = 0):
         super().__init__()
         self.d = d
-        self.register_buffer("click_logodds", torch.zeros(ids + 1))
         self.text = nn.Linear(TEXT_DIM, 128)
         self.category = nn.Embedding(d.categories, 32)
         self.advertiser = nn.Embedding(d.advertiser_buckets, 16)
@@ -130,10 +133,9 @@ class AdTower(nn.Module):
                        self.advertiser(advertiser % d.advertiser_buckets), torch.log1p(bid.clamp(min=0))[:, None]], 1)
         out = self.mlp(h)
         no_id = self.identity.num_embeddings - 1
-        rows = torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id)
-        ident = self.identity(rows)
+        ident = self.identity(torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id))
         a = out[:, : d.dim] + ident[:, : d.dim]
-        bias = out[:, -1:] + ident[:, -1:] + d.click_weight * self.click_logodds[rows][:, None]
+        bias = out[:, -1:] + ident[:, -1:]
         return torch.cat([a, out[:, d.dim: d.dim + d.gate], F.normalize(self.semantic(text), dim=1), bias], 1)
 
 
@@ -175,7 +177,7 @@ class UserTowers(nn.Module):
         super().__init__()
         self.d = d
         D, S = d.dim, d.stored
-        self.item = nn.Linear(S, D)
+        self.item = nn.Linear(S - 1, D)  # Dims.features: the bias is the score's alone
         self.event = nn.Embedding(N_EVENTS, D)
         self.position = nn.Embedding(d.history, D)  # 0 = most recent
         self.gap = nn.Embedding(GAP_BUCKETS, D)  # hours since the previous engagement
@@ -187,7 +189,7 @@ class UserTowers(nn.Module):
         self.segment = nn.EmbeddingBag(d.segment_buckets, D, mode="sum")
         self.semantic_query = nn.Linear(d.semantic, 1)
         self.semantic_out = nn.Sequential(nn.Linear(d.semantic, D), nn.GELU(), nn.Linear(D, D))
-        self.co_out = nn.Sequential(nn.Linear(S, D), nn.GELU(), nn.Linear(D, D))
+        self.co_out = nn.Sequential(nn.Linear(S - 1, D), nn.GELU(), nn.Linear(D, D))
         self.surface = nn.Embedding(d.surfaces, D)
         self.placement = nn.Embedding(d.placements, D)
         self.hour = nn.Embedding(24, D)
@@ -201,7 +203,7 @@ class UserTowers(nn.Module):
         steps = torch.arange(x.hist.shape[1], device=x.hist.device)[None]
         position = (n - 1 - steps).clamp(0, self.d.history - 1)
         previous = torch.cat([x.hist_age[:, :1], x.hist_age[:, :-1]], 1)
-        return (self.item(x.hist) + self.event(x.hist_event) + self.position(position)
+        return (self.item(self.d.features(x.hist)) + self.event(x.hist_event) + self.position(position)
                 + self.gap(gap_buckets(previous - x.hist_age)) + self.age(gap_buckets(x.hist_age)))
 
     def forward(self, x: UserInputs) -> UserState:
@@ -227,7 +229,7 @@ class UserTowers(nn.Module):
         sem_logits = self.semantic_query(sem).squeeze(-1).masked_fill(~x.hist_mask, float("-inf"))
         sem_pool = torch.einsum("bl,blm->bm", torch.nan_to_num(torch.softmax(sem_logits, -1)), sem)
         semantic = self.semantic_out(sem_pool)
-        co = self.co_out(masked_mean(x.co, x.co_mask))
+        co = self.co_out(masked_mean(self.d.features(x.co), x.co_mask))
         experts = torch.cat([sequence[:, None], interests, segment[:, None], semantic[:, None], co[:, None]], 1) \
             + self.expert_bias
         mask = torch.stack([torch.ones_like(has_hist)] + [has_hist] * d.interests

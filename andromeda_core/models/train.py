@@ -198,12 +198,12 @@ def deterministic() -> Iterator[None]:
     """torch's deterministic algorithms inside, the caller's choice restored after. Without them, the CPU
     backward of indexing with repeated rows (stored[candidates], histories) adds into the gradient from
     several threads in no fixed order, so two processes trained different weights from the same seed."""
-    before = torch.are_deterministic_algorithms_enabled()
+    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None, init: RetrievalModel | None = None,
@@ -226,6 +226,8 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
     frozen = init is not None and kind == "ranker"
+    if init is not None:  # the prior it holds, so its state loads as it is
+        model.set_click_prior(init.click_ids.cpu(), init.click_logodds.cpu())
     if init is not None and not frozen:  # training goes on from all the weights of a model of the same kind
         if init.kind != kind:
             raise ValueError(f"a {kind} goes on only from a {kind}, not a {init.kind}: only a ranker starts from "
@@ -238,7 +240,8 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
             raise ValueError(f"the model to start from lacks {[k for k in missing if not k.startswith('head.')][:3]}")
         model.ad_tower.requires_grad_(False)
         model.user_towers.requires_grad_(False)
-    model.set_click_logodds(np.zeros(0), np.zeros(0))  # trained and validated without the click prior (added after)
+    model.set_click_prior((), ())  # trained and validated without the click prior, added after (trained with
+    # it, the softmax learns to cancel it)
     if frozen and model.pair_features and cfg.validate_every:  # the deep part is silent: the ranker is MoE + wide
         choose_pair_weights(model, data, data.eval_users()[: cfg.pair_users], PairFeatures.fit(data))  # weights
         model.head.cross.requires_grad_(False)
@@ -291,5 +294,6 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
                     break
     if best_state is not None:
         model.load_state_dict(best_state)
-    model.set_click_logodds(data.items.ids, data.click_logodds())
+    logodds = data.click_logodds()
+    model.set_click_prior(data.items.ids[logodds != 0], logodds[logodds != 0])  # 0: what an ad held by none gets
     return model.eval()

@@ -27,6 +27,16 @@ def test_teacher_targets_are_the_rankers_top_k_at_the_validation_state():
         assert teacher.top[i].tolist() == scores[i].topk(7).indices.tolist()
 
 
+def test_the_teacher_ranks_without_its_click_prior():
+    """The student gets the prior after training; a teacher with it would hand it over twice."""
+    torch.manual_seed(0)
+    data, ranker = tiny_data(), RetrievalModel("ranker", DIMS)
+    plain = ask_teacher(ranker, data, k=7, progress=False)
+    ranker.set_click_prior(data.items.ids, np.linspace(5, -5, 40))  # would put items 0.. first
+    assert ask_teacher(ranker, data, k=7, progress=False).top.tolist() == plain.top.tolist()
+    assert ranker.click_logodds.abs().sum() > 0  # held again after
+
+
 def test_only_a_ranker_can_teach():
     with pytest.raises(ValueError, match="ranker"):
         ask_teacher(RetrievalModel("moe", DIMS), tiny_data(), progress=False)

@@ -81,30 +81,56 @@ def test_an_ad_without_a_learned_id_gets_its_content_vector():
     assert torch.equal(with_ids[:20, DIMS.dim: -1], content[:20, DIMS.dim: -1])  # gating query, semantic: content
 
 
-def test_the_click_prior_moves_only_the_bias_of_ads_with_a_learned_id():
-    """An ad's bias gains click_weight x its click log-odds; an ad created after training (no id) gets none."""
+def test_the_click_prior_moves_only_the_score_by_its_weight():
+    """An ad's bias gains click_weight x its click log-odds, known by external id (learned identity or not);
+    an ad embedded as new gets none; the user towers and the ranker's deep part never read it."""
     torch.manual_seed(0)
-    data, model = tiny_data(), RetrievalModel("moe", DIMS, np.arange(1, 21))
-    before = model.item_vectors(data.items)
-    logodds = np.linspace(-1, 1, 40).astype(np.float32)
-    model.set_click_logodds(data.items.ids, logodds)
-    after = model.item_vectors(data.items)
-    assert torch.equal(after[:, :-1], before[:, :-1])
-    assert torch.allclose(after[:20, -1] - before[:20, -1], DIMS.click_weight * torch.from_numpy(logodds[:20]), atol=1e-6)
-    assert torch.equal(after[20:, -1], before[20:, -1])  # ids 21-40: never learned
-    model.set_click_logodds(np.zeros(0), np.zeros(0))
-    assert torch.equal(model.item_vectors(data.items), before)
+    data = tiny_data()
+    for kind in ("moe", "ranker"):
+        model = RetrievalModel(kind, DIMS, np.arange(1, 21)).eval()
+        with torch.no_grad():
+            model.head.mlp[-1].weight.normal_() if kind == "ranker" else None  # the deep part speaks
+            before = model.item_vectors(data.items)
+            state = model.users(user_inputs(data, before, np.array([0, 1]), np.array([4, 5])))
+            text = torch.from_numpy(data.items.text).float()
+            scores = model.score(state, before, text)
+            model.set_click_prior(data.items.ids[::-1][:30], np.linspace(-1, 1, 30))  # ads 40 .. 11, any order
+            after = model.item_vectors(data.items)
+            prior = torch.zeros(40)
+            prior[10:] = torch.linspace(-1, 1, 30, dtype=torch.float32).flip(0)
+            assert torch.equal(after[:, :-1], before[:, :-1])
+            assert torch.allclose(after[:, -1] - before[:, -1], DIMS.click_weight * prior, atol=1e-6)
+            moved = model.users(user_inputs(data, after, np.array([0, 1]), np.array([4, 5])))
+            assert torch.equal(moved.experts, state.experts)
+            assert torch.allclose(model.score(moved, after, text) - scores, DIMS.click_weight * prior, atol=1e-5)
+            new = model.item_vectors(data.items, known=torch.zeros(40, dtype=torch.bool))
+            with model.without_click_prior():
+                assert torch.equal(model.item_vectors(data.items), before)
+                assert torch.equal(model.item_vectors(data.items, known=torch.zeros(40, dtype=torch.bool)), new)
+            assert torch.equal(model.item_vectors(data.items), after)  # restored
 
 
 def test_training_adds_the_datas_click_prior_after_training():
+    """Trained (and validated) without a prior, even when going on from a model that holds one; the
+    data's prior is held after."""
     data = tiny_data()
-    data.users.shown = [np.array([[(u * 3 + 7) % 40, u % 2, 1]]) for u in range(len(data.users.items))]
-    model = train(data, "moe", TrainConfig(steps=3, batch=8, negatives=4, validate_every=0), progress=False)
-    rows = model.id_rows(torch.from_numpy(data.items.ids))
-    expected = torch.from_numpy(data.click_logodds())[rows >= 0]
-    assert expected.abs().sum() > 0 and torch.equal(model.ad_tower.click_logodds[rows[rows >= 0]], expected)
-    plain = train(tiny_data(), "moe", TrainConfig(steps=3, batch=8, negatives=4, validate_every=0), progress=False)
-    assert not plain.ad_tower.click_logodds.any()  # no impressions logged: no prior
+    data.users.shown = [np.array([[(u * 3 + 7) % 40, u % 2]]) for u in range(len(data.users.items))]
+    cfg = TrainConfig(steps=4, batch=8, negatives=4, validate_every=2)
+    model = train(data, "moe", cfg, progress=False)
+    assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds()))
+    assert model.click_logodds.abs().sum() > 0
+    seen = []
+    original = RetrievalModel.score
+    RetrievalModel.score = lambda self, state, stored, *a: seen.append(self.click_logodds.abs().sum().item()) \
+        or original(self, state, stored, *a)
+    try:
+        again = train(data, "moe", cfg, init=model, progress=False)
+    finally:
+        RetrievalModel.score = original
+    assert seen and not any(seen)  # every training and validation score ran without the prior
+    assert torch.equal(again.click_logodds, model.click_logodds)
+    plain = train(tiny_data(), "moe", cfg, progress=False)
+    assert not len(plain.click_ids)  # no impressions logged: no prior
 
 
 def test_log_q_is_the_log_of_each_candidates_expected_count():
@@ -214,11 +240,13 @@ def test_tiny_model_overfits_tiny_data(kind):
 
 def test_checkpoint_round_trip(tmp_path):
     data = tiny_data()
+    data.users.shown = [np.array([[(u * 3 + 7) % 40, u % 2]]) for u in range(len(data.users.items))]
     model = train(data, "moe", TrainConfig(steps=3, batch=8, negatives=4), progress=False)
     model.save(tmp_path / "m.safetensors", {"data": "tiny", "schema_version": 1})
     loaded, config = RetrievalModel.load(tmp_path / "m.safetensors")
     assert config["model"] == "moe" and config["data"] == "tiny" and config["dims"]["dim"] == 64
     assert torch.equal(loaded.item_ids, model.item_ids) and len(model.item_ids) == len(data.train_items())
+    assert torch.equal(loaded.click_logodds, model.click_logodds) and model.click_logodds.any()  # the prior travels
     assert not model.ad_tower.identity.weight[-1].any()  # the "no id" row stays zero through training
     with torch.no_grad():
         assert torch.equal(model.item_vectors(data.items), loaded.item_vectors(data.items))
@@ -247,7 +275,7 @@ def test_ranker_factored_first_layer_equals_the_plain_mlp():
     torch.nn.init.normal_(model.head.mlp[-1].weight)  # the deep part starts silent; make it speak
     experts = state.experts * state.mask[..., None]
     products = torch.einsum("bed,nd->bned", experts, stored[:, : DIMS.dim]).flatten(2)
-    ad = torch.cat([stored, model.head.text(text)], 1)
+    ad = torch.cat([stored[:, :-1], model.head.text(text)], 1)  # all but the bias (the score adds it)
     pair = torch.cat([experts.flatten(1)[:, None].expand(3, 40, -1), products, ad[None].expand(3, -1, -1),
                       torch.zeros(3, 40, N_FEATURES)], -1)  # no pair features: tests/unit/test_ranker_features.py
     with torch.no_grad():

@@ -95,7 +95,7 @@ def test_the_ranker_reads_the_features_in_its_wide_and_deep_parts():
         model.head.cross.copy_(torch.tensor([0.3, -0.2, 0.1, 0.4]))
         experts = state.experts * state.mask[..., None]
         products = torch.einsum("bed,nd->bned", experts, stored[:, : DIMS.dim]).flatten(2)
-        ad = torch.cat([stored, model.head.text(text)], 1)
+        ad = torch.cat([stored[:, :-1], model.head.text(text)], 1)  # all but the bias
         pair = torch.cat([experts.flatten(1)[:, None].expand(3, 40, -1), products, ad[None].expand(3, -1, -1), cross], -1)
         deep = model.head.mlp(pair).squeeze(-1)
         wide = model.head.wide.score(state, stored) + cross @ model.head.cross

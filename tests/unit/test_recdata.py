@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from andromeda_core.config import load_settings
-from andromeda_core.models.recdata import EVENTS, load_movielens, load_synthetic
+from andromeda_core.models.recdata import EVENTS, Items, RecData, Users, load_movielens, load_synthetic
 from andromeda_core.synth import WorldConfig, synthesize
 
 
@@ -58,30 +58,34 @@ def test_synthetic_impressions_are_the_logged_ones_before_the_held_out_engagemen
     data = load_synthetic(world)
     log = [json.loads(line) for line in (world / "engagements.jsonl").read_text().splitlines()]
     row = {int(ad_id): r for r, ad_id in enumerate(data.items.ids)}
-    for u in range(len(data.users.items)):
-        times = data.users.times[u]
-        held_out = times[max(len(times) - 2, 0)] if len(times) else np.inf
-        expected = [(row[e["ad_id"]], int(e["event"] == "click"), int((times < e["ts"]).sum()))
-                    for e in log if e["user_id"] == u + 1 and e["ts"] < held_out]
-        assert data.users.shown[u].tolist() == [list(x) for x in expected]
-        clicked_times = {e["ts"] for e in log if e["user_id"] == u + 1 and e["event"] == "click"}
-        assert set(times[-2:].tolist()) <= clicked_times  # the held-out engagements are clicks of the log, left out
-    shown = data.train_impressions()
-    assert shown.shape[1] == 4 and 0 < shown[:, 3].mean() < 1
-    assert all(p <= max(data.split(u)[0], 0) for u, p in shown[:, :2])  # no engagement held out is in a history
+    requests = [json.loads(line) for line in (world / "requests.jsonl").read_text().splitlines()]
+    for u, request in enumerate(requests):
+        clicks = [h["ts"] for h in request["user"]["history"]]
+        first_held_out = clicks[-2] if len(clicks) >= 2 else clicks[0] if clicks else float("inf")
+        mine = [e for e in log if e["user_id"] == request["user"]["user_id"]]
+        expected = [[row[e["ad_id"]], int(e["event"] == "click")] for e in mine if e["ts"] < first_held_out]
+        assert data.users.shown[u].tolist() == expected
+        assert len(expected) < len(mine)  # the held-out clicks (and what follows) are left out
+    assert any(len(seq) < 3 for seq in data.users.items)  # users with one or two engagements are covered
 
 
-def test_click_logodds_smooths_each_items_click_rate_toward_the_overall_one(tmp_path, default_schema):
-    data = load_synthetic(synthesize(WorldConfig(ads=600, users=30, seed=2), tmp_path, default_schema, workers=1,
-                                     progress=False))
-    shown = data.train_impressions()
-    rate = shown[:, 3].mean()
-    item = int(np.bincount(shown[:, 2]).argmax())  # the item shown most often
-    seen, clicked = (shown[:, 2] == item).sum(), shown[shown[:, 2] == item, 3].sum()
-    by_hand = np.log((clicked + 2 * rate) / (seen - clicked + 2 * (1 - rate))) - np.log(rate / (1 - rate))
-    logodds = data.click_logodds(smoothing=2.0)
-    assert logodds[item] == pytest.approx(by_hand, rel=1e-5)
-    never = np.setdiff1d(np.arange(len(data.items.ids)), shown[:, 2])
-    assert len(never) and not logodds[never].any()
-    data.users.shown = []  # data that logs no impressions (MovieLens): every item 0
+def test_click_logodds_smooths_each_items_click_rate_toward_the_overall_one():
+    items = Items(ids=np.array([10, 11, 12]), text=np.zeros((3, 384), np.float16), category=np.zeros(3, np.int64),
+                  advertiser=np.zeros(3, np.int64), bid=np.ones(3, np.float32), categories=["a"])
+    none = [np.zeros(0, np.int64)] * 2
+    users = Users(none, none, none, [[], []], [[], []], np.zeros((2, 3), np.int64), np.zeros(2, np.int64),
+                  shown=[np.array([[0, 1], [0, 1], [1, 0]]), np.array([[1, 0], [0, 0]])])
+    data = RecData("tiny", items, users)
+    rate = 2 / 5  # item 0: 3 shown, 2 clicked; item 1: 2 shown, none clicked; item 2: never shown
+    by_hand = [np.log((2 + 2 * rate) / (1 + 2 * (1 - rate))) - np.log(rate / (1 - rate)),
+               np.log((0 + 2 * rate) / (2 + 2 * (1 - rate))) - np.log(rate / (1 - rate)), 0.0]
+    assert data.click_logodds(smoothing=2.0) == pytest.approx(by_hand, rel=1e-5)
+    users.shown = [np.array([[0, 0]]), np.array([[1, 0]])]  # no click at all: no rate to smooth toward
     assert not data.click_logodds().any()
+    users.shown = []  # no impressions logged (MovieLens)
+    assert not data.click_logodds().any()
+
+
+def test_movielens_logs_no_impressions(small_movielens):
+    data = load_movielens(small_movielens[0])
+    assert data.users.shown == [] and not data.click_logodds().any()
