@@ -209,12 +209,20 @@ inline __m512 products(const float* w, const float* x, int64_t dims) {
     return sum;
 }
 
+// The gates are >= 0 and sum to 1 (or are all 0): the mixture is at most max(0, the largest usable similarity).
+// Below `bar`, the ad cannot enter the request's heap: the gating logits and the mixture are skipped (-inf).
 template <int P>
-inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable) {
-    return mixture(products<P>(w, x, r.D), products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G), usable, r.top_n);
+inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float bar) {
+    const __m512 sims = products<P>(w, x, r.D);
+    if (bar > -std::numeric_limits<float>::infinity()) {
+        const __mmask16 ok = _mm_cmpneq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128());
+        const float bound = std::fmax(_mm512_mask_reduce_max_ps(ok, sims), 0.0f);
+        if (bound < bar) return -std::numeric_limits<float>::infinity();
+    }
+    return mixture(sims, products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G), usable, r.top_n);
 }
 #else
-inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable) {
+inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float) {
     float sims[LANES] = {}, logits[LANES] = {};
     for (int64_t lane = 0; lane < LANES; ++lane) {
         const int64_t h = lane % r.P;
@@ -227,17 +235,24 @@ inline float packed_mixture(const Requests& r, const float* w, const float* x, c
 
 // The mixture-of-logits score of the decoded ad x for request b (without its bias): every expert's similarity
 // <expert e, x[:D]> and gating logit <key e, x[D:D + G]> as 16-lane multiply-adds over x's dims, then mixture.
-inline float gated(const Requests& r, int64_t b, const float* x) {
+// -inf when (with AVX-512) its similarities show it below bar, a score it could not enter the heap with.
+inline float gated(const Requests& r, int64_t b, const float* x, float bar) {
     const uint8_t* usable = r.mask + b * LANES;
     if (r.E == 1 && r.G == 0) return usable[0] ? dot(r.weights + b * r.D, x, r.D) : 0.0f;  // a dot product
     const float* w = r.weights + b * r.rows() * LANES;
 #if defined(__AVX512F__)
-    if (r.P == 4) return packed_mixture<4>(r, w, x, usable);
-    if (r.P == 2) return packed_mixture<2>(r, w, x, usable);
-    return packed_mixture<1>(r, w, x, usable);
+    if (r.P == 4) return packed_mixture<4>(r, w, x, usable, bar);
+    if (r.P == 2) return packed_mixture<2>(r, w, x, usable, bar);
+    return packed_mixture<1>(r, w, x, usable, bar);
 #else
-    return packed_mixture(r, w, x, usable);
+    return packed_mixture(r, w, x, usable, bar);
 #endif
+}
+
+// What the mixture of an ad with this bias must reach to enter a full heap whose worst score is root, less
+// a margin far above the rounding of the few operations between the bound and the score (-inf: no bar).
+inline float entry_bar(float root, float bias) {
+    return root - bias - (1e-5f * (std::fabs(root) + std::fabs(bias)) + std::numeric_limits<float>::min());
 }
 
 inline bool better(float a, int64_t slot_a, float b, int64_t slot_b) {
@@ -381,7 +396,9 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
                 const int64_t i = matched[j][k];
                 for (Word word = words[j][i - block]; word; word &= static_cast<Word>(word - 1)) {
                     const int64_t b = __builtin_ctzll(static_cast<uint64_t>(word));
-                    float s = gated(r, g.first + b, xs.data() + k * stride) + biases[k];
+                    const float bar = sizes[b] == m ? entry_bar(scores[b * m], biases[k])
+                                                    : -std::numeric_limits<float>::infinity();
+                    float s = gated(r, g.first + b, xs.data() + k * stride, bar) + biases[k];
                     if (std::isnan(s)) s = -std::numeric_limits<float>::infinity();  // NaN ranks as -inf
                     sizes[b] = push(scores + b * m, slots + b * m, sizes[b], m, s, i);
                     ++eligible[b];

@@ -216,6 +216,26 @@ def test_cpu_scan_of_wide_batches_and_many_experts(B, E, D, G, top_n):
                 reference.fused_scan(*table, *requests, D + G, top_n, 20))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+def test_cpu_scan_skips_only_ads_that_cannot_enter_the_top(dtype):
+    """Once a request's heap is full, an ad whose largest usable similarity plus its bias is below the heap's worst
+    is not mixed (AVX-512): with 3,000 ads whose scores crowd around a few values (six rows, half of the ads an
+    exact copy, biases included, half a copy moved by about 1e-3) and a top of 7, the top is still the
+    reference's exactly."""
+    gen = torch.Generator().manual_seed(5)
+    n, D, G = 3000, 16, 8
+    status, start, end, refs, vectors, scales = make_table(gen, n, 2, D + G + 1, dtype)
+    rows, moved = torch.randint(0, 6, (n,), generator=gen), torch.rand((n, 1), generator=gen) < 0.5
+    vectors = vectors[:6][rows]
+    if scales is None:
+        vectors = (vectors.float() + moved * 1e-3 * torch.randn(vectors.shape, generator=gen)).to(dtype)
+    else:
+        scales = scales[:6][rows] * (1 + moved * 1e-3 * torch.randn(scales[:6][rows].shape, generator=gen))
+    requests = make_requests(gen, 3, 6, D, G)
+    table = (status, start, end, refs, vectors, scales)
+    assert_same(cpu.fused_scan(*table, *requests, D + G, 2, 7), reference.fused_scan(*table, *requests, D + G, 2, 7))
+
+
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
 def test_cpu_kernels_without_avx512_or_avx2(flags):
     """The portable paths of cpu_fused.cpp (what a CPU without AVX-512, or without AVX2 and F16C, runs)."""
