@@ -155,6 +155,17 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
     return rows, {"short": short, "content_only": every_ad_new}
 
 
+def click_weights(trained: Trained) -> str:
+    """The sentence on the click prior's weights, where the data has one (train.choose_click_weight)."""
+    held = {kind: m.dims.click_weight for kind, m in trained.models.items() if len(m.click_ids)}
+    if not held:
+        return ""
+    return ("Weight of the click prior (each ad's click log-odds over the impressions logged before the held-out "
+            "engagements, added to its bias after training), chosen by how well the scores order the clicked "
+            "above the unclicked impressions logged from each user's validation engagement to the test one: "
+            + ", ".join(f"{kind} {w:g}" for kind, w in held.items()) + ". ")
+
+
 def storage_label(dtype: str, rescore: int) -> str:
     if rescore:
         return f"{dtype} + exact rescoring of the top {rescore}x"
@@ -268,7 +279,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"split (mean of the four metrics at each user's second-to-last engagement): {tuning}; chosen: "
             f"{trained.chosen:g} (the teacher is asked at those same states, which favours distillation a little). "
             f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "
-            f"part trains: {pair}. "
+            f"part trains: {pair}. {click_weights(trained)}"
             f"Cells: mean [95% bootstrap interval over users].\n\n"
             f"{main_table(rows, ranker_top, truth)}\n\n![quality against FLOPs]({plot.name})\n\n"
             f"### The MoE against every other row: paired bootstrap over the same users\n\n"

@@ -47,6 +47,8 @@ class Users:
     now: np.ndarray  # (U,) request time
     shown: list[np.ndarray] = field(default_factory=list)  # per user (K, 2) int64: the impressions logged before
     # the held-out engagements (item row, clicked 0/1); empty when none are logged
+    validation_shown: list[np.ndarray] = field(default_factory=list)  # per user (K, 2): those logged from the
+    # validation engagement (included) up to the test one (excluded)
 
 
 @dataclass
@@ -128,27 +130,37 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
             context.append([surfaces.value_index(ctx["surface"]) + 1, placements.value_index(ctx["placement"]) + 1,
                             ctx["ts"] // 3600 % 24])
             now.append(ctx["ts"])
-    shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
+    shown, validation_shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
     truth = dict(np.load(world / "truth.npz"))
     keep = np.array(order) - 1
     truth = {"user_latent": truth["user_latent"], "ad_latent": truth["ad_latent"][keep], "ad_quality": truth["ad_quality"][keep]}
-    users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown)
+    users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown,
+                  validation_shown)
     return RecData("synthetic", items, users, truth)
 
 
-def _impressions(log: Path, row: dict[int, int], user_ids: dict[int, int], times: list[np.ndarray]) -> list[np.ndarray]:
-    """Per user (user_ids: user id -> index) the impressions of ads in `row` logged strictly before the
-    user's first held-out engagement (RecData.split: the validation one; with a single engagement, the
-    test one): (K, 2) int64 item row, clicked."""
+def _impressions(log: Path, row: dict[int, int], user_ids: dict[int, int],
+                 times: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per user (user_ids: user id -> index) the impressions of ads in `row`, (K, 2) int64 item row,
+    clicked: those logged strictly before the user's first held-out engagement (RecData.split: the
+    validation one; with a single engagement, the test one), and those from the validation engagement up
+    to, not including, the test one."""
     cut = [t[max(len(t) - 2, 0)] if len(t) else np.inf for t in times]
-    by_user: list[list[tuple[int, int]]] = [[] for _ in times]
+    test = [t[-1] if len(t) >= 2 else -np.inf for t in times]
+    before: list[list[tuple[int, int]]] = [[] for _ in times]
+    validation: list[list[tuple[int, int]]] = [[] for _ in times]
     with open(log, encoding="utf-8") as f:
         for line in f:
             e = json.loads(line)
             u = user_ids.get(e["user_id"])
-            if u is not None and e["ad_id"] in row and e["ts"] < cut[u]:
-                by_user[u].append((row[e["ad_id"]], int(e["event"] == "click")))
-    return [np.array(s, np.int64).reshape(-1, 2) for s in by_user]
+            if u is None or e["ad_id"] not in row:
+                continue
+            shown = (row[e["ad_id"]], int(e["event"] == "click"))
+            if e["ts"] < cut[u]:
+                before[u].append(shown)
+            elif e["ts"] < test[u]:
+                validation[u].append(shown)
+    return [np.array(s, np.int64).reshape(-1, 2) for s in before], [np.array(s, np.int64).reshape(-1, 2) for s in validation]
 
 
 def load_movielens(directory: Path | None = None) -> RecData:

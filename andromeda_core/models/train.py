@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Iterator
@@ -107,6 +108,46 @@ def choose_pair_weights(model: RetrievalModel, data: RecData, users: np.ndarray,
     allowed = [k for k, (_, share) in enumerate(out.values()) if share >= funnel]
     best = max(allowed, key=lambda k: list(out.values())[k][0])  # max keeps the first of equals
     model.head.cross.copy_(combos[best])
+    return out
+
+
+CLICK_WEIGHTS = (0.0, 1.0, 2.0, 4.0, 8.0)  # weights of the click prior tried (choose_click_weight)
+
+
+@torch.no_grad()
+def choose_click_weight(model: RetrievalModel, data: RecData, pair: PairFeatures | None,
+                        grid: tuple[float, ...] = CLICK_WEIGHTS, batch: int = 64) -> dict[float, float]:
+    """Sets the weight of the model's click prior (dims.click_weight) to the one of the grid whose scores best
+    order the impressions logged from each user's validation engagement up to the test one: the mean over
+    users of the share of their (clicked, unclicked) pairs with the clicked scored higher (ties count half),
+    the user's state taken at the validation engagement. That is the choice serving makes among the ads a
+    user is shown, and no test engagement is read. Returns the share per weight ({} and the weight kept
+    when no user has both a clicked and an unclicked such impression: data that logs none)."""
+    users = np.array([u for u, s in enumerate(data.users.validation_shown) if 0 < s[:, 1].sum() < len(s)], np.int64)
+    if not len(users):
+        return {}
+    with model.without_click_prior():
+        stored = model.item_vectors(data.items)
+    prior = model.click_prior(torch.from_numpy(data.items.ids))
+    text = torch.from_numpy(data.items.text).float()
+    shares = {w: [] for w in grid}
+    for first in range(0, len(users), batch):
+        us = users[first:first + batch]
+        positions = np.array([data.split(u)[0] for u in us])
+        shown = [data.users.validation_shown[u] for u in us]
+        items = np.concatenate([s[:, 0] for s in shown])
+        cross = pair.pairs(data, us, positions, items) if pair is not None else None
+        base = model.score(model.users(user_inputs(data, stored, us, positions, model.dims.history)), stored[items],
+                           text[items], cross)  # (B, n): each user's own items are one block of the columns
+        at = np.cumsum([0] + [len(s) for s in shown])
+        for b, s in enumerate(shown):
+            own, clicked = torch.from_numpy(s[:, 0]), torch.from_numpy(s[:, 1] == 1)
+            for w in grid:
+                score = base[b, at[b]:at[b + 1]] + w * prior[own]
+                order = (score[clicked][:, None] - score[~clicked][None, :]).sign()
+                shares[w].append(float((order + 1).mean() / 2))
+    out = {w: float(np.mean(v)) for w, v in shares.items()}
+    model.dims = dataclasses.replace(model.dims, click_weight=max(grid, key=out.get))  # ties: the smaller weight
     return out
 
 
@@ -296,4 +337,5 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
         model.load_state_dict(best_state)
     logodds = data.click_logodds()
     model.set_click_prior(data.items.ids[logodds != 0], logodds[logodds != 0])  # 0: what an ad held by none gets
-    return model.eval()
+    choose_click_weight(model.eval(), data, pair)
+    return model

@@ -12,7 +12,8 @@ from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import Dims, SequenceEncoder, UserState
-from andromeda_core.models.train import TrainConfig, item_probability, log_q, lr_schedule, train, validation_score
+from andromeda_core.models.train import (CLICK_WEIGHTS, TrainConfig, choose_click_weight, item_probability, log_q,
+                                         lr_schedule, train, validation_score)
 
 DIMS = Dims(dim=16, gate=8, semantic=8, interests=2, categories=5)
 
@@ -131,6 +132,31 @@ def test_training_adds_the_datas_click_prior_after_training():
     assert torch.equal(again.click_logodds, model.click_logodds)
     plain = train(tiny_data(), "moe", cfg, progress=False)
     assert not len(plain.click_ids)  # no impressions logged: no prior
+
+
+def test_the_click_weight_is_chosen_on_the_impressions_after_the_validation_engagement():
+    """Item a, which the untrained model scores below item b for every user, was clicked every time it was
+    shown, b never; after each user's validation engagement both were shown again and a clicked: weight 0
+    orders every such pair wrongly, the largest weight every pair rightly, and the smallest weight that
+    does is kept. Data without such impressions keeps its weight."""
+    torch.manual_seed(0)
+    data = tiny_data()
+    n = len(data.users.items)
+    model = RetrievalModel("moe", DIMS, np.arange(1, 41)).eval()
+    with torch.no_grad():
+        stored = model.item_vectors(data.items)
+        base = model.score(model.users(user_inputs(data, stored, np.arange(n), np.array([data.split(u)[0] for u in range(n)]))),
+                           stored)
+    a, b = next((a, b) for a in range(40) for b in range(40) if (base[:, a] < base[:, b]).all())
+    data.users.shown = [np.array([[a, 1], [b, 0]]) for _ in range(n)]
+    data.users.validation_shown = [np.array([[a, 1], [b, 0], [b, 0]]) for _ in range(n)]
+    model.set_click_prior(data.items.ids, data.click_logodds())
+    shares = choose_click_weight(model, data, None)
+    assert list(shares) == list(CLICK_WEIGHTS) and shares[0.0] == 0.0 and shares[8.0] == 1.0
+    assert model.dims.click_weight == min(w for w, share in shares.items() if share == 1.0)
+    data.users.validation_shown = [np.array([[a, 1]]) for _ in range(n)]  # no unclicked impression to order
+    model.dims = DIMS
+    assert choose_click_weight(model, data, None) == {} and model.dims.click_weight == DIMS.click_weight
 
 
 def test_log_q_is_the_log_of_each_candidates_expected_count():

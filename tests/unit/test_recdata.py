@@ -65,6 +65,9 @@ def test_synthetic_impressions_are_the_logged_ones_before_the_held_out_engagemen
         mine = [e for e in log if e["user_id"] == request["user"]["user_id"]]
         expected = [[row[e["ad_id"]], int(e["event"] == "click")] for e in mine if e["ts"] < first_held_out]
         assert data.users.shown[u].tolist() == expected
+        test = clicks[-1] if len(clicks) >= 2 else float("-inf")
+        assert data.users.validation_shown[u].tolist() == [[row[e["ad_id"]], int(e["event"] == "click")] for e in mine
+                                                           if first_held_out <= e["ts"] < test]
         assert len(expected) < len(mine)  # the held-out clicks (and what follows) are left out
     assert any(len(seq) < 3 for seq in data.users.items)  # users with one or two engagements are covered
 
