@@ -12,6 +12,9 @@ warm-started from a MoE's frozen towers first takes the wide weights of its pair
 scored on that split (choose_pair_weights); they stay fixed while its deep part trains. Any other model
 may go on from one of its own kind (the distilled MoE goes on from the undistilled one); the caller
 compares the result with where it started (quality.train_all's choice includes distillation weight 0).
+Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
+takes the data's prior and its weight is chosen on the impressions logged after each user's validation
+engagement (choose_click_weight).
 """
 from __future__ import annotations
 
