@@ -225,6 +225,15 @@ def demo_model(world: Path) -> tuple[Path, bool]:
     return path, True
 
 
+def clear_demo_state(client, snapshot_dir: Path) -> None:
+    """Empties up's private Redis and the shards' snapshots: both hold ad vectors embedded by a replaced demo
+    model (a replica restores its newest snapshot first, and the republished ads, at the same versions,
+    would not replace what it restored)."""
+    client.flushdb()
+    for snapshot in snapshot_dir.glob("shard-*/snapshot-*.safetensors"):
+        snapshot.unlink()
+
+
 def cmd_up(args: argparse.Namespace) -> None:
     from andromeda_core.models.retrieval import served_name
     from index_updater.local_redis import LocalRedis
@@ -251,8 +260,9 @@ def cmd_up(args: argparse.Namespace) -> None:
             # up's own Redis holds the demo ads as a replaced model embedded them: shards would refuse them
             import redis
 
-            redis.Redis.from_url(redis_url).flushdb()
-            print("cleared var/redis: its demo ads were embedded by the previous demo model", file=sys.stderr)
+            clear_demo_state(redis.Redis.from_url(redis_url), Path(config.snapshot_dir))
+            print(f"cleared var/redis and {config.snapshot_dir}: their demo ads were embedded by the previous demo "
+                  "model", file=sys.stderr)
         if streams_empty(config):
             publish_demo(config, world)
         run_service(config, world, f"write token (for POST /v1/ad-events): {token}")

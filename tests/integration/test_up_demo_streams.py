@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 
-from andromeda_cli.service import embedded_by_another
+import redis
+
+from andromeda_cli.service import clear_demo_state, embedded_by_another
 from deployments.config import ServiceConfig
 from index_updater.publisher import Publisher
 from tests.conftest import upsert
@@ -17,3 +19,18 @@ def test_streams_embedded_by_another_model_are_found(redis_server, small_schema,
     Publisher(client, small_schema, scorer, shards=2, stream="up-demo").publish([parse_event(upsert(i)) for i in (1, 2, 3)])
     assert not embedded_by_another(config, scorer.name)
     assert embedded_by_another(config, "moe-v3")
+
+
+def test_a_replaced_demo_model_clears_redis_and_the_shards_snapshots(redis_server, tmp_path):
+    """Both hold vectors of the old model: a replica restoring a snapshot would serve them."""
+    server, _ = redis_server
+    url = (server.url if server else os.environ["REDIS_URL"]).rsplit("/", 1)[0] + "/15"  # a database of its own
+    client = redis.Redis.from_url(url)
+    client.set("andromeda:demo", b"old")
+    snapshot = tmp_path / "shard-0" / "snapshot-001-0000000001.safetensors"
+    snapshot.parent.mkdir()
+    snapshot.write_bytes(b"old vectors")
+    other = tmp_path / "shard-0" / "notes.txt"
+    other.write_text("kept")
+    clear_demo_state(client, tmp_path)
+    assert client.dbsize() == 0 and not snapshot.exists() and other.exists()
