@@ -229,9 +229,12 @@ def clear_demo_state(client, snapshot_dir: Path) -> None:
     """Empties up's private Redis and the shards' snapshots: both hold ad vectors embedded by a replaced demo
     model (a replica restores its newest snapshot first, and the republished ads, at the same versions,
     would not replace what it restored)."""
+    from index_updater.snapshots import SnapshotStore
+
     client.flushdb()
-    for snapshot in snapshot_dir.glob("shard-*/snapshot-*.safetensors"):
-        snapshot.unlink()
+    for shard in snapshot_dir.glob("shard-*"):
+        for snapshot in SnapshotStore(shard).paths():
+            snapshot.unlink()
 
 
 def cmd_up(args: argparse.Namespace) -> None:

@@ -123,12 +123,17 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return acc;
 }
 
+#if defined(__AVX512F__)
+// The lanes whose expert is usable (usable: 16 bytes, nonzero where set).
+inline __mmask16 usable_lanes(const uint8_t* usable) {
+    return _mm_cmpneq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128());
+}
+
 // The mixture of logits from every expert's similarity (sims) and gating logit (logits), one lane each: the
 // top_n usable experts by logit (of equal logits, the lower expert), their softmax, the gated sum.
-#if defined(__AVX512F__)
 inline float mixture(__m512 sims, __m512 logits, const uint8_t* usable, int64_t top_n) {
     const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    const __mmask16 ok = _mm_cmpneq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128());
+    const __mmask16 ok = usable_lanes(usable);
     const __mmask16 bad = (_mm512_cmp_ps_mask(logits, logits, _CMP_UNORD_Q) |
                            _mm512_cmp_ps_mask(logits, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ)) & ok;
     if (bad) return 0.0f;  // a NaN or +inf logit is chosen first and makes every gate NaN: all 0 (the reference)
@@ -215,7 +220,7 @@ template <int P>
 inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float bar) {
     const __m512 sims = products<P>(w, x, r.D);
     if (bar > -std::numeric_limits<float>::infinity()) {
-        const __mmask16 ok = _mm_cmpneq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128());
+        const __mmask16 ok = usable_lanes(usable);
         const float bound = std::fmax(_mm512_mask_reduce_max_ps(ok, sims), 0.0f);
         if (bound < bar) return -std::numeric_limits<float>::infinity();
     }

@@ -27,7 +27,7 @@ def test_a_replaced_demo_model_clears_redis_and_the_shards_snapshots(redis_serve
     url = (server.url if server else os.environ["REDIS_URL"]).rsplit("/", 1)[0] + "/15"  # a database of its own
     client = redis.Redis.from_url(url)
     client.set("andromeda:demo", b"old")
-    snapshot = tmp_path / "shard-0" / "snapshot-001-0000000001.safetensors"
+    snapshot = tmp_path / "shard-0" / "snapshot-000000000000001-0000000001.safetensors"  # as SnapshotStore names it
     snapshot.parent.mkdir()
     snapshot.write_bytes(b"old vectors")
     other = tmp_path / "shard-0" / "notes.txt"
