@@ -312,8 +312,9 @@ std::vector<Word> transpose_truth(const int32_t* truth, int64_t W, int64_t first
     return held;
 }
 
-// The requests of the group (now: theirs, count of them) that may be served ad i, one bit each.
-template <typename Word>
+// The requests of the group (now: theirs, count of them) that may be served ad i, one bit each. COLUMNS: the
+// table's refs per row when known at compile time, else 0.
+template <typename Word, int COLUMNS>
 inline Word matches(const Table& t, const Word* held, Word all, const int64_t* now, int64_t count, int64_t earliest,
                     int64_t latest, int64_t i) {
     const int64_t start = t.start[i], end = t.end[i];
@@ -321,12 +322,40 @@ inline Word matches(const Table& t, const Word* held, Word all, const int64_t* n
     if (!ok)  // rare: then request by request
         for (int64_t b = 0; b < count; ++b) ok |= static_cast<Word>(((start <= now[b]) & (now[b] < end)) ? Word(1) << b : 0);
     ok = ((t.status[i] & SERVABLE) == SERVABLE) ? ok : Word(0);
-    const int32_t* row = t.refs + i * t.C;
-    for (int64_t c = 0; c < t.C; ++c) {  // padding (clause 0, negated) holds for everyone
+    const int64_t columns = COLUMNS ? COLUMNS : t.C;
+    const int32_t* row = t.refs + i * columns;
+    for (int64_t c = 0; c < columns; ++c) {  // padding (clause 0, negated) holds for everyone
         const int32_t ref = row[c];
         ok &= static_cast<Word>(held[ref >> 1] ^ static_cast<Word>(-(ref & 1)));
     }
     return ok;
+}
+
+// matches() of the `size` ads from `first` into out.
+template <typename Word, int COLUMNS>
+void match_run(const Table& t, const Word* held, Word all, const int64_t* now, int64_t count, int64_t earliest,
+               int64_t latest, int64_t first, int64_t size, Word* out) {
+    for (int64_t k = 0; k < size; ++k) out[k] = matches<Word, COLUMNS>(t, held, all, now, count, earliest, latest, first + k);
+}
+
+template <typename Word>
+using MatchRun = void (*)(const Table&, const Word*, Word, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, Word*);
+
+// match_run for a table of C refs per row: the loop over them unrolled for the usual widths (at B = 1, 4-7% faster
+// than a loop to t.C; chosen once, so the scan itself is compiled once per Word).
+template <typename Word>
+MatchRun<Word> match_run_for(int64_t C) {
+    switch (C) {
+        case 1: return match_run<Word, 1>;
+        case 2: return match_run<Word, 2>;
+        case 3: return match_run<Word, 3>;
+        case 4: return match_run<Word, 4>;
+        case 5: return match_run<Word, 5>;
+        case 6: return match_run<Word, 6>;
+        case 7: return match_run<Word, 7>;
+        case 8: return match_run<Word, 8>;
+        default: return match_run<Word, 0>;
+    }
 }
 
 constexpr int64_t BLOCK = 16;  // ads matched (and their rows prefetched) one block ahead of their scoring (16 measured
@@ -364,6 +393,7 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
     const Word all = static_cast<Word>(g.count == 8 * int64_t(sizeof(Word)) ? ~Word(0) : (Word(1) << g.count) - 1);
     const int64_t* now = r.now + g.first;
     const int64_t per = (t.n + tasks - 1) / tasks;
+    const MatchRun<Word> match = match_run_for<Word>(t.C);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; ++task) {
         // A decoded row per ad of a block (a multiple of 16 floats), with LANES floats past the dims (packed rows
@@ -379,8 +409,7 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
         int64_t matched[2][BLOCK], n_matched[2] = {0, 0};
         auto match_block = [&](int64_t block, int j) {
             const int64_t count = last - block < BLOCK ? last - block : BLOCK;
-            for (int64_t k = 0; k < count; ++k)
-                words[j][k] = matches<Word>(t, held.data(), all, now, g.count, g.earliest, g.latest, block + k);
+            match(t, held.data(), all, now, g.count, g.earliest, g.latest, block, count, words[j]);
             int64_t n = 0;
             for (int64_t k = 0; k < count; ++k) {  // the ads some request matched, without a branch on the data
                 matched[j][n] = block + k;
@@ -451,10 +480,14 @@ extern "C" void clause_match(int64_t n, int64_t C, const int8_t* status, const i
     for_each_group(now, B, [&]<typename Word>(const Group& g) {
         const std::vector<Word> held = transpose_truth<Word>(truth, W, g.first, g.count);
         const Word all = static_cast<Word>(g.count == 8 * int64_t(sizeof(Word)) ? ~Word(0) : (Word(1) << g.count) - 1);
+        const MatchRun<Word> match = match_run_for<Word>(C);
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t i = 0; i < n; ++i) {
-            const Word ok = matches<Word>(t, held.data(), all, now + g.first, g.count, g.earliest, g.latest, i);
-            for (int64_t b = 0; b < g.count; ++b) out[(g.first + b) * n + i] = (ok >> b) & 1;
+        for (int64_t block = 0; block < n; block += BLOCK) {
+            Word words[BLOCK];
+            const int64_t size = n - block < BLOCK ? n - block : BLOCK;
+            match(t, held.data(), all, now + g.first, g.count, g.earliest, g.latest, block, size, words);
+            for (int64_t b = 0; b < g.count; ++b)
+                for (int64_t k = 0; k < size; ++k) out[(g.first + b) * n + block + k] = (words[k] >> b) & 1;
         }
     });
 }
