@@ -35,7 +35,7 @@ from andromeda_core.clauses import ClauseDictionary
 from andromeda_core.errors import NotFound
 from andromeda_core.locks import ReadWriteLock
 from andromeda_core.ops import INT64_MAX, INT64_MIN, IndexOp, OpBatch
-from andromeda_core.quantization import dequantize, int8_blocks
+from andromeda_core.quantization import aligned_rows, dequantize, int8_blocks
 from andromeda_core.schema import Schema
 from andromeda_core.slots import SlotBook, SlotPlan
 from andromeda_core.targeting import ColumnSpec, UserValues
@@ -72,12 +72,16 @@ class AdIndex:
         self.schema, self.dim, self.device = schema, dim, torch.device(device)
         self.specs = core_columns(dim, embedding_dtype, exact_copy, refs_width)
         self._writer = RowWriter(schema, dim, self.specs, self.device)
-        self.columns = {name: self._filled(spec, capacity) for name, spec in self.specs.items()}
+        self.columns = {name: self._filled(name, capacity) for name in self.specs}
         self.clauses = ClauseDictionary(schema, refs_width)
         self._book = SlotBook(capacity)
         self._lock = ReadWriteLock()
 
-    def _filled(self, spec: ColumnSpec, n: int) -> torch.Tensor:
+    def _filled(self, name: str, n: int) -> torch.Tensor:
+        """Column `name` for n slots, every slot at the column's fill; the scan's embedding rows cache-line aligned."""
+        spec = self.specs[name]
+        if name == "embedding":
+            return aligned_rows(n, self.dim, spec.dtype, spec.fill, self.device)
         return torch.full((n, *spec.shape), spec.fill, dtype=spec.dtype, device=self.device)
 
     # -- reading ---------------------------------------------------------------------------------
@@ -307,7 +311,7 @@ class AdIndex:
         while capacity < needed:
             capacity *= 2
         grown = {}
-        for name, spec in self.specs.items():
-            grown[name] = self._filled(spec, capacity)
+        for name in self.specs:
+            grown[name] = self._filled(name, capacity)
             grown[name][: self.capacity] = self.columns[name]
         return grown

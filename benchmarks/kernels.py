@@ -38,7 +38,7 @@ from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel
 from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.towers import Dims, UserInputs
 from andromeda_core.ingest import load_events, read_events
-from andromeda_core.quantization import quantize_int8
+from andromeda_core.quantization import aligned_rows, quantize_int8
 from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.targeting import compile_user
@@ -82,10 +82,18 @@ class Table:
         return Table(self.status, self.start, self.end, self.refs, vectors, scales)
 
     def tiled(self, times: int, device: str) -> "Table":
-        """The table repeated `times` times, on `device` (tiled there: the host holds one copy)."""
+        """The table repeated `times` times, on `device` (tiled there: the host holds one copy), its vectors' rows
+        aligned as an AdIndex aligns them."""
         def tile(t):
             return None if t is None else t.to(device).repeat(times, *([1] * (t.dim() - 1)))
-        return Table(*(tile(t) for t in (self.status, self.start, self.end, self.refs, self.vectors, self.scales)))
+        status, start, end, refs, vectors, scales = (tile(t) for t in (self.status, self.start, self.end, self.refs,
+                                                                         self.vectors, self.scales))
+        return Table(status, start, end, refs, aligned(vectors), scales)
+
+
+def aligned(vectors: torch.Tensor) -> torch.Tensor:
+    """vectors (n, S) copied into rows aligned as AdIndex aligns its embedding column."""
+    return aligned_rows(*vectors.shape, vectors.dtype, device=vectors.device).copy_(vectors)
 
 
 def build(ads: int, workdir: Path) -> tuple[Table, "Requests"]:

@@ -10,6 +10,7 @@ import torch
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
+from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.ops import PreparedAd
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.targeting import CompiledTargeting, compile_targeting, compile_user
@@ -98,6 +99,20 @@ def test_growth_past_initial_capacity_keeps_every_ad(index, scorer):
     assert index.capacity >= 39 and len(index) == 39
     assert eligible(index, {"age": 20}) == list(range(1, 40))
     assert eligible(index, {"age": 13}) == [i for i in range(1, 40) if i % 8 == 0]
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.int8])
+def test_the_scans_embedding_rows_start_on_cache_lines_through_growth_and_restore(small_schema, storage):
+    scorer = HashedTwoTower(dim=13, buckets=4096)  # 13 dims: no storage's rows are whole cache lines
+    index = AdIndex(small_schema, scorer.dim, capacity=4, embedding_dtype=storage, exact_copy=False)
+    apply_events(index, scorer, [upsert(i) for i in range(1, 40)])  # grown from 4 slots
+    restored = AdIndex.from_state(small_schema, *index.export_state())
+    for table in (index, restored):
+        vectors = table.scan_columns()[4]
+        assert vectors.shape == (39, 13) and vectors.stride(1) == 1
+        assert vectors.data_ptr() % 64 == 0 and vectors.stride(0) * vectors.element_size() == 64
+    assert torch.equal(restored.embeddings(0, 39), index.embeddings(0, 39))
+    assert index.embeddings(0, 39).abs().sum(1).min() > 0  # every row written
 
 
 def test_freed_slots_are_reused(index, scorer):
