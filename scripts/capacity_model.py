@@ -197,7 +197,7 @@ def report(inputs: dict) -> str:
            f"Hardware: {h['note']}", "",
            "## Bytes per ad", "",
            model["note"], "",
-           f"A pass reads every ad's targeting and, for an ad at least one request of the batch is eligible for, its",
+           "A pass reads every ad's targeting and, for an ad at least one request of the batch is eligible for, its",
            f"vector: with a measured eligible share e = {m['eligible_fraction']:.1%} per request, a batch of B requests reads",
            "a vector with probability 1 - (1 - e)^B.", "",
            f"| storage | rescore | held per ad | read per ad, 1 request | read per ad, batch of 16 | ads per {h['gpu']} "
@@ -274,7 +274,7 @@ def report(inputs: dict) -> str:
             "(docs/operations.md, 'Scale replicas'), and measure the router on the production CPUs first.", "",
             "## Network bytes per request", "",
             "From the message sizes measured in docs/benchmarks.md ('Serving under load', 'Bytes per request between",
-            f"router and shards'): request and response JSON, the history lookup, and per shard a UserQuery and a top-100",
+            "router and shards'): request and response JSON, the history lookup, and per shard a UserQuery and a top-100",
             f"answer; the shipped-candidate columns use the measured eligible share ({e:.1%}).", "",
             "| ads | shards | " + " | ".join(network_bytes(inputs, 1, 1, b)) + " |", "|---|---|---|---|---|"]
     for ads in w["corpora"]:
