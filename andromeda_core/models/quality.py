@@ -156,14 +156,15 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
 
 
 def click_weights(trained: Trained) -> str:
-    """The sentence on the click prior's weights, where the data has one (train.choose_click_weight)."""
-    held = {kind: m.dims.click_weight for kind, m in trained.models.items() if len(m.click_ids)}
+    """The sentence on the click prior's smoothings and weights, where the data has one (train.choose_click_prior)."""
+    held = {kind: m.dims for kind, m in trained.models.items() if len(m.click_ids)}
     if not held:
         return ""
-    return ("Weight of the click prior (each ad's click log-odds over the impressions logged before the held-out "
-            "engagements, added to its bias after training), chosen by how well the scores order the clicked "
-            "above the unclicked impressions logged from each user's validation engagement to the test one: "
-            + ", ".join(f"{kind} {w:g}" for kind, w in held.items()) + ". ")
+    return ("Click prior: each ad's click log-odds over the impressions logged before the held-out engagements, "
+            "smoothed toward the overall rate by s impressions and added w times to its bias after training; s and w "
+            "chosen by how well the scores order the clicked above the unclicked impressions logged from each user's "
+            "validation engagement to the test one: "
+            + ", ".join(f"{kind} s = {d.click_smoothing:g}, w = {d.click_weight:g}" for kind, d in held.items()) + ". ")
 
 
 def storage_label(dtype: str, rescore: int) -> str:

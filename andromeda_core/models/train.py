@@ -13,8 +13,8 @@ scored on that split (choose_pair_weights); they stay fixed while its deep part 
 may go on from one of its own kind (the distilled MoE goes on from the undistilled one); the caller
 compares the result with where it started (quality.train_all's choice includes distillation weight 0).
 Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
-takes the data's prior and its weight is chosen on the impressions logged after each user's validation
-engagement (choose_click_weight).
+takes the data's prior, its smoothing and weight chosen on the impressions logged after each user's
+validation engagement (choose_click_prior).
 """
 from __future__ import annotations
 
@@ -114,26 +114,37 @@ def choose_pair_weights(model: RetrievalModel, data: RecData, users: np.ndarray,
     return out
 
 
-CLICK_WEIGHTS = (0.0, 1.0, 2.0, 4.0, 8.0)  # weights of the click prior tried (choose_click_weight)
+def hold_click_prior(model: RetrievalModel, ids: np.ndarray, logodds: np.ndarray) -> None:
+    """The model holds the click log-odds (N,) of the items with ids (N,), those that are not 0 (what an ad it
+    holds none for gets)."""
+    model.set_click_prior(ids[logodds != 0], logodds[logodds != 0])
+
+
+CLICK_WEIGHTS = (0.0, 1.0, 2.0, 4.0, 8.0)  # weights of the click prior tried (choose_click_prior)
+CLICK_SMOOTHINGS = (2.0, 5.0, 10.0, 20.0)  # smoothings of the click log-odds tried (RecData.click_logodds)
 
 
 @torch.no_grad()
-def choose_click_weight(model: RetrievalModel, data: RecData, pair: PairFeatures | None,
-                        grid: tuple[float, ...] = CLICK_WEIGHTS, batch: int = 64) -> dict[float, float]:
-    """Sets the weight of the model's click prior (dims.click_weight) to the one of the grid whose scores best
-    order the impressions logged from each user's validation engagement up to the test one: the mean over
-    users of the share of their (clicked, unclicked) pairs with the clicked scored higher (ties count half),
-    the user's state taken at the validation engagement. That is the choice serving makes among the ads a
-    user is shown, and no test engagement is read. Returns the share per weight ({} and the weight kept
-    when no user has both a clicked and an unclicked such impression: data that logs none)."""
+def choose_click_prior(model: RetrievalModel, data: RecData, pair: PairFeatures | None,
+                       smoothings: tuple[float, ...] = CLICK_SMOOTHINGS, weights: tuple[float, ...] = CLICK_WEIGHTS,
+                       batch: int = 64) -> dict[tuple[float, float], float]:
+    """Sets the model's click prior to the data's click log-odds at one smoothing (dims.click_smoothing) and its
+    weight (dims.click_weight) to the pair of the grids whose scores best order the impressions logged from each
+    user's validation engagement up to the test one: the mean over users of the share of their (clicked,
+    unclicked) pairs with the clicked scored higher (ties count half), the user's state taken at the validation
+    engagement. That is the choice serving makes among the ads a user is shown, and no test engagement is read.
+    Returns the share per (smoothing, weight); {} when no user has both a clicked and an unclicked such impression
+    (the prior is then taken at the model's smoothing, its weight kept). Of equal shares, the smaller smoothing,
+    then weight. Data that logs no impressions gives every ad 0: no prior."""
     users = np.array([u for u, s in enumerate(data.users.validation_shown) if 0 < s[:, 1].sum() < len(s)], np.int64)
     if not len(users):
+        hold_click_prior(model, data.items.ids, data.click_logodds(model.dims.click_smoothing))
         return {}
     with model.without_click_prior():
         stored = model.item_vectors(data.items)
-    prior = model.click_prior(torch.from_numpy(data.items.ids))
+    priors = {s: torch.from_numpy(data.click_logodds(s)) for s in smoothings}  # (N,) per item row
     text = torch.from_numpy(data.items.text).float()
-    shares = {w: [] for w in grid}
+    shares = {(s, w): [] for s in smoothings for w in weights}
     for first in range(0, len(users), batch):
         us = users[first:first + batch]
         positions = np.array([data.split(u)[0] for u in us])
@@ -145,12 +156,14 @@ def choose_click_weight(model: RetrievalModel, data: RecData, pair: PairFeatures
         at = np.cumsum([0] + [len(s) for s in shown])
         for b, s in enumerate(shown):
             own, clicked = torch.from_numpy(s[:, 0]), torch.from_numpy(s[:, 1] == 1)
-            for w in grid:
-                score = base[b, at[b]:at[b + 1]] + w * prior[own]
+            for smoothing, weight in shares:
+                score = base[b, at[b]:at[b + 1]] + weight * priors[smoothing][own]
                 order = (score[clicked][:, None] - score[~clicked][None, :]).sign()
-                shares[w].append(float((order + 1).mean() / 2))
-    out = {w: float(np.mean(v)) for w, v in shares.items()}
-    model.dims = dataclasses.replace(model.dims, click_weight=max(grid, key=out.get))  # ties: the smaller weight
+                shares[smoothing, weight].append(float((order + 1).mean() / 2))
+    out = {key: float(np.mean(v)) for key, v in shares.items()}
+    smoothing, weight = max(out, key=out.get)  # max keeps the first of equals
+    hold_click_prior(model, data.items.ids, priors[smoothing].numpy())
+    model.dims = dataclasses.replace(model.dims, click_smoothing=smoothing, click_weight=weight)
     return out
 
 
@@ -338,7 +351,5 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
                     break
     if best_state is not None:
         model.load_state_dict(best_state)
-    logodds = data.click_logodds()
-    model.set_click_prior(data.items.ids[logodds != 0], logodds[logodds != 0])  # 0: what an ad held by none gets
-    choose_click_weight(model.eval(), data, pair)
+    choose_click_prior(model.eval(), data, pair)
     return model

@@ -12,7 +12,7 @@ from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import Dims, SequenceEncoder, UserState
-from andromeda_core.models.train import (CLICK_WEIGHTS, TrainConfig, choose_click_weight, item_probability, log_q,
+from andromeda_core.models.train import (CLICK_SMOOTHINGS, CLICK_WEIGHTS, TrainConfig, choose_click_prior, item_probability, log_q,
                                          lr_schedule, train, validation_score)
 
 DIMS = Dims(dim=16, gate=8, semantic=8, interests=2, categories=5)
@@ -118,7 +118,8 @@ def test_training_adds_the_datas_click_prior_after_training():
     data.users.shown = [np.array([[(u * 3 + 7) % 40, u % 2]]) for u in range(len(data.users.items))]
     cfg = TrainConfig(steps=4, batch=8, negatives=4, validate_every=2)
     model = train(data, "moe", cfg, progress=False)
-    assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds()))
+    assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)),
+                       torch.from_numpy(data.click_logodds(model.dims.click_smoothing)))
     assert model.click_logodds.abs().sum() > 0
     seen = []
     original = RetrievalModel.score
@@ -134,11 +135,12 @@ def test_training_adds_the_datas_click_prior_after_training():
     assert not len(plain.click_ids)  # no impressions logged: no prior
 
 
-def test_the_click_weight_is_chosen_on_the_impressions_after_the_validation_engagement():
+def test_the_click_prior_is_chosen_on_the_impressions_after_the_validation_engagement():
     """Item a, which the untrained model scores below item b for every user, was clicked every time it was
     shown, b never; after each user's validation engagement both were shown again and a clicked: weight 0
-    orders every such pair wrongly, the largest weight every pair rightly, and the smallest weight that
-    does is kept. Data without such impressions keeps its weight."""
+    orders every such pair wrongly, the largest weight with the least smoothing every pair rightly, and of
+    those that do, the least smoothing and then the smallest weight is kept, with its log-odds as the prior.
+    Data without such impressions gives the prior at the default smoothing and keeps the weight."""
     torch.manual_seed(0)
     data = tiny_data()
     n = len(data.users.items)
@@ -150,13 +152,16 @@ def test_the_click_weight_is_chosen_on_the_impressions_after_the_validation_enga
     a, b = next((a, b) for a in range(40) for b in range(40) if (base[:, a] < base[:, b]).all())
     data.users.shown = [np.array([[a, 1], [b, 0]]) for _ in range(n)]
     data.users.validation_shown = [np.array([[a, 1], [b, 0], [b, 0]]) for _ in range(n)]
-    model.set_click_prior(data.items.ids, data.click_logodds())
-    shares = choose_click_weight(model, data, None)
-    assert list(shares) == list(CLICK_WEIGHTS) and shares[0.0] == 0.0 and shares[8.0] == 1.0
-    assert model.dims.click_weight == min(w for w, share in shares.items() if share == 1.0)
+    shares = choose_click_prior(model, data, None)
+    assert list(shares) == [(s, w) for s in CLICK_SMOOTHINGS for w in CLICK_WEIGHTS]
+    assert shares[CLICK_SMOOTHINGS[0], 0.0] == 0.0 and shares[CLICK_SMOOTHINGS[0], 8.0] == 1.0
+    chosen = next(key for key, share in shares.items() if share == 1.0)
+    assert (model.dims.click_smoothing, model.dims.click_weight) == chosen
+    assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds(chosen[0])))
     data.users.validation_shown = [np.array([[a, 1]]) for _ in range(n)]  # no unclicked impression to order
-    model.dims = DIMS
-    assert choose_click_weight(model, data, None) == {} and model.dims.click_weight == DIMS.click_weight
+    model = RetrievalModel("moe", DIMS, np.arange(1, 41)).eval()
+    assert choose_click_prior(model, data, None) == {} and model.dims == DIMS
+    assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds()))
 
 
 def test_log_q_is_the_log_of_each_candidates_expected_count():
