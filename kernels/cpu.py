@@ -1,6 +1,5 @@
 """The fused pass on the CPU: kernels/cpu_fused.cpp, compiled once per machine (g++ -O3 -march=native
--fopenmp) into a cache and called through ctypes. Same inputs and result as kernels.reference.fused;
-the tasks' partial heaps are merged here."""
+-fopenmp) into a cache and called through ctypes. Same inputs and result as kernels.reference.fused."""
 from __future__ import annotations
 
 import ctypes
@@ -77,17 +76,6 @@ def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
-def merge_partials(scores: torch.Tensor, slots: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-task partial results (T, B, m) -> the m best per request (slots (B, m), scores (B, m)) by score
-    descending, then slot ascending; empty places (slot -1) last."""
-    B = scores.shape[1]
-    scores, slots = scores.permute(1, 0, 2).reshape(B, -1), slots.permute(1, 0, 2).reshape(B, -1)
-    by_slot = torch.argsort(torch.where(slots < 0, torch.iinfo(torch.int64).max, slots), dim=1, stable=True)
-    scores, slots = scores.gather(1, by_slot), slots.gather(1, by_slot)
-    by_score = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :m]
-    return slots.gather(1, by_score), scores.gather(1, by_score)
-
-
 def packing(E: int) -> int:
     """Dims per 16-lane row of the request side (cpu_fused.cpp's P): 4 for up to 4 experts, 2 up to 8, else 1."""
     return 4 if E <= 4 else 2 if E <= 8 else 1
@@ -134,9 +122,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         raise ValueError(f"the CPU kernel takes at most {LANES} experts, got {experts.shape[1]}")
     weights, usable = expert_weights(experts, keys, mask)
     tasks = max(1, min(threads * TASKS_PER_THREAD, n))
-    out_score = torch.full((tasks, B, m), float("-inf"))
-    out_slot = torch.full((tasks, B, m), -1, dtype=torch.int64)
-    counts = torch.zeros((tasks, B), dtype=torch.int64)
+    out_score, out_slot, counts = torch.empty((B, m)), torch.empty((B, m), dtype=torch.int64), torch.empty(B, dtype=torch.int64)
     i64 = ctypes.c_int64
     library().fused_scan(
         i64(n), i64(refs.shape[1]), i64(vectors.stride(0)), i64(0 if scales is None else scales.shape[1]),
@@ -145,8 +131,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         i64(experts.shape[2]), i64(keys.shape[2]), i64(packing(experts.shape[1])), _pointer(now), _pointer(truth),
         _pointer(weights), _pointer(usable), i64(bias_col), i64(top_n), i64(m), i64(tasks), ctypes.c_int(threads), _pointer(out_score), _pointer(out_slot),
         _pointer(counts))
-    slots, scores = merge_partials(out_score, out_slot, m)
-    return slots, scores, counts.sum(0)
+    return out_slot, out_score, counts
 
 
 def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,

@@ -10,8 +10,9 @@
 // then scored for each request it matched: the request's experts and gating keys are one (D + G, 16)
 // matrix, so the similarities of every expert and the gating logits of every expert are 16-lane
 // multiply-adds over the ad's dims (no horizontal sums); then the top-n logits, their softmax and the
-// gated sum. Each task keeps a bounded heap of its m best (score, slot) per request; kernels/cpu.py merges
-// the tasks' heaps. Nothing of the table's size is allocated.
+// gated sum. Each task keeps a bounded heap of its m best (score, slot) per request; the tasks' heaps are
+// merged at the end. Nothing of the table's size is allocated.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -458,7 +459,30 @@ void for_each_group(const int64_t* now, int64_t B, Fn&& fn) {
 
 }  // namespace
 
-// S: the row stride of vectors (dims are contiguous). out_score, out_slot (tasks, B, m); counts (tasks, B).
+namespace {
+
+// The m best of the tasks' heaps for request b into score, slot (m each): by score descending, then slot ascending,
+// empty places (slot -1, score -inf) after every ad.
+void merge_heaps(const float* heap_score, const int64_t* heap_slot, int64_t tasks, int64_t B, int64_t m, int64_t b,
+                 float* score, int64_t* slot) {
+    std::vector<int64_t> order;  // places in the (tasks, B, m) heaps that hold an ad
+    for (int64_t task = 0; task < tasks; ++task)
+        for (int64_t at = (task * B + b) * m; at < (task * B + b + 1) * m; ++at)
+            if (heap_slot[at] >= 0) order.push_back(at);
+    const int64_t kept = static_cast<int64_t>(order.size()) < m ? static_cast<int64_t>(order.size()) : m;
+    std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int64_t x, int64_t y) {
+        return better(heap_score[x], heap_slot[x], heap_score[y], heap_slot[y]);
+    });
+    for (int64_t k = 0; k < m; ++k) {
+        score[k] = k < kept ? heap_score[order[k]] : -std::numeric_limits<float>::infinity();
+        slot[k] = k < kept ? heap_slot[order[k]] : -1;
+    }
+}
+
+}  // namespace
+
+// S: the row stride of vectors (dims are contiguous). out_score, out_slot (B, m); counts (B,). The slots are cut
+// into `tasks` ranges, each with a heap per request, merged at the end.
 extern "C" void fused_scan(int64_t n, int64_t C, int64_t S, int64_t n_scales, const int8_t* status,
                            const int64_t* start, const int64_t* end, const int32_t* refs, const void* vectors,
                            int kind, const float* scales, int64_t B, int64_t W, int64_t E, int64_t D, int64_t G,
@@ -467,9 +491,16 @@ extern "C" void fused_scan(int64_t n, int64_t C, int64_t S, int64_t n_scales, co
                            int64_t* out_slot, int64_t* counts) {
     const Table t{n, C, S, n_scales, status, start, end, refs, vectors, kind, scales};
     const Requests r{B, E, D, G, P, bias_col, top_n < E ? top_n : E, now, weights, mask};
+    std::vector<float> heap_score(tasks * B * m, -std::numeric_limits<float>::infinity());
+    std::vector<int64_t> heap_slot(tasks * B * m, -1), heap_counts(tasks * B, 0);
     for_each_group(now, B, [&]<typename Word>(const Group& g) {
-        scan_group<Word>(t, r, truth, W, g, m, tasks, threads, out_score, out_slot, counts);
+        scan_group<Word>(t, r, truth, W, g, m, tasks, threads, heap_score.data(), heap_slot.data(), heap_counts.data());
     });
+    for (int64_t b = 0; b < B; ++b) {
+        merge_heaps(heap_score.data(), heap_slot.data(), tasks, B, m, b, out_score + b * m, out_slot + b * m);
+        counts[b] = 0;
+        for (int64_t task = 0; task < tasks; ++task) counts[b] += heap_counts[task * B + b];
+    }
 }
 
 // out (B, n) bytes, 1 where request b may be served slot i.
