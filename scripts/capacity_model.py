@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 INPUTS = ROOT / "scripts" / "capacity_inputs.json"
 OUT = ROOT / "docs" / "scaling.md"
+ROW_ALIGN = 64  # bytes: AdIndex pads each stored vector's row to whole cache lines (andromeda_core.quantization)
 STORAGES = ("fp32", "fp16", "int8")
 
 
@@ -31,9 +32,12 @@ def load_inputs(path: Path = INPUTS) -> dict:
     return {**flat, "raw": raw}
 
 
-def vector_bytes(storage: str, dims: int, block: int = 16) -> int:
-    """Bytes of one stored vector of `dims` dims: fp32, fp16, or int8 with one fp32 scale per block."""
-    return {"fp32": 4 * dims, "fp16": 2 * dims, "int8": dims + 4 * math.ceil(dims / block)}[storage]
+def vector_bytes(storage: str, dims: int, block: int = 16, line: int = 0) -> int:
+    """Bytes of one stored vector of `dims` dims: fp32, fp16, or int8 with one fp32 scale per block; with `line`,
+    its row of values padded to whole lines of that many bytes (how AdIndex holds them)."""
+    row = {"fp32": 4 * dims, "fp16": 2 * dims, "int8": dims}[storage]
+    scales = 4 * math.ceil(dims / block) if storage == "int8" else 0
+    return (-(-row // line) * line if line else row) + scales
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class AdBytes:
 def ad_bytes(inputs: dict, storage: str, rescore: int) -> AdBytes:
     m = inputs["model"]
     exact = 4 * m["dim"] if storage != "fp32" and rescore > 0 else 0  # the float32 copy a lossy table keeps for rescoring
-    held = m["targeting_bytes"] + m["held_meta_bytes"] + vector_bytes(storage, m["dim"], m["int8_block"]) + exact
+    held = m["targeting_bytes"] + m["held_meta_bytes"] + vector_bytes(storage, m["dim"], m["int8_block"], ROW_ALIGN) + exact
     return AdBytes(held, m["targeting_bytes"], vector_bytes(storage, m["scan_dims"], m["int8_block"]))
 
 

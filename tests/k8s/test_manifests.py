@@ -16,12 +16,14 @@ import jsonschema
 import kubernetes_validate
 import promql_parser
 import pytest
+import torch
 import yaml
 from pydantic import BaseModel
 from ray.serve.schema import ServeDeploySchema
 
 from andromeda_cli.k8s import PATCH_FILE, overlay_config, serve_config_patch
 from andromeda_cli.main import main
+from andromeda_core.quantization import ROW_ALIGN, aligned_rows
 from deployments.config import ServiceConfig
 from deployments.metrics import ServiceMetrics
 from tests.k8s.kustomize import build
@@ -432,3 +434,12 @@ def test_gpu_prod_is_the_capacity_plan():
 def test_scaling_doc_is_what_the_capacity_model_writes():
     capacity = load_capacity_model()
     assert (ROOT / "docs" / "scaling.md").read_text() == capacity.report(capacity.load_inputs())
+
+
+def test_capacity_model_pads_vector_rows_as_the_index_does():
+    capacity = load_capacity_model()
+    assert capacity.ROW_ALIGN == ROW_ALIGN
+    for storage, dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("int8", torch.int8)):
+        rows = aligned_rows(2, 113, dtype)
+        scales = capacity.vector_bytes("int8", 113) - 113 if storage == "int8" else 0
+        assert capacity.vector_bytes(storage, 113, line=ROW_ALIGN) == rows.stride(0) * rows.element_size() + scales
