@@ -86,14 +86,10 @@ class Table:
         aligned as an AdIndex aligns them."""
         def tile(t):
             return None if t is None else t.to(device).repeat(times, *([1] * (t.dim() - 1)))
-        status, start, end, refs, vectors, scales = (tile(t) for t in (self.status, self.start, self.end, self.refs,
-                                                                         self.vectors, self.scales))
-        return Table(status, start, end, refs, aligned(vectors), scales)
-
-
-def aligned(vectors: torch.Tensor) -> torch.Tensor:
-    """vectors (n, S) copied into rows aligned as AdIndex aligns its embedding column."""
-    return aligned_rows(*vectors.shape, vectors.dtype, device=vectors.device).copy_(vectors)
+        n, width = self.vectors.shape
+        vectors = aligned_rows(times * n, width, self.vectors.dtype, device=device)
+        vectors.unflatten(0, (times, n)).copy_(self.vectors.to(device).expand(times, n, width))
+        return Table(*(tile(t) for t in (self.status, self.start, self.end, self.refs)), vectors, tile(self.scales))
 
 
 def build(ads: int, workdir: Path) -> tuple[Table, "Requests"]:

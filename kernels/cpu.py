@@ -122,15 +122,18 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         raise ValueError(f"the CPU kernel takes at most {LANES} experts, got {experts.shape[1]}")
     weights, usable = expert_weights(experts, keys, mask)
     tasks = max(1, min(threads * TASKS_PER_THREAD, n))
-    out_score, out_slot, counts = torch.empty((B, m)), torch.empty((B, m), dtype=torch.int64), torch.empty(B, dtype=torch.int64)
+    out_score = torch.empty((B, m), dtype=torch.float32)
+    out_slot, counts = torch.empty((B, m), dtype=torch.int64), torch.empty(B, dtype=torch.int64)
     i64 = ctypes.c_int64
-    library().fused_scan(
+    failed = library().fused_scan(
         i64(n), i64(refs.shape[1]), i64(vectors.stride(0)), i64(0 if scales is None else scales.shape[1]),
         _pointer(status), _pointer(start), _pointer(end), _pointer(refs), _pointer(vectors),
         ctypes.c_int(STORAGE[vectors.dtype]), _pointer(scales), i64(B), i64(truth.shape[1]), i64(experts.shape[1]),
         i64(experts.shape[2]), i64(keys.shape[2]), i64(packing(experts.shape[1])), _pointer(now), _pointer(truth),
         _pointer(weights), _pointer(usable), i64(bias_col), i64(top_n), i64(m), i64(tasks), ctypes.c_int(threads), _pointer(out_score), _pointer(out_slot),
         _pointer(counts))
+    if failed:
+        raise MemoryError(f"the CPU kernel's heaps for {B} requests x top {m} did not fit in memory")
     return out_slot, out_score, counts
 
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -461,13 +462,13 @@ void for_each_group(const int64_t* now, int64_t B, Fn&& fn) {
 
 namespace {
 
-// The m best of the tasks' heaps for request b into score, slot (m each): by score descending, then slot ascending,
-// empty places (slot -1, score -inf) after every ad.
-void merge_heaps(const float* heap_score, const int64_t* heap_slot, int64_t tasks, int64_t B, int64_t m, int64_t b,
-                 float* score, int64_t* slot) {
-    std::vector<int64_t> order;  // places in the (tasks, B, m) heaps that hold an ad
+// The m best of the tasks' heaps (capacity h each) for request b into score, slot (m each): by score descending,
+// then slot ascending, empty places (slot -1, score -inf) after every ad.
+void merge_heaps(const float* heap_score, const int64_t* heap_slot, int64_t tasks, int64_t B, int64_t h, int64_t m,
+                 int64_t b, float* score, int64_t* slot) {
+    std::vector<int64_t> order;  // places in the (tasks, B, h) heaps that hold an ad
     for (int64_t task = 0; task < tasks; ++task)
-        for (int64_t at = (task * B + b) * m; at < (task * B + b + 1) * m; ++at)
+        for (int64_t at = (task * B + b) * h; at < (task * B + b + 1) * h; ++at)
             if (heap_slot[at] >= 0) order.push_back(at);
     const int64_t kept = static_cast<int64_t>(order.size()) < m ? static_cast<int64_t>(order.size()) : m;
     std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int64_t x, int64_t y) {
@@ -482,25 +483,32 @@ void merge_heaps(const float* heap_score, const int64_t* heap_slot, int64_t task
 }  // namespace
 
 // S: the row stride of vectors (dims are contiguous). out_score, out_slot (B, m); counts (B,). The slots are cut
-// into `tasks` ranges, each with a heap per request, merged at the end.
-extern "C" void fused_scan(int64_t n, int64_t C, int64_t S, int64_t n_scales, const int8_t* status,
-                           const int64_t* start, const int64_t* end, const int32_t* refs, const void* vectors,
-                           int kind, const float* scales, int64_t B, int64_t W, int64_t E, int64_t D, int64_t G,
-                           int64_t P, const int64_t* now, const int32_t* truth, const float* weights, const uint8_t* mask,
-                           int64_t bias_col, int64_t top_n, int64_t m, int64_t tasks, int threads, float* out_score,
-                           int64_t* out_slot, int64_t* counts) {
+// into `tasks` ranges, each with a heap per request of min(m, its slots) places, merged at the end. Returns 0, or 1
+// when memory for the heaps ran out (nothing written).
+extern "C" int fused_scan(int64_t n, int64_t C, int64_t S, int64_t n_scales, const int8_t* status,
+                          const int64_t* start, const int64_t* end, const int32_t* refs, const void* vectors,
+                          int kind, const float* scales, int64_t B, int64_t W, int64_t E, int64_t D, int64_t G,
+                          int64_t P, const int64_t* now, const int32_t* truth, const float* weights, const uint8_t* mask,
+                          int64_t bias_col, int64_t top_n, int64_t m, int64_t tasks, int threads, float* out_score,
+                          int64_t* out_slot, int64_t* counts) {
     const Table t{n, C, S, n_scales, status, start, end, refs, vectors, kind, scales};
     const Requests r{B, E, D, G, P, bias_col, top_n < E ? top_n : E, now, weights, mask};
-    std::vector<float> heap_score(tasks * B * m, -std::numeric_limits<float>::infinity());
-    std::vector<int64_t> heap_slot(tasks * B * m, -1), heap_counts(tasks * B, 0);
-    for_each_group(now, B, [&]<typename Word>(const Group& g) {
-        scan_group<Word>(t, r, truth, W, g, m, tasks, threads, heap_score.data(), heap_slot.data(), heap_counts.data());
-    });
-    for (int64_t b = 0; b < B; ++b) {
-        merge_heaps(heap_score.data(), heap_slot.data(), tasks, B, m, b, out_score + b * m, out_slot + b * m);
-        counts[b] = 0;
-        for (int64_t task = 0; task < tasks; ++task) counts[b] += heap_counts[task * B + b];
+    const int64_t per = (n + tasks - 1) / tasks, h = per < m ? per : m;  // a task keeps no more than it scans
+    try {
+        std::vector<float> heap_score(tasks * B * h, -std::numeric_limits<float>::infinity());
+        std::vector<int64_t> heap_slot(tasks * B * h, -1), heap_counts(tasks * B, 0);
+        for_each_group(now, B, [&]<typename Word>(const Group& g) {
+            scan_group<Word>(t, r, truth, W, g, h, tasks, threads, heap_score.data(), heap_slot.data(), heap_counts.data());
+        });
+        for (int64_t b = 0; b < B; ++b) {
+            merge_heaps(heap_score.data(), heap_slot.data(), tasks, B, h, m, b, out_score + b * m, out_slot + b * m);
+            counts[b] = 0;
+            for (int64_t task = 0; task < tasks; ++task) counts[b] += heap_counts[task * B + b];
+        }
+    } catch (const std::bad_alloc&) {
+        return 1;
     }
+    return 0;
 }
 
 // out (B, n) bytes, 1 where request b may be served slot i.

@@ -128,7 +128,8 @@ def both(kernel, *args):
     return kernel[0](*args), reference.fused_scan(*args)
 
 
-@pytest.mark.parametrize("n, B, C", [(1, 1, 1), (37, 3, 3), (301, 5, 4), (1000, 2, 6), (203, 2, 9)])  # 9: no unrolled copy
+@pytest.mark.parametrize("n, B, C", [(1, 1, 1), (37, 3, 3), (301, 5, 4), (1000, 2, 6),
+                                     *[(203, 2, C) for C in (1, 2, 5, 7, 8, 9)]])  # every unrolled width, and 9: the loop
 def test_match_equals_reference(kernel, n, B, C):
     gen = torch.Generator().manual_seed(n)
     status, start, end, refs, _, _ = make_table(gen, n, C, 1, torch.float32)

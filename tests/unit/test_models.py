@@ -158,6 +158,9 @@ def test_the_click_prior_is_chosen_on_the_impressions_after_the_validation_engag
     chosen = next(key for key, share in shares.items() if share == 1.0)
     assert (model.dims.click_smoothing, model.dims.click_weight) == chosen
     assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds(chosen[0])))
+    shares = choose_click_prior(model, data, None, smoothings=(10.0, 5.0))  # every pair ordered rightly: the first
+    assert model.dims.click_smoothing == 10.0 and shares[10.0, model.dims.click_weight] == 1.0
+    assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds(10.0)))
     data.users.validation_shown = [np.array([[a, 1]]) for _ in range(n)]  # no unclicked impression to order
     model = RetrievalModel("moe", DIMS, np.arange(1, 41)).eval()
     assert choose_click_prior(model, data, None) == {} and model.dims == DIMS
