@@ -237,6 +237,21 @@ def test_cpu_scan_skips_only_ads_that_cannot_enter_the_top(dtype):
     assert_same(cpu.fused_scan(*table, *requests, D + G, 2, 7), reference.fused_scan(*table, *requests, D + G, 2, 7))
 
 
+@pytest.mark.parametrize("tasks_per_thread", [1, 3])
+def test_cpu_scan_merges_the_heaps_of_many_slot_ranges(monkeypatch, tasks_per_thread):
+    """Whatever the machine's threads, 7 and 21 slot ranges (each with heaps of min(m, its slots) places) merge into
+    the reference's top: m below and above a range's size, ties included."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    monkeypatch.setattr(cpu, "TASKS_PER_THREAD", tasks_per_thread)
+    gen = torch.Generator().manual_seed(41)
+    status, start, end, refs, vectors, scales = make_table(gen, 500, 3, 21, torch.float16)
+    vectors[::3] = vectors[1]  # a third of the ads score alike
+    requests = make_requests(gen, 3, 6, 12, 8)
+    for m in (5, 60):
+        assert_same(cpu.fused_scan(status, start, end, refs, vectors, scales, *requests, 20, 2, m),
+                    reference.fused_scan(status, start, end, refs, vectors, scales, *requests, 20, 2, m))
+
+
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
 def test_cpu_kernels_without_avx512_or_avx2(flags):
     """The portable paths of cpu_fused.cpp (what a CPU without AVX-512, or without AVX2 and F16C, runs)."""
