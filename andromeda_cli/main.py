@@ -123,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from andromeda_core.models.distill import ask_teacher
     from andromeda_core.models.quality import checkpoint_meta, checkpoint_path, load_data
     from andromeda_core.models.retrieval import RetrievalModel
-    from andromeda_core.models.train import TrainConfig, default_config, train
+    from andromeda_core.models.train import STARTS_FROM, TrainConfig, default_config, other_start, train
 
     if args.distill is not None and args.teacher is None:
         raise InvalidInput("--distill needs --teacher (the ranker checkpoint to distil)", "--distill")
@@ -133,15 +133,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         ranker = RetrievalModel.load(args.teacher)[0] if args.teacher else None
     with checkpoint("--init", args.init):
         init = RetrievalModel.load(args.init)[0] if args.init else None
-    if init is not None and init.kind != args.model and args.model != "ranker":
-        raise InvalidInput(f"{args.init} is a {init.kind} model: a {args.model} goes on only from a {args.model} "
-                           f"(only a ranker starts from another kind's towers)", "--init")
+    allowed = STARTS_FROM.get(args.model, (args.model,))
+    if init is not None and init.kind not in allowed and args.model != "ranker":
+        raise InvalidInput(f"{args.init} is a {init.kind} model: a {args.model} goes on only from a "
+                           f"{' or a '.join(allowed)} (only a ranker starts from any kind's towers)", "--init")
     distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
     out = args.out or checkpoint_path(args.data, args.model, distill)
     if args.init is not None and out.resolve() == args.init.resolve():
         raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
     data = load_data(args.data, args.world)
-    cfg = default_config(args.model, args.seed, distill)
+    cfg = default_config(args.model, args.seed, distill, other_start(args.model, init))
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     teacher = ask_teacher(ranker, data) if ranker is not None else None
@@ -254,7 +255,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--distill", type=float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
     s.add_argument("--init", type=input_file, default=None,
                    help="checkpoint to start from: a model of the same kind goes on training from all its weights "
-                        "(distillation does); a ranker starts from a MoE's towers, frozen")
+                        "(distillation does), so does a moe from a sasrec (`andromeda eval` does); a ranker starts "
+                        "from a MoE's towers, frozen")
     s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
     s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors)")
     s.set_defaults(func=cmd_train)

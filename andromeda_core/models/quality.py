@@ -21,7 +21,7 @@ from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
 from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
-from andromeda_core.models.train import default_config, train, validation_score
+from andromeda_core.models.train import default_config, other_start, train, validation_score
 from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize, truth_scores
 
@@ -49,8 +49,9 @@ def load_data(name: str, world: Path | None = None) -> RecData:
     return data
 
 
-def checkpoint_path(data: str, kind: str, distill: float = 0.0) -> Path:
-    suffix = f"-distill{distill:g}" if distill else ""
+def checkpoint_path(data: str, kind: str, distill: float = 0.0, start: str = "") -> Path:
+    """start: the other kind it went on from (a MoE from a sasrec), "" for none or its own kind."""
+    suffix = (f"-from-{start}" if start else "") + (f"-distill{distill:g}" if distill else "")
     return load_settings().cache_dir / "models" / f"{data}-{kind}{suffix}.safetensors"
 
 
@@ -63,55 +64,68 @@ def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, disti
     return {**meta, "teacher": teacher.name, "distill": distill} if teacher else meta
 
 
+MOE_STARTS = ("moe", "moe (from sasrec)")  # the undistilled MoE trained from scratch and going on from the SASRec
+# two-tower's weights (its ad tower and sequence expert); validation picks one
+
+
 @dataclass
 class Trained:
-    """The models of one data set: by name, which were trained in this run, the MoE's validation score
-    at each distillation weight tried, and the weight chosen."""
+    """The models of one data set: by name, which were trained in this run, the undistilled MoE's validation score
+    at each start tried and the start chosen, the MoE's at each distillation weight tried and the weight chosen."""
 
     models: dict[str, RetrievalModel] = field(default_factory=dict)
     trained: list[str] = field(default_factory=list)
+    starts: dict[str, float] = field(default_factory=dict)
+    start: str = MOE_STARTS[0]
     validation: dict[float, float] = field(default_factory=dict)
     chosen: float = 0.0
 
 
 def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None = None, distill: float = 0.0,
-              init: RetrievalModel | None = None, seed: int = 0) -> tuple[RetrievalModel, bool]:
-    """(model, trained in this call) from its checkpoint, training and saving it when missing (or, distilled,
-    when it does not name the model it went on from: it was trained from scratch, as before)."""
-    path = checkpoint_path(data.name, kind, distill)
+              init: tuple[RetrievalModel, Path] | None = None, seed: int = 0) -> tuple[RetrievalModel, Path, bool]:
+    """(model, its checkpoint, trained in this call), from the checkpoint unless it is missing or does not name
+    the checkpoint it went on from, init's (then it was trained otherwise, as before)."""
+    start = other_start(kind, init[0] if init else None)
+    path = checkpoint_path(data.name, kind, distill, start)
     if path.exists() and not retrain:
         model, config = RetrievalModel.load(path)
-        if not distill or config.get("init"):
-            return model, False
-    cfg = default_config(kind, seed, distill)
-    model = train(data, kind, cfg, teacher if distill else None, init)
+        if config.get("init") == (init[1].name if init else None):
+            return model, path, False
+    cfg = default_config(kind, seed, distill, start)
+    model = train(data, kind, cfg, teacher if distill else None, init[0] if init else None)
     model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill,
-                                     checkpoint_path(data.name, init.kind) if init is not None else None))
-    return model, True
+                                     init[1] if init else None))
+    return model, path, True
 
 
 def train_all(data: RecData, retrain: bool) -> Trained:
-    """The two-tower baselines and the MoE undistilled; the ranker on the MoE's frozen towers; then the
-    MoE distilled from the ranker at each other weight of DISTILL_GRID, going on from the undistilled one.
-    The MoE kept is the weight with the best validation score (each user's second-to-last engagement,
-    never the test one)."""
+    """The two-tower baselines; the MoE undistilled, from scratch and going on from the SASRec-style two-tower,
+    the one with the better validation score kept (each user's second-to-last engagement, never the test one);
+    the ranker on that MoE's frozen towers; then the MoE distilled from the ranker at each other weight of
+    DISTILL_GRID, going on from the undistilled one. The MoE kept is the weight with the best validation score."""
     out, runs = Trained(), {}
-
-    def fit(kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: RetrievalModel | None = None):
-        runs[(kind, distill)], fresh = get_model(data, kind, retrain, teacher, distill, init)
-        out.trained += [kind + (f" (distill {distill:g})" if distill else "")] if fresh else []
-        return runs[(kind, distill)]
-
-    for kind in ("sasrec", "two_tower", "moe"):
-        out.models[kind] = fit(kind)
-    out.models["ranker"] = fit("ranker", init=runs[("moe", 0.0)])
-    teacher = ask_teacher(out.models["ranker"], data) if any(DISTILL_GRID) else None
-    for weight in filter(None, DISTILL_GRID):
-        fit("moe", weight, teacher, init=runs[("moe", 0.0)])
     val_users = data.eval_users()[:EVAL_USERS]
-    out.validation = {w: validation_score(runs[("moe", w)], data, val_users) for w in DISTILL_GRID}
+
+    def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None):
+        model, path, fresh = get_model(data, kind, retrain, teacher, distill, runs[init] if init else None)
+        runs[name] = model, path
+        out.trained += [name] if fresh else []
+        return model
+
+    for kind in ("sasrec", "two_tower"):
+        out.models[kind] = fit(kind, kind)
+    for name in MOE_STARTS:
+        out.starts[name] = validation_score(fit(name, "moe", init="sasrec" if name != "moe" else None), data, val_users)
+    out.start = max(MOE_STARTS, key=out.starts.get)  # max keeps the first of equals
+    out.models["ranker"] = fit("ranker", "ranker", init=out.start)
+    teacher = ask_teacher(out.models["ranker"], data) if any(DISTILL_GRID) else None
+    distilled = {w: f"moe (distill {w:g})" if w else out.start for w in DISTILL_GRID}
+    for weight in filter(None, DISTILL_GRID):
+        fit(distilled[weight], "moe", weight, teacher, init=out.start)
+    out.validation = {w: out.starts[name] if name in out.starts else validation_score(runs[name][0], data, val_users)
+                      for w, name in distilled.items()}
     out.chosen = max(DISTILL_GRID, key=out.validation.get)
-    out.models["moe"] = runs[("moe", out.chosen)]
+    out.models["moe"] = runs[distilled[out.chosen]][0]
     return out
 
 
@@ -272,12 +286,15 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
                                                         bootstrap_ci(per_user_metrics(r.ranking.target_rank)["HR@10"])))}
          for r in by_name.values()], plot_dir / f"quality-{data.name}.png", f"{data.name}: HR@10 against FLOPs per pair")
     tuning = ", ".join(f"{w:g}: {s:.4f}" for w, s in trained.validation.items())
+    starts = ", ".join(f"{name}: {s:.4f}" for name, s in trained.starts.items())
     pair = ", ".join(f"{name} {w:g}" for name, w in zip(FEATURE_NAMES, trained.models["ranker"].head.cross.tolist()))
     return (f"## {data.name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, {len(users)} evaluated "
             f"(last engagement held out, full corpus ranked, history excluded). Models trained in this run: "
             f"{', '.join(trained.trained) or 'none (all from checkpoints of the same defaults)'}. "
-            f"The MoE's weight of distillation from the ranker's top-{TEACHER_TOP}, chosen on the validation "
-            f"split (mean of the four metrics at each user's second-to-last engagement): {tuning}; chosen: "
+            f"The undistilled MoE's start, chosen on the validation split (mean of the four metrics at each user's "
+            f"second-to-last engagement): {starts}; chosen: {trained.start}. "
+            f"Its weight of distillation from the ranker's top-{TEACHER_TOP}, chosen on that validation "
+            f"split: {tuning}; chosen: "
             f"{trained.chosen:g} (the teacher is asked at those same states, which favours distillation a little). "
             f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "
             f"part trains: {pair}. {click_weights(trained)}"
@@ -310,7 +327,10 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
             f"{torch.get_num_threads()} threads, torch {torch.__version__}). Models train with default sizes "
             f"(`andromeda train`); checkpoints in `.cache/models/`. Baselines: most popular (training "
             f"engagements), item-kNN (cosine over co-engagement, summed over the user's last 50), and a "
-            f"SASRec-style two-tower (the MoE's sequence expert alone, dot product). The oracle ranks by the "
+            f"SASRec-style two-tower (the MoE's sequence expert alone, dot product). The MoE trains from scratch and, "
+            f"apart, goes on from the SASRec-style two-tower's weights (its ad tower and sequence expert come "
+            f"trained; the other experts and the gating start fresh); validation keeps one. Going on from SASRec, every "
+            f"expert of the MoE also learns a sampled softmax of its own. The oracle ranks by the "
             f"synthetic world's own true affinity. The ranker (the MoE's frozen towers, a deep part and a wide "
             f"part) also reads pair features no two-tower can compute: the item-kNN score of the candidate "
             f"against the user's last 1, 5 and 50 engagements (mean cosine over co-engagement) and its log "

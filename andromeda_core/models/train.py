@@ -5,13 +5,17 @@ every row's positive (in-batch negatives, drawn as often as items are engaged) a
 sampled negatives; accidental hits are masked. Every candidate's logit is corrected by the log of its
 expected count in the candidate set (logQ), so popular items are not pushed down for being sampled
 often. With a teacher, distillation rows follow: a user state and one item drawn uniformly from the
-ranker's top-k for it, weighted by `distill`. Ad ids are dropped with probability `id_dropout` so the
+ranker's top-k for it, weighted by `distill`. A MoE may also learn each expert's own sampled softmax (the
+expert alone against the same candidates, weighted by `expert_loss`), so every expert ranks by itself and
+the gates mix experts that all retrieve. Ad ids are dropped with probability `id_dropout` so the
 content tower learns to stand in for them. Training stops early on the validation split (the
 engagement before each user's test one, never a training target) and keeps the best weights. A ranker
 warm-started from a MoE's frozen towers first takes the wide weights of its pair features from a grid
 scored on that split (choose_pair_weights); they stay fixed while its deep part trains. Any other model
-may go on from one of its own kind (the distilled MoE goes on from the undistilled one); the caller
-compares the result with where it started (quality.train_all's choice includes distillation weight 0).
+may go on from one of its own kind (the distilled MoE goes on from the undistilled one), and a MoE from a
+SASRec-style two-tower (STARTS_FROM: the same weights, its ad tower and sequence expert trained); the
+caller compares the result with where it started (quality.train_all chooses the MoE's start and its
+distillation weight, 0 included, on validation).
 Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
 takes the data's prior, its smoothing and weight chosen on the impressions logged after each user's
 validation engagement (choose_click_prior).
@@ -36,7 +40,7 @@ from andromeda_core.models.evaluate import (TOP, hit_metrics, per_user_metrics, 
 from andromeda_core.models.features import PairFeatures
 from andromeda_core.models.recdata import RecData
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
-from andromeda_core.models.towers import Dims
+from andromeda_core.models.towers import Dims, UserState
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class TrainConfig:
     logq: bool = True  # correct every candidate's logit by log of its expected count in the candidate set
     balanced: bool = False  # sample users uniformly (then one of their engagements), not engagements
     id_dropout: float = 0.1  # share of ads embedded from content alone in each step
+    expert_loss: float = 0.0  # MoE only: weight of each expert's own sampled softmax (expert_losses)
     validate_every: int = 250  # steps between validations (0: never; train all steps)
     validation_users: int = 1000
     patience: int = 2  # validations without improvement before stopping
@@ -61,14 +66,26 @@ class TrainConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
 
 
-def default_config(kind: str, seed: int = 0, distill: float = 0.0) -> TrainConfig:
-    """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x C pairs per step."""
+STARTS_FROM = {"moe": ("moe", "sasrec")}  # kinds (of the same weights: neither head has any) a kind may go on
+# from besides its own; the MoE goes on from the SASRec-style two-tower's trained ad tower and sequence expert
+
+
+def other_start(kind: str, init: RetrievalModel | None) -> str:
+    """The other kind a `kind` model goes on from when it starts from init ("" for none, its own or a ranker's
+    frozen towers)."""
+    return init.kind if init is not None and init.kind != kind and init.kind in STARTS_FROM.get(kind, ()) else ""
+
+
+def default_config(kind: str, seed: int = 0, distill: float = 0.0, start: str = "") -> TrainConfig:
+    """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x C pairs per step. start: the
+    other kind it goes on from (other_start). A MoE going on from a sasrec also learns each expert's own
+    softmax: its fresh experts then retrieve on their own instead of leaning on the trained sequence expert."""
     if kind == "ranker":  # warm-started from the MoE's towers: only its head learns
         return TrainConfig(steps=300, batch=128, negatives=512, lr=1e-3, seed=seed, validate_every=100,
                            validation_users=200, patience=2)  # ranking the corpus with the ranker is slow
     if distill:  # goes on from the undistilled model, so it stays near the retriever the ranker was built on
         return TrainConfig(steps=300, lr=5e-4, seed=seed, distill=distill)
-    return TrainConfig(seed=seed, distill=distill)
+    return TrainConfig(seed=seed, expert_loss=1.0 if start == "sasrec" else 0.0)
 
 
 PAIR_WEIGHTS = ((0.0, 10.0, 20.0), (0.0, 10.0, 20.0, 40.0), (0.0, 10.0, 20.0), (0.0, 0.5, -0.5))  # 108 combinations
@@ -231,6 +248,19 @@ def _accidental_hits(known: np.ndarray, candidates: torch.Tensor, n_items: int) 
     return marks[:, candidates]
 
 
+def expert_losses(dims: Dims, state: UserState, candidates: torch.Tensor, logq: torch.Tensor,
+                  hit: torch.Tensor) -> torch.Tensor:
+    """(R,) each row's sampled softmax loss of every usable expert alone, averaged over them: expert e's logits are
+    <u_e, a> + b against the candidates (C, S), minus logq (C,), accidental hits (R, C) masked; row r's positive
+    is candidate r. It keeps each expert a retriever on its own, so the gates mix experts that all rank."""
+    sims = torch.einsum("red,cd->rec", state.experts, candidates[:, : dims.dim].float()) + dims.bias(candidates) - logq
+    R, E, C = sims.shape
+    per = F.cross_entropy(sims.masked_fill(hit[:, None], float("-inf")).reshape(R * E, C),
+                          torch.arange(R).repeat_interleave(E), reduction="none").reshape(R, E)
+    usable = state.mask.float()
+    return (per * usable).sum(1) / usable.sum(1).clamp(min=1)
+
+
 def validation_score(model: RetrievalModel, data: RecData, users: np.ndarray) -> float:
     """Mean of HR@10, HR@50, HR@200 and NDCG@10 at the users' validation engagements (in eval mode;
     the model's modes are restored after)."""
@@ -285,10 +315,10 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     frozen = init is not None and kind == "ranker"
     if init is not None:  # the prior it holds, so its state loads as it is
         model.set_click_prior(init.click_ids.cpu(), init.click_logodds.cpu())
-    if init is not None and not frozen:  # training goes on from all the weights of a model of the same kind
-        if init.kind != kind:
-            raise ValueError(f"a {kind} goes on only from a {kind}, not a {init.kind}: only a ranker starts from "
-                             f"another kind's towers")
+    if init is not None and not frozen:  # training goes on from all the weights of a model it may start from
+        if init.kind not in STARTS_FROM.get(kind, (kind,)):
+            raise ValueError(f"a {kind} goes on only from a {' or a '.join(STARTS_FROM.get(kind, (kind,)))}, not a "
+                             f"{init.kind}: only a ranker starts from any kind's towers")
         model.load_state_dict(init.state_dict())
     if frozen:  # the towers come trained and stay as they are: only the head learns
         missing, _ = model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("head.")},
@@ -326,13 +356,14 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
             (torch.from_numpy(needed),), model.item_vectors(data.items, needed, with_id))
         state = model.users(user_inputs(data, stored, users, positions, model.dims.history))
         cross = pair.pairs(data, users, positions, candidates) if pair is not None else None
-        logits = model.score(state, stored[candidates], text[candidates], cross)
-        if cfg.logq:
-            logits = logits - log_q(candidates, engaged, taught, cfg, n_items)
+        logq = log_q(candidates, engaged, taught, cfg, n_items) if cfg.logq else torch.zeros(len(candidates))
+        logits = model.score(state, stored[candidates], text[candidates], cross) - logq
         rows = torch.arange(len(users))
         hit = _accidental_hits(known, torch.from_numpy(candidates), n_items)
         hit[rows, rows] = False  # each row's own positive stays
         losses = F.cross_entropy(logits.masked_fill(hit, float("-inf")), rows, reduction="none")
+        if cfg.expert_loss and kind == "moe":
+            losses = losses + cfg.expert_loss * expert_losses(model.dims, state, stored[candidates], logq, hit)
         weights_t = torch.from_numpy(weights)
         loss = (losses * weights_t).sum() / weights_t.sum()
         opt.zero_grad()

@@ -2,6 +2,8 @@
 top-n routing, overfitting, warm start, checkpoints, int8."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,8 +14,9 @@ from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import Dims, SequenceEncoder, UserState
-from andromeda_core.models.train import (CLICK_SMOOTHINGS, CLICK_WEIGHTS, TrainConfig, choose_click_prior, item_probability, log_q,
-                                         lr_schedule, train, validation_score)
+from andromeda_core.models.train import (CLICK_SMOOTHINGS, CLICK_WEIGHTS, TrainConfig, choose_click_prior, default_config,
+                                         expert_losses, item_probability, log_q, lr_schedule, other_start, train,
+                                         validation_score)
 
 DIMS = Dims(dim=16, gate=8, semantic=8, interests=2, categories=5)
 
@@ -177,6 +180,39 @@ def test_log_q_is_the_log_of_each_candidates_expected_count():
     assert torch.allclose(log_q(candidates, engaged, None, cfg, 3), torch.log(torch.tensor([2.8, 4.0, 3.2, 3.2])))
     taught = np.array([0.0, 0.5, 0.5])
     assert torch.allclose(log_q(candidates, engaged, taught, cfg, 3), torch.log(torch.tensor([3.8, 4.0, 4.2, 4.2])))
+
+
+def test_expert_losses_are_each_usable_experts_own_sampled_softmax():
+    """Candidates a = [1, 0], [0, 1], [1, 1] with biases 0, 0, ln 2 and logQ 0, ln 2, 0. Row 0 (positive: candidate
+    0, candidate 2 an accidental hit) has experts [1, 0] and [0, 1]: losses log(1 + 0.5 / e) and log(1 + e / 2).
+    Row 1 (positive: candidate 1) has [1, 1] and an expert without input, which does not count: log(3 + 4e)."""
+    dims, ln2, e = Dims(dim=2, gate=1, semantic=1), float(np.log(2)), float(np.e)
+    candidates = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 1, 0, 0, ln2]])
+    state = UserState(torch.tensor([[[1.0, 0], [0, 1]], [[1, 1], [5, 5]]]), torch.zeros(2, 2, 1),
+                      torch.tensor([[True, True], [True, False]]))
+    hit = torch.tensor([[False, False, True], [False, False, False]])
+    losses = expert_losses(dims, state, candidates, torch.tensor([0, ln2, 0]), hit)
+    expected = [(np.log(1 + 0.5 / e) + np.log(1 + e / 2)) / 2, np.log(3 + 4 * e)]
+    assert torch.allclose(losses, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_the_moe_goes_on_from_a_sasrec_and_from_no_other_kind():
+    """The SASRec-style two-tower's weights are the MoE's (neither head has any): the MoE starts from all of them."""
+    data = tiny_data()
+    tiny = TrainConfig(steps=10, batch=16, negatives=16, seed=1, validate_every=0)
+    sasrec, two_tower = (train(data, kind, tiny, progress=False) for kind in ("sasrec", "two_tower"))
+    went_on = train(data, "moe", TrainConfig(steps=1, batch=16, negatives=16, seed=2, lr=1e-9, validate_every=0),
+                    init=sasrec, progress=False)
+    assert went_on.state_dict().keys() == sasrec.state_dict().keys()
+    for name, weight in sasrec.state_dict().items():
+        assert torch.allclose(went_on.state_dict()[name].float(), weight.float(), atol=1e-6), name
+    with pytest.raises(ValueError, match="a moe goes on only from a moe or a sasrec, not a two_tower"):
+        train(data, "moe", tiny, init=two_tower, progress=False)
+    assert other_start("moe", sasrec) == "sasrec" and other_start("moe", went_on) == other_start("ranker", went_on) == ""
+    assert default_config("moe", start="sasrec").expert_loss == 1 and default_config("moe").expert_loss == 0
+    with_expert_loss = train(data, "moe", dataclasses.replace(tiny, expert_loss=1.0), init=sasrec, progress=False)
+    without = train(data, "moe", tiny, init=sasrec, progress=False)
+    assert not torch.equal(with_expert_loss.user_towers.keys.weight, without.user_towers.keys.weight)
 
 
 def test_gating_routes_each_candidate_to_its_top_n_experts():

@@ -16,8 +16,9 @@ from tests.unit.test_models import tiny_data
 def tiny_report(tmp_path, monkeypatch):
     monkeypatch.setenv("ANDROMEDA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(quality, "load_data", lambda name, world=None: tiny_data(n_items=60, n_users=30))
-    monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0: TrainConfig(
-        steps=12, batch=16, negatives=16, seed=seed, distill=distill, teacher_rows=8, validate_every=6))
+    monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0, start="": TrainConfig(
+        steps=12, batch=16, negatives=16, seed=seed, distill=distill, teacher_rows=8, validate_every=6,
+        expert_loss=1.0 if start else 0.0))
     out = tmp_path / "docs" / "quality.md"
     return quality.quality_report(("tiny",), out), out
 
@@ -37,6 +38,7 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
                           comparisons)) == 20
     assert "### Cold start" in text and "Short histories" in text and "Every ad new" in text
     assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5) \(", text)
+    assert re.search(r"moe: \d\.\d{4}, moe \(from sasrec\): \d\.\d{4}; chosen: moe( \(from sasrec\))?\. ", text)
     assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
 
 
@@ -50,7 +52,9 @@ def test_a_distilled_checkpoint_that_names_no_start_is_trained_again(tiny_report
     _, out = tiny_report
     path = quality.checkpoint_path("tiny", "moe", 0.5)
     model, config = RetrievalModel.load(path)
-    assert config["init"] == "tiny-moe.safetensors" and config["teacher"] == "tiny-ranker.safetensors"
+    start = "-from-sasrec" if "chosen: moe (from sasrec)." in tiny_report[0] else ""
+    assert config["init"] == f"tiny-moe{start}.safetensors" and config["teacher"] == "tiny-ranker.safetensors"
+    assert RetrievalModel.load(quality.checkpoint_path("tiny", "moe", start="sasrec"))[1]["init"] == "tiny-sasrec.safetensors"
     model.save(path, {k: v for k, v in config.items() if k not in ("model", "model_version", "dims", "init")})
     assert "Models trained in this run: moe (distill 0.5)" in quality.quality_report(("tiny",), out)
 
