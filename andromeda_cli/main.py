@@ -138,7 +138,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise InvalidInput(f"{args.init} is a {init.kind} model: a {args.model} goes on only from a "
                            f"{' or a '.join(allowed)} (only a ranker starts from any kind's towers)", "--init")
     distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
-    out = args.out or checkpoint_path(args.data, args.model, distill)
+    out = args.out or checkpoint_path(args.data, args.model, distill, other_start(args.model, init))
     if args.init is not None and out.resolve() == args.init.resolve():
         raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
     data = load_data(args.data, args.world)
@@ -258,7 +258,8 @@ def parser() -> argparse.ArgumentParser:
                         "(distillation does), so does a moe from a sasrec (`andromeda eval` does); a ranker starts "
                         "from a MoE's towers, frozen")
     s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
-    s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors)")
+    s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors; a moe "
+                   "from a sasrec: DATA-moe-from-sasrec, distilled: DATA-moe-distillW)")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("eval", help="quality report of every model and baseline on every data set; trains the missing "

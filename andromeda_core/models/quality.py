@@ -83,8 +83,8 @@ class Trained:
 
 def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None = None, distill: float = 0.0,
               init: tuple[RetrievalModel, Path] | None = None, seed: int = 0) -> tuple[RetrievalModel, Path, bool]:
-    """(model, its checkpoint, trained in this call), from the checkpoint unless it is missing or does not name
-    the checkpoint it went on from, init's (then it was trained otherwise, as before)."""
+    """(model, its checkpoint, trained in this call). The checkpoint is loaded unless retrain, or it is missing,
+    or its metadata names another start than init's checkpoint (it was trained otherwise)."""
     start = other_start(kind, init[0] if init else None)
     path = checkpoint_path(data.name, kind, distill, start)
     if path.exists() and not retrain:
@@ -107,7 +107,8 @@ def train_all(data: RecData, retrain: bool) -> Trained:
     val_users = data.eval_users()[:EVAL_USERS]
 
     def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None):
-        model, path, fresh = get_model(data, kind, retrain, teacher, distill, runs[init] if init else None)
+        again = retrain or init in out.trained  # a model going on from one trained now is trained again too
+        model, path, fresh = get_model(data, kind, again, teacher, distill, runs[init] if init else None)
         runs[name] = model, path
         out.trained += [name] if fresh else []
         return model

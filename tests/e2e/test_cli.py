@@ -62,10 +62,11 @@ def test_bad_event_line_exits_2_naming_line_and_field(world, tmp_path):
 
 
 def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tmp_path):
-    sasrec, base, ranker, checkpoint = (tmp_path / f"{name}.safetensors" for name in ("sasrec", "base", "ranker", "moe"))
+    sasrec, ranker, checkpoint = (tmp_path / f"{name}.safetensors" for name in ("sasrec", "ranker", "moe"))
+    base = tmp_path / "cache" / "models" / "synthetic-moe-from-sasrec.safetensors"  # the default --out
     env = {**os.environ, "ANDROMEDA_CACHE": str(tmp_path / "cache")}
     for args in (["--model", "sasrec", "--out", str(sasrec)],
-                 ["--model", "moe", "--init", str(sasrec), "--out", str(base)],
+                 ["--model", "moe", "--init", str(sasrec)],
                  ["--model", "ranker", "--init", str(base), "--out", str(ranker)],
                  ["--model", "moe", "--init", str(base), "--teacher", str(ranker), "--distill", "0.25",
                   "--out", str(checkpoint)]):
@@ -75,7 +76,7 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
         assert result.returncode == 0, result.stderr
     config = RetrievalModel.load(checkpoint)[1]
     assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 0.25
-    assert config["init"] == "base.safetensors" and RetrievalModel.load(base)[1]["init"] == "sasrec.safetensors"
+    assert config["init"] == base.name and RetrievalModel.load(base)[1]["init"] == "sasrec.safetensors"
     other = tmp_path / "other-world"  # the same shape, other ads clicked: other learned ids
     andromeda("synth", "--ads", "2000", "--users", "5", "--seed", "2", "--out", str(other))
     for args, words in ((["--model", "sasrec", "--init", str(ranker)], "is a ranker model: a sasrec goes on only"),

@@ -59,6 +59,14 @@ def test_a_distilled_checkpoint_that_names_no_start_is_trained_again(tiny_report
     assert "Models trained in this run: moe (distill 0.5)" in quality.quality_report(("tiny",), out)
 
 
+def test_a_model_going_on_from_one_trained_again_is_trained_again(tiny_report):
+    text, out = tiny_report
+    quality.checkpoint_path("tiny", "sasrec").unlink()
+    trained = quality.quality_report(("tiny",), out).split("Models trained in this run: ")[1].split(". ")[0]
+    after_start = "ranker, moe (distill 0.5)" if "chosen: moe (from sasrec)." in text else ""
+    assert trained == ", ".join(filter(None, ["sasrec", "moe (from sasrec)", after_start]))
+
+
 def test_the_oracle_ranks_by_the_worlds_true_affinity():
     data = tiny_data()
     rng = np.random.default_rng(0)
