@@ -123,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from andromeda_core.models.distill import ask_teacher
     from andromeda_core.models.quality import checkpoint_meta, checkpoint_path, load_data
     from andromeda_core.models.retrieval import RetrievalModel
-    from andromeda_core.models.train import STARTS_FROM, TrainConfig, default_config, other_start, train
+    from andromeda_core.models.train import TrainConfig, check_start, default_config, other_start, train
 
     if args.distill is not None and args.teacher is None:
         raise InvalidInput("--distill needs --teacher (the ranker checkpoint to distil)", "--distill")
@@ -133,10 +133,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         ranker = RetrievalModel.load(args.teacher)[0] if args.teacher else None
     with checkpoint("--init", args.init):
         init = RetrievalModel.load(args.init)[0] if args.init else None
-    allowed = STARTS_FROM.get(args.model, (args.model,))
-    if init is not None and init.kind not in allowed and args.model != "ranker":
-        raise InvalidInput(f"{args.init} is a {init.kind} model: a {args.model} goes on only from a "
-                           f"{' or a '.join(allowed)} (only a ranker starts from any kind's towers)", "--init")
+    try:
+        if init is not None:
+            check_start(args.model, init.kind)
+    except ValueError as exc:
+        raise InvalidInput(f"{args.init} is a {init.kind} model: {exc}", "--init") from None
     distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
     out = args.out or checkpoint_path(args.data, args.model, distill, other_start(args.model, init))
     if args.init is not None and out.resolve() == args.init.resolve():

@@ -70,6 +70,15 @@ STARTS_FROM = {"moe": ("moe", "sasrec")}  # kinds (of the same weights: neither 
 # from besides its own; the MoE goes on from the SASRec-style two-tower's trained ad tower and sequence expert
 
 
+def check_start(kind: str, init_kind: str) -> None:
+    """Raises ValueError unless a `kind` model may go on from a model of init_kind (a ranker starts from any
+    kind's towers, frozen)."""
+    allowed = STARTS_FROM.get(kind, (kind,))
+    if kind != "ranker" and init_kind not in allowed:
+        raise ValueError(f"a {kind} goes on only from a {' or a '.join(allowed)}, not a {init_kind}: only a ranker "
+                         f"starts from any kind's towers")
+
+
 def other_start(kind: str, init: RetrievalModel | None) -> str:
     """The other kind a `kind` model goes on from when it starts from init ("" for none, its own or a ranker's
     frozen towers)."""
@@ -316,9 +325,7 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     if init is not None:  # the prior it holds, so its state loads as it is
         model.set_click_prior(init.click_ids.cpu(), init.click_logodds.cpu())
     if init is not None and not frozen:  # training goes on from all the weights of a model it may start from
-        if init.kind not in STARTS_FROM.get(kind, (kind,)):
-            raise ValueError(f"a {kind} goes on only from a {' or a '.join(STARTS_FROM.get(kind, (kind,)))}, not a "
-                             f"{init.kind}: only a ranker starts from any kind's towers")
+        check_start(kind, init.kind)
         model.load_state_dict(init.state_dict())
     if frozen:  # the towers come trained and stay as they are: only the head learns
         missing, _ = model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("head.")},
