@@ -139,11 +139,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise InvalidInput(f"{args.init} is a {init.kind} model: {exc}", "--init") from None
     distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
-    out = args.out or checkpoint_path(args.data, args.model, distill, other_start(args.model, init))
+    start = other_start(args.model, init)
+    out = args.out or checkpoint_path(args.data, args.model, distill, start)
     if args.init is not None and out.resolve() == args.init.resolve():
         raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
     data = load_data(args.data, args.world)
-    cfg = default_config(args.model, args.seed, distill, other_start(args.model, init))
+    cfg = default_config(args.model, args.seed, distill, start)
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     teacher = ask_teacher(ranker, data) if ranker is not None else None

@@ -24,6 +24,11 @@ from andromeda_core.models.text import TEXT_DIM
 from andromeda_core.models.towers import Dims, UserState
 
 
+def expert_similarities(d: Dims, state: UserState, stored: torch.Tensor) -> torch.Tensor:
+    """(B, E, n) every expert's similarity <u_e, a> with each candidate's ad embedding (stored (n, S))."""
+    return torch.einsum("bed,nd->ben", state.experts, stored[:, : d.dim].float())
+
+
 class MoEHead(nn.Module):
     def __init__(self, d: Dims, top_n: int = 2):
         super().__init__()
@@ -39,9 +44,8 @@ class MoEHead(nn.Module):
 
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
               cross: torch.Tensor | None = None) -> torch.Tensor:
-        a, q = stored[:, : self.d.dim].float(), stored[:, self.d.dim: self.d.dim + self.d.gate]
-        sims = torch.einsum("bed,nd->ben", state.experts, a)
-        return (self.gates(state, q) * sims).sum(1) + self.d.bias(stored)
+        q = stored[:, self.d.dim: self.d.dim + self.d.gate]
+        return (self.gates(state, q) * expert_similarities(self.d, state, stored)).sum(1) + self.d.bias(stored)
 
     def kernel_head(self, state: UserState) -> KernelHead:
         return KernelHead(state.experts.float(), state.keys.float() / self.d.gate**0.5, state.mask, self.d.stored - 1,

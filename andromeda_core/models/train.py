@@ -38,6 +38,7 @@ from andromeda_core.models.distill import Teacher
 from andromeda_core.models.evaluate import (TOP, hit_metrics, per_user_metrics, rank_items, rank_of_targets,
                                             without_history)
 from andromeda_core.models.features import PairFeatures
+from andromeda_core.models.heads import expert_similarities
 from andromeda_core.models.recdata import RecData
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import Dims, UserState
@@ -262,7 +263,7 @@ def expert_losses(dims: Dims, state: UserState, candidates: torch.Tensor, logq: 
     """(R,) each row's sampled softmax loss of every usable expert alone, averaged over them: expert e's logits are
     <u_e, a> + b against the candidates (C, S), minus logq (C,), accidental hits (R, C) masked; row r's positive
     is candidate r. It keeps each expert a retriever on its own, so the gates mix experts that all rank."""
-    sims = torch.einsum("red,cd->rec", state.experts, candidates[:, : dims.dim].float()) + dims.bias(candidates) - logq
+    sims = expert_similarities(dims, state, candidates) + dims.bias(candidates) - logq
     R, E, C = sims.shape
     per = F.cross_entropy(sims.masked_fill(hit[:, None], float("-inf")).reshape(R * E, C),
                           torch.arange(R).repeat_interleave(E), reduction="none").reshape(R, E)
@@ -364,13 +365,14 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
         state = model.users(user_inputs(data, stored, users, positions, model.dims.history))
         cross = pair.pairs(data, users, positions, candidates) if pair is not None else None
         logq = log_q(candidates, engaged, taught, cfg, n_items) if cfg.logq else torch.zeros(len(candidates))
-        logits = model.score(state, stored[candidates], text[candidates], cross) - logq
+        candidate_vectors = stored[candidates]
+        logits = model.score(state, candidate_vectors, text[candidates], cross) - logq
         rows = torch.arange(len(users))
         hit = _accidental_hits(known, torch.from_numpy(candidates), n_items)
         hit[rows, rows] = False  # each row's own positive stays
         losses = F.cross_entropy(logits.masked_fill(hit, float("-inf")), rows, reduction="none")
         if cfg.expert_loss and kind == "moe":
-            losses = losses + cfg.expert_loss * expert_losses(model.dims, state, stored[candidates], logq, hit)
+            losses = losses + cfg.expert_loss * expert_losses(model.dims, state, candidate_vectors, logq, hit)
         weights_t = torch.from_numpy(weights)
         loss = (losses * weights_t).sum() / weights_t.sum()
         opt.zero_grad()
