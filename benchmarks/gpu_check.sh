@@ -5,7 +5,9 @@
 #   2. runs the kernel tests and the serving path's CUDA-against-CPU test on CUDA (8 workers);
 #   3. runs the GPU benchmark (benchmarks.kernels --device cuda) on the 1M-ad world tiled TILES times
 #      (default 1 10), from a table saved by `python -m benchmarks.kernels --save-table .devcheck/table-1m.pt`
-#      when there is one (synthesizing 1M ads takes about 2 minutes), else synthesized there.
+#      when there is one (synthesizing 1M ads takes about 2 minutes), else synthesized there;
+#   4. an A/B of the threshold scan's skip below tau: 10M ads, fp16, B = 1 and 64, with the skip off
+#      (--no-skip; step 3 ran it on), printed only.
 # Results: stdout, the logs, and the benchmark's section in docs/benchmarks.md (all copied to $OUT when set).
 #   bash benchmarks/gpu_check.sh [TILES...]
 set -uo pipefail
@@ -26,4 +28,6 @@ table=()
 if [ -f .devcheck/table-1m.pt ]; then table=(--table .devcheck/table-1m.pt); fi
 timeout 300 python3 -m benchmarks.kernels --device cuda --ads 1000000 "${table[@]}" --tile "${tiles[@]}" \
     --batch 1 4 16 64 --threads 16 --repeats 10 --peer-pairs 64e6 2>&1 | grep -v "it/s\|B/s\]" | tee "$logs/bench.log"
+timeout 120 python3 -m benchmarks.kernels --device cuda --ads 1000000 "${table[@]}" --tile 10 --batch 1 64 \
+    --storage fp16 --threads 16 --repeats 10 --peer-pairs 0 --no-skip 2>&1 | grep -v "it/s\|B/s\]" | tee "$logs/no-skip.log"
 if [ -n "${OUT:-}" ]; then cp docs/benchmarks.md "$OUT/"; fi

@@ -209,7 +209,12 @@ def main() -> None:
     p.add_argument("--table", type=Path, default=None,
                    help="a table saved by --save-table: skips synthesizing the world (vectors are drawn anew)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    p.add_argument("--no-skip", action="store_true",
+                   help="CUDA: the threshold scan gates every block (A/B runs of its skip below tau); implies --no-write")
     args = p.parse_args()
+    if args.no_skip:
+        from kernels.triton import fused
+        fused.SKIP_BELOW_TAU, args.no_write = False, True
     torch.set_num_threads(args.threads)
     dev = args.device
     gen = torch.Generator().manual_seed(0)
@@ -251,13 +256,28 @@ def main() -> None:
                 tower = timed(towers(dev, B), dev, args.repeats)
                 per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + eligible * vector_bytes(storage)
                 row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, per_ad=per_ad, ref=ref,
-                           naive=naive, faiss=flat, topk=topk, tower=tower, gbs=n * per_ad / ours / 1e9)
+                           naive=naive, faiss=flat, topk=topk, tower=tower, gbs=n * per_ad / ours / 1e9,
+                           gated=gated_share(args_) if dev == "cuda" else None)
                 rows.append(row)
                 print(line(row, copy))
             on = None  # frees the device copy before the next storage
         flat_scan = None  # frees its copy of the vectors before the next size
     if not args.no_write:
         write_section(f"kernels-{dev}", report(rows, args, copy))
+
+
+def gated_share(args_: tuple) -> float:
+    """The share of (block, request) pairs whose gating the Triton pass computed (1 where it kept per-block top-k;
+    below 1 where its threshold scan skipped blocks that could not reach tau)."""
+    from kernels.triton import fused
+
+    stats = {}
+    fused.fused_scan(*args_, K, stats=stats)
+    return float(stats["scored"].float().mean()) / stats["blocks"] if stats["path"] == "threshold" else 1.0
+
+
+def share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def faiss_flat(vectors: torch.Tensor):
@@ -310,21 +330,21 @@ def line(r: dict, copy: float) -> str:
             f"match alone {ms(r['match'])} ms ({r['n'] / r['match'] / 1e9:.2f}G ads/s)  "
             f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])})  "
             f"topk {ms(r['topk'])}  with the user towers {ms(r['tower'] + r['ours'])} ms "
-            f"({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M ads/s)")
+            f"({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M ads/s)  blocks gated {share(r['gated'])}")
 
 
 def report(rows: list[dict], args, copy: float) -> str:
     table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of copy bw | eligible "
              "| match alone ms (ads/s) | reference ms | naive ms | FAISS ms | FAISS time / ours | torch.topk ms "
-             "| with the user towers ms (ads/s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| with the user towers ms (ads/s) | blocks gated |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['n']:,} | {r['storage']} | {r['B']} | {ms(r['ours'])} | {r['n'] / r['ours'] / 1e6:.1f}M | "
                      f"{r['n'] * r['B'] / r['ours'] / 1e6:.1f}M | {r['per_ad']:.0f} | {r['gbs']:.1f} | "
                      f"{r['gbs'] / copy:.0%} | {r['eligible']:.1%} | {ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
                      f"{ms(r['ref'])} | {ms(r['naive'])} | "
                      f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} | "
-                     f"{ms(r['tower'] + r['ours'])} ({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M) |")
+                     f"{ms(r['tower'] + r['ours'])} ({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M) | {share(r['gated'])} |")
     command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, args.tile))} "
                f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}")
     return f"""## Fused kernels on {args.device} ({dispatch.implementation(args.device)}) beside their peers
@@ -339,7 +359,9 @@ match: the (B, n) eligibility mask); bytes/ad counts what the fused pass reads (
 refs per ad, plus the vector bytes of the eligible share). FAISS = {FLAT[args.device == "cpu"]}. Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
 pairs ("-" beyond). "With the user towers" adds the time of the MoE's user towers for the B requests (default
 sizes, random weights, full histories) and their kernel head, on the same device: end to end but for the
-request's parsing and lookups. Times are medians of {args.repeats} (peers: one run).
+request's parsing and lookups. "Blocks gated" (CUDA): the share of (block of 128 ads, request) pairs whose gating the
+threshold scan computed; it skips a block where no eligible ad's largest similarity plus bias reaches the request's
+lower bound tau of its m-th best. Times are medians of {args.repeats} (peers: one run).
 
 {chr(10).join(table)}
 """

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reference.match import time_status_match
+from kernels.reference.topk import ranked_scores
 
 SCALE_BLOCK = 16  # int8 vectors: dims per scale
 ALWAYS = 1  # the ref that pads a row of refs: "does not hold clause 0", true for every request
@@ -61,7 +62,7 @@ def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: tor
 def order_slots(scores: torch.Tensor, ok: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores (B, n), ok (B, n) bool -> the m best eligible (slots (B, m) int64, -1 padded; scores (B, m),
     -inf padded) by score descending, then slot ascending; NaN scores rank as -inf (before the ineligible)."""
-    scores = torch.nan_to_num(scores.float(), nan=float("-inf")).masked_fill(~ok, float("-inf"))
+    scores = ranked_scores(scores).masked_fill(~ok, float("-inf"))
     order = torch.argsort(scores, dim=1, descending=True, stable=True)  # stable: equal scores by slot
     order = order.gather(1, torch.argsort(ok.gather(1, order).to(torch.int8), dim=1, descending=True, stable=True))[:, :m]
     slots = torch.where(ok.gather(1, order), order, -1)

@@ -6,13 +6,18 @@ import torch
 NO_ID = -1
 
 
+def ranked_scores(scores: torch.Tensor) -> torch.Tensor:
+    """scores as float32 with NaN as -inf (how every top-k here ranks them); infinities stay infinite."""
+    return scores.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
+
 def topk_by_score_then_id(scores: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores (B, m) float, ids (B, m) int64, valid (B, m) bool -> (ids (B, k), scores (B, k)).
 
     Only valid entries are returned; missing places hold id -1 and score -inf. NaN scores rank as -inf.
     """
     B, m = scores.shape
-    scores = torch.nan_to_num(scores.float(), nan=float("-inf")).masked_fill(~valid, float("-inf"))
+    scores = ranked_scores(scores).masked_fill(~valid, float("-inf"))
     if k < m:
         # Keep every entry tied with the k-th score so the id tie-break below sees all of them.
         threshold = scores.topk(k, dim=1).values[:, -1:]

@@ -40,6 +40,7 @@ SAMPLE_STRIDE = 16  # the threshold scan reads every 16th block
 CANDIDATES = 64  # candidate keys kept per request: CANDIDATES * m (at least MIN_CANDIDATES) before the exact fallback
 MIN_CANDIDATES = 8192
 KEEP_TOP, KEEP_MAX, KEEP_ABOVE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what a block keeps: its top WIDTH keys, its best key, the keys >= tau
+SKIP_BELOW_TAU = True  # the threshold scan skips the gating of blocks that cannot reach tau (False: for A/B runs)
 MERGE_TILE = 2048  # keys a merge program selects from (more when m needs it)
 NO_KEY = -2**63
 
@@ -108,20 +109,37 @@ def expert_gates(logits, TOP_N: tl.constexpr, EP: tl.constexpr):
 
 
 @triton.jit
-def head_scores(a, q, a_scale, q_scale, bias, experts_hi, experts_lo, keys_hi, keys_lo, usable_row, unscale_row,
-                key_unscale, BLOCK: tl.constexpr, G: tl.constexpr, EP: tl.constexpr, TOP_N: tl.constexpr):
-    """One request's head over a block: tiles a, q and their scales (None unless int8), bias (BLOCK,) float32; the
-    request's operands (fused_scan: scaled by powers of two), usable (EP,) int8 and unscale (EP,) float32 rows and
-    key_unscale (log2 e over the keys' scale) -> (BLOCK,) float32 scores."""
-    e = tl.arange(0, EP)
-    sims = columns_dot(a, a_scale, experts_hi, experts_lo, BLOCK, EP) * tl.load(unscale_row + e)[None, :]
+def expert_sims(a, a_scale, experts_hi, experts_lo, unscale_row, BLOCK: tl.constexpr, EP: tl.constexpr):
+    """One request's expert-ad similarities over a block: tile a and its scales (None unless int8), the request's
+    operands (fused_scan: scaled by powers of two) and unscale (EP,) float32 row -> (BLOCK, EP) float32."""
+    return columns_dot(a, a_scale, experts_hi, experts_lo, BLOCK, EP) * tl.load(unscale_row + tl.arange(0, EP))[None, :]
+
+
+@triton.jit
+def mixture(sims, q, q_scale, keys_hi, keys_lo, usable, key_unscale, BLOCK: tl.constexpr, G: tl.constexpr,
+            EP: tl.constexpr, TOP_N: tl.constexpr):
+    """The gated sum of sims (BLOCK, EP): gating logits from tile q and its scales (None unless int8) against the
+    request's keys operands, key_unscale (log2 e over the keys' scale), usable (EP,) bool -> (BLOCK,) float32."""
     if G > 0:
         logits = columns_dot(q, q_scale, keys_hi, keys_lo, BLOCK, EP) * key_unscale
     else:
         logits = tl.zeros((BLOCK, EP), tl.float32)  # the reference's einsum over no dims
-    logits = tl.where((tl.load(usable_row + e) != 0)[None, :], logits, float("-inf"))
+    logits = tl.where(usable[None, :], logits, float("-inf"))
     weight, total = expert_gates(logits, TOP_N, EP)
-    return tl.sum(tl.where(weight > 0, weight * sims, 0.0), axis=1) / tl.where(total > 0, total, 1.0) + bias
+    return tl.sum(tl.where(weight > 0, weight * sims, 0.0), axis=1) / tl.where(total > 0, total, 1.0)
+
+
+@triton.jit
+def may_reach(sims, usable, bias, tau):
+    """(BLOCK,) bool: False where the row's score could not reach the key tau, whatever its gates. The mixture is a
+    convex combination of usable similarities, or 0 when every gate is 0, so it is at most their largest or 0 (a
+    chosen NaN similarity makes the score NaN, ranked as -inf: it reaches no tau the bound could skip); less a margin
+    far above the rounding of the few operations between that bound and the score, as the CPU pass's entry_bar. A
+    NaN bar (a -inf bias against a -inf tau) reaches."""
+    bound = tl.maximum(tl.max(tl.where(usable[None, :], sims, float("-inf")), axis=1), 0.0)
+    _, score = unpack_keys(tau)
+    bar = score - bias - (1e-5 * (tl.abs(score) + tl.abs(bias)) + 1.1754943508222875e-38)
+    return ~(bound < bar)
 
 
 @triton.jit
@@ -149,16 +167,17 @@ def unpack_keys(key):
 @triton.jit
 def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, now_ptr, truth_ptr, experts_hi_ptr,
                  experts_lo_ptr, keys_hi_ptr, keys_lo_ptr, usable_ptr, unscale_ptr, key_unscale_ptr, part_ptr,
-                 eligible_ptr, tau_ptr, count_ptr, n, last, B, W, block_stride, capacity, C: tl.constexpr,
+                 eligible_ptr, tau_ptr, count_ptr, scored_ptr, n, last, B, W, block_stride, capacity, C: tl.constexpr,
                  STRIDE_R: tl.constexpr, CP: tl.constexpr, STRIDE_V: tl.constexpr, STRIDE_S: tl.constexpr,
                  D: tl.constexpr, DW: tl.constexpr, G: tl.constexpr, G0: tl.constexpr, GW: tl.constexpr,
                  EP: tl.constexpr, TOP_N: tl.constexpr, BIAS_COL: tl.constexpr, BLOCK: tl.constexpr,
-                 WIDTH: tl.constexpr, KEEP: tl.constexpr):
+                 WIDTH: tl.constexpr, KEEP: tl.constexpr, SKIP: tl.constexpr):
     """Program i serves block i * block_stride of BLOCK slots for every request b, keeping by KEEP:
     KEEP_TOP its WIDTH best keys at part[b, i] (B, programs, WIDTH) (all BLOCK keys, unsorted, when WIDTH == BLOCK);
     KEEP_MAX its best key at part[b, i] (B, programs); KEEP_ABOVE its keys >= tau[b] appended to part[b]
-    (B, capacity) at the positions count[b] (B,) int32 hands out (count still grows past capacity: an overflow).
-    KEEP_TOP and KEEP_ABOVE add the block's eligible counts to eligible (B,).
+    (B, capacity) at the positions count[b] (B,) int32 hands out (count still grows past capacity: an overflow);
+    KEEP_ABOVE skips the gating and keys of a block without an eligible slot or, with SKIP, where no eligible slot
+    may reach tau[b] (may_reach), and counts the blocks it scored in scored (B,) int32. KEEP_TOP and KEEP_ABOVE add the block's eligible counts to eligible (B,).
     The vector rows read are the BLOCK from min(first slot, last) (last: the table's rows - BLOCK), all inside the
     table: the last block reads back over its neighbour's slots and leaves them ineligible. Tiles: a columns
     0 .. DW, q columns G0 .. G0 + GW (float tables: G0 = D; int8: from D's scale block on), bias BIAS_COL (< 0: 0)."""
@@ -199,22 +218,33 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
         ok = match_request(servable, start, end, clause, negate, truth_ptr + b * W, tl.load(now_ptr + b))
         if KEEP != KEEP_MAX:
             tl.atomic_add(eligible_ptr + b, tl.sum(ok.to(tl.int32)).to(tl.int64))
-        score = head_scores(a, q, a_scale, q_scale, bias, experts_hi_ptr + b * EXPERTS, experts_lo_ptr + b * EXPERTS,
-                            keys_hi_ptr + b * KEYS, keys_lo_ptr + b * KEYS, usable_ptr + b * EP, unscale_ptr + b * EP,
-                            tl.load(key_unscale_ptr + b), BLOCK, G, EP, TOP_N)
-        keys = pack_keys(score, offs, ok)
-        if KEEP == KEEP_TOP:
-            if WIDTH < BLOCK:
-                keys = tl.topk(keys, WIDTH)
-            tl.store(row + tl.arange(0, WIDTH), keys)
-        elif KEEP == KEEP_MAX:
-            tl.store(row, tl.max(keys, axis=0))
+        sims = expert_sims(a, a_scale, experts_hi_ptr + b * EXPERTS, experts_lo_ptr + b * EXPERTS, unscale_ptr + b * EP,
+                           BLOCK, EP)
+        usable = tl.load(usable_ptr + b * EP + tl.arange(0, EP)) != 0
+        keys_hi, keys_lo, key_unscale = keys_hi_ptr + b * KEYS, keys_lo_ptr + b * KEYS, tl.load(key_unscale_ptr + b)
+        if KEEP == KEEP_ABOVE:
+            tau = tl.load(tau_ptr + b)
+            reach = ok
+            if SKIP:
+                reach = ok & may_reach(sims, usable, bias, tau)
+            if tl.max(reach.to(tl.int32), axis=0) > 0:
+                tl.atomic_add(scored_ptr + b, 1)
+                score = mixture(sims, q, q_scale, keys_hi, keys_lo, usable, key_unscale, BLOCK, G, EP, TOP_N) + bias
+                keys = pack_keys(score, offs, ok)
+                above = (keys >= tau) & ok
+                kept = tl.sum(above.to(tl.int32))
+                if kept > 0:
+                    at = tl.atomic_add(count_ptr + b, kept) + tl.cumsum(above.to(tl.int32), axis=0) - 1
+                    tl.store(row + at, keys, mask=above & (at < capacity))
         else:
-            above = (keys >= tl.load(tau_ptr + b)) & ok
-            kept = tl.sum(above.to(tl.int32))
-            if kept > 0:
-                at = tl.atomic_add(count_ptr + b, kept) + tl.cumsum(above.to(tl.int32), axis=0) - 1
-                tl.store(row + at, keys, mask=above & (at < capacity))
+            score = mixture(sims, q, q_scale, keys_hi, keys_lo, usable, key_unscale, BLOCK, G, EP, TOP_N) + bias
+            keys = pack_keys(score, offs, ok)
+            if KEEP == KEEP_TOP:
+                if WIDTH < BLOCK:
+                    keys = tl.topk(keys, WIDTH)
+                tl.store(row + tl.arange(0, WIDTH), keys)
+            else:
+                tl.store(row, tl.max(keys, axis=0))
         row += step
 
 
@@ -339,9 +369,12 @@ def upload(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[tor
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
-               m: int, sample_stride: int = SAMPLE_STRIDE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               m: int, sample_stride: int = SAMPLE_STRIDE, stats: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pass: match, score, top-m -> (slots (B, m) int64, scores (B, m) float32, eligible (B,) int64);
-    shapes and meaning as kernels.reference.fused.fused_scan. sample_stride 0 skips the threshold scan."""
+    shapes and meaning as kernels.reference.fused.fused_scan. sample_stride 0 skips the threshold scan. stats, a
+    dict, receives what the pass did: "blocks" (of BLOCK slots), "path" ("threshold" or "per-block") and, after the
+    threshold scan, "scored" (B,) the blocks whose gating it computed for each request (the rest it skipped)."""
     B, n = now.shape[0], status.shape[0]
     E, D, G = experts.shape[1], experts.shape[2], keys.shape[2]
     refs = refs_with_a_column(refs)
@@ -358,12 +391,13 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     eligible = torch.zeros(B, dtype=torch.int64, device=status.device)
     blocks = max(triton.cdiv(n, BLOCK), 1)
 
-    def scan(programs, part, keep, width=1, tau=eligible, count=eligible, stride=1, capacity=0):
+    def scan(programs, part, keep, width=1, tau=eligible, count=eligible, scored=eligible, stride=1, capacity=0):
         _scan_kernel[(programs,)](
-            *inputs, part, eligible, tau, count, n, vectors.shape[0] - BLOCK, B, truth.shape[1], stride, capacity,
+            *inputs, part, eligible, tau, count, scored, n, vectors.shape[0] - BLOCK, B, truth.shape[1], stride, capacity,
             C=refs.shape[1], STRIDE_R=refs.stride(0), CP=triton.next_power_of_2(refs.shape[1]),
             STRIDE_V=vectors.stride(0), STRIDE_S=scales.stride(0), D=D, DW=DW, G=G, G0=G0, GW=GW, EP=EP,
-            TOP_N=min(top_n, E), BIAS_COL=bias_col, BLOCK=BLOCK, WIDTH=width, KEEP=keep, num_warps=SCAN_WARPS)
+            TOP_N=min(top_n, E), BIAS_COL=bias_col, BLOCK=BLOCK, WIDTH=width, KEEP=keep, SKIP=SKIP_BELOW_TAU,
+            num_warps=SCAN_WARPS)
 
     sampled = blocks // sample_stride if sample_stride else 0
     if sampled >= m:
@@ -372,13 +406,17 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         tau = best.topk(m, dim=1).values[:, -1].contiguous()
         capacity = triton.cdiv(max(CANDIDATES * m, MIN_CANDIDATES), BLOCK) * BLOCK
         candidates = torch.full((B, capacity), NO_KEY, dtype=torch.int64, device=status.device)
-        count = torch.zeros(B, dtype=torch.int32, device=status.device)
-        scan(blocks, candidates, KEEP_ABOVE, tau=tau, count=count, capacity=capacity)
+        count, scored = torch.zeros((2, B), dtype=torch.int32, device=status.device)
+        scan(blocks, candidates, KEEP_ABOVE, tau=tau, count=count, scored=scored, capacity=capacity)
         used, kept = torch.stack([count.max(), (count >= eligible.clamp(max=m)).all()]).tolist()  # one sync
         if used <= capacity and kept:  # every request kept its m
             used = triton.cdiv(max(used, 1), BLOCK) * BLOCK
+            if stats is not None:
+                stats.update(blocks=blocks, path="threshold", scored=scored)
             return (*merge_partials(candidates[:, :used].reshape(B, used // BLOCK, BLOCK), m), eligible)
         eligible.zero_()
+    if stats is not None:
+        stats.update(blocks=blocks, path="per-block")
     width = min(triton.next_power_of_2(max(m, 1)), BLOCK)
     partial = torch.empty((B, blocks, width), dtype=torch.int64, device=status.device)
     scan(blocks, partial, KEEP_TOP, width)

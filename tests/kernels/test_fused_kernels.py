@@ -353,6 +353,57 @@ def test_threshold_scan_with_no_eligible_slot(monkeypatch):
     assert widths == [fused.BLOCK]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+def test_threshold_scan_skips_the_gating_of_blocks_below_tau(monkeypatch, dtype):
+    """Blocks whose largest usable similarity plus bias stays under tau skip their gating and keys: the answer is
+    still the reference's, every block holding one of the top-m was scored, and some were not (Triton). The last
+    request has no usable expert: its scores are the biases, the bound is exact, and it scores m blocks (every block
+    is sampled, so tau is the m-th best of the blocks' best keys: m blocks reach it)."""
+    gen = torch.Generator().manual_seed(31)
+    n, m = 2000, 3
+    status, start, end, refs, vectors, scales = make_table(gen, n, 3, 83, dtype)
+    requests = make_requests(gen, 2, 6, 64, 16)
+    stats = {}
+    got = [t.cpu() for t in fused.fused_scan(*on_device((status, start, end, refs, vectors, scales, *requests)),
+                                             82, 2, m, 1, stats)]
+    assert_same(got, reference.fused_scan(status, start, end, refs, vectors, scales, *requests, 82, 2, m))
+    assert stats["path"] == "threshold" and stats["blocks"] == 16
+    scored = stats["scored"].cpu()
+    holding = torch.tensor([len(set((row // fused.BLOCK).tolist())) for row in got[0]])
+    assert (scored >= holding).all() and (scored < stats["blocks"]).all() and scored[-1] == m, scored
+    monkeypatch.setattr(fused, "SKIP_BELOW_TAU", False)  # the A/B switch: every block with an eligible slot is scored
+    unskipped = [t.cpu() for t in fused.fused_scan(*on_device((status, start, end, refs, vectors, scales, *requests)),
+                                                   82, 2, m, 1, stats)]
+    assert_same(unskipped, got)
+    assert stats["scored"].tolist() == [stats["blocks"]] * 2
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy meets the NaNs
+def test_threshold_scan_with_nan_and_infinite_values_equals_reference():
+    """NaN and infinite similarities and biases in the threshold scan's skip test, then a tau whose score is -inf
+    (every bias but two -inf): the answers are the reference's (Triton)."""
+    gen = torch.Generator().manual_seed(37)
+    n, m = 1500, 4
+    status, start, end, refs = servable_table(n)
+    vectors = torch.randn((n, 9), generator=gen)
+    vectors[[5, 700, 1300], 0] = float("nan")
+    vectors[[6, 900], 1] = float("inf")
+    vectors[[7, 1100], 8] = float("nan")  # the bias column
+    vectors[[8, 1200], 8] = float("-inf")
+    requests = make_requests(gen, 2, 2, 4, 4)
+    args = (status, start, end, refs, vectors, None, *requests, 8, 1, m)
+    stats = {}
+    got = [t.cpu() for t in fused.fused_scan(*on_device(args), 1, stats)]
+    assert_same(got, reference.fused_scan(*args))
+    assert stats["path"] == "threshold"
+    vectors[:, 8] = float("-inf")  # fewer finite scores than m: tau's score is -inf, and so are the others'
+    vectors[[100, 1000], 8] = 1.0
+    args = (status, start, end, refs, vectors, None, *requests, 8, 1, m)
+    got = [t.cpu() for t in fused.fused_scan(*on_device(args), 1, stats)]
+    assert_same(got, reference.fused_scan(*args))
+    assert stats["path"] == "threshold" and got[0][:, 2:].tolist() == [[0, 1]] * 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
 def test_ties_order_by_slot(kernel, dtype):
     """Three distinct rows repeated: each score is tied across the blocks and m cuts inside a tie."""
@@ -488,9 +539,9 @@ def compile_for_sm90():
                 "truth_ptr": "*i32", "usable_ptr": "*i8", "unscale_ptr": "*fp32", "key_unscale_ptr": "*fp32",
                 "scale_ptr": "*fp32", "part_ptr": "*i64", "eligible_ptr": "*i64", "counts_ptr": "*i64",
                 "mask_ptr": "*i8", "src_ptr": "*i64", "dst_ptr": "*i64", "slots_ptr": "*i64", "scores_ptr": "*fp32",
-                "tau_ptr": "*i64", "count_ptr": "*i32"}
+                "tau_ptr": "*i64", "count_ptr": "*i32", "scored_ptr": "*i32"}
     head = dict(C=4, STRIDE_R=4, CP=4, D=64, DW=64, G=16, G0=64, GW=16, EP=8, TOP_N=2, BIAS_COL=112, BLOCK=fused.BLOCK,
-                STRIDE_V=113, STRIDE_S=8)  # 4 refs, a row of S = 113 vector columns: D = 64, G = 16, bias at 112
+                STRIDE_V=113, STRIDE_S=8, SKIP=True)  # 4 refs, a row of S = 113 vector columns: D = 64, G = 16, bias at 112
 
     def scan(vec, **constants):
         operand = "*fp32" if vec == "*fp32" else "*fp16"  # fused.mma_operand

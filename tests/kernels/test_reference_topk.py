@@ -23,3 +23,13 @@ def test_matches_python_sort(B, m, k):
         assert got_ids[b].tolist() == want_ids
         assert got_scores[b].tolist() == want_scores
 
+
+
+def test_nan_ranks_as_minus_infinity_and_infinities_stay():
+    """NaN ties with -inf (then the lower id first); +inf and -inf come back as they are, not as float32's extremes."""
+    inf, nan = float("inf"), float("nan")
+    scores = torch.tensor([[1.0, -inf, nan, inf, -inf, 0.5]])
+    ids = torch.tensor([[10, 14, 12, 11, 13, 15]])
+    got_ids, got_scores = topk_by_score_then_id(scores, ids, torch.ones_like(ids, dtype=torch.bool), 6)
+    assert got_ids.tolist() == [[11, 10, 15, 12, 13, 14]]
+    assert got_scores.tolist() == [[inf, 1.0, 0.5, -inf, -inf, -inf]]
