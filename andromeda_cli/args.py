@@ -3,6 +3,8 @@ and the one check of a checkpoint file named by an option."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -44,6 +46,36 @@ def output_dir(text: str) -> Path:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: exists and is not a directory")
     return path
+
+
+def output_file(text: str) -> Path:
+    """A file to write: not a directory, in a directory that exists and may be written, or that may be created."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory, not a file")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written ({parent} is not a writable directory)")
+    return path
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {shown(text)}")
+    return value
+
+
+def non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 POSITIVE = int_in(1)

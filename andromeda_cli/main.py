@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ import torch
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in, output_dir
+from andromeda_cli.args import (NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in, non_empty, non_negative_float,
+                                output_dir, output_file)
 from andromeda_cli.k8s import add_commands as add_k8s_commands
 from andromeda_cli.request_file import read_requests
 from andromeda_cli.service import add_commands as add_service_commands
@@ -78,6 +80,8 @@ def cmd_synth(args: argparse.Namespace) -> None:
 
 
 def cmd_retrieve(args: argparse.Namespace) -> None:
+    if args.quiet:  # the text model's own loading bars too (read when transformers is first imported)
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     schema = load_schema(args.schema)
     requests = read_requests(args.request, schema, args.k)
     retriever = build_retriever(schema, args.events, progress=not args.quiet, model=args.model, storage=args.storage)
@@ -131,6 +135,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise InvalidInput("--teacher needs --init (the trained model distillation continues from)", "--teacher")
     with checkpoint("--teacher", args.teacher):  # a bad --teacher or --init fails before the data is loaded
         ranker = RetrievalModel.load(args.teacher)[0] if args.teacher else None
+    if ranker is not None and ranker.kind != "ranker":
+        raise InvalidInput(f"{args.teacher} is a {ranker.kind} model: the teacher must be a ranker checkpoint", "--teacher")
     with checkpoint("--init", args.init):
         init = RetrievalModel.load(args.init)[0] if args.init else None
     try:
@@ -143,6 +149,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     out = args.out or checkpoint_path(args.data, args.model, distill, start)
     if args.init is not None and out.resolve() == args.init.resolve():
         raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
+    try:  # before the data and the training, not after
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInput(f"{out}: cannot create its folder {out.parent} ({exc.strerror})", "--out") from None
     data = load_data(args.data, args.world)
     cfg = default_config(args.model, args.seed, distill, start)
     if args.steps is not None:
@@ -182,6 +192,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
                           stream=args.stream or settings.stream, attempts=args.tries)
     try:
         publisher.check_streams()  # an unreachable Redis fails here, before the file is read
+        check_layout(publisher, args)
         with tqdm(unit="event", desc="publish", file=sys.stderr) as bar:
             total = publisher.publish_file(args.events, on_batch=bar.update)
     except redis.RedisError as exc:
@@ -190,15 +201,35 @@ def cmd_publish(args: argparse.Namespace) -> None:
     print(f"published {total} events to {publisher.stream} at {redact(url)}")
 
 
+LAYOUT_FLAGS = {"shards": "--shards (or ANDROMEDA_SHARDS)", "schema": "--schema (or ANDROMEDA_SCHEMA)",
+                "model": "--model", "dim": "--model"}
+
+
+def check_layout(publisher, args: argparse.Namespace) -> None:
+    """Refuse to publish what the replicas reading the stream would not apply (entries for a shard stream no
+    replica reads, or dead letters), naming the flag to fix."""
+    mismatch = publisher.layout_mismatch()
+    if mismatch:
+        field, (theirs, ours) = next(iter(mismatch.items()))
+        raise InvalidInput(f"the replicas reading {publisher.stream} apply {field} {theirs}; this would publish "
+                           f"{field} {ours}, which they would not apply. Nothing was published", LAYOUT_FLAGS[field])
+
+
 def cmd_token(args: argparse.Namespace) -> None:
     from deployments.auth import add_token
 
-    if (args.role == "advertiser") != (args.advertiser is not None):
-        raise InvalidInput("an advertiser token needs --advertiser, and only it", "--advertiser")
+    if args.role == "advertiser" and args.advertiser is None:
+        raise InvalidInput("--role advertiser needs --advertiser (the advertiser_id the token may write for)",
+                           "--advertiser")
+    if args.role != "advertiser" and args.advertiser is not None:
+        raise InvalidInput(f"only --role advertiser takes --advertiser (a {args.role} token is not tied to one)",
+                           "--advertiser")
     try:
         token = add_token(args.file, args.name, args.role, args.advertiser)
-    except (ValueError, KeyError) as exc:
+    except ValueError as exc:
         raise InvalidInput(str(exc), str(args.file)) from None
+    except OSError as exc:
+        raise InvalidInput(f"{args.file}: {exc.strerror}", "--file") from None
     print(f"added {args.role} token {args.name} to {args.file} (only its salted hash is stored; this is the only "
           f"time the token is shown):", file=sys.stderr)
     print(token)
@@ -240,7 +271,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("publish", help="validate, compile and append ad events to the Redis updates stream")
     s.add_argument("events", type=input_file, help="ad events JSONL (checked in full before anything is appended)")
     s.add_argument("--redis", default=None, help="Redis URL (default: REDIS_URL)")
-    s.add_argument("--stream", default=None, help="stream name (default: ANDROMEDA_STREAM)")
+    s.add_argument("--stream", type=non_empty, default=None, help="stream name (default: ANDROMEDA_STREAM)")
     s.add_argument("--shards", type=POSITIVE, default=None, help="index shards (default: ANDROMEDA_SHARDS)")
     s.add_argument("--model", type=input_file, default=None, help="checkpoint whose ad tower embeds the ads")
     s.add_argument("--tries", type=POSITIVE, default=5,
@@ -254,13 +285,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed of the initialisation and batches")
     s.add_argument("--teacher", type=input_file, default=None,
                    help="ranker checkpoint to distil (its top-100 per user); `andromeda eval` uses DATA-ranker")
-    s.add_argument("--distill", type=float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
+    s.add_argument("--distill", type=non_negative_float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
     s.add_argument("--init", type=input_file, default=None,
                    help="checkpoint to start from: a model of the same kind goes on training from all its weights "
                         "(distillation does), so does a moe from a sasrec (`andromeda eval` does); a ranker starts "
                         "from a MoE's towers, frozen")
-    s.add_argument("--world", type=Path, default=None, help="synthetic world directory (default: generated in the cache)")
-    s.add_argument("--out", type=Path, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors; a moe "
+    s.add_argument("--world", type=output_dir, default=None,
+                   help="synthetic world directory (default: in the cache; a world is generated there when it holds none)")
+    s.add_argument("--out", type=output_file, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors; a moe "
                    "from a sasrec: DATA-moe-from-sasrec, distilled: DATA-moe-distillW)")
     s.set_defaults(func=cmd_train)
 
@@ -269,9 +301,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--data", nargs="+", choices=DATASETS, default=list(DATASETS),
                    help="data sets to evaluate (default: MovieLens and both synthetic worlds)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")
-    s.add_argument("--world", type=Path, default=None,
-                   help="world directory for the `synthetic` data set (default: generated in the cache)")
-    s.add_argument("--out", type=Path, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
+    s.add_argument("--world", type=output_dir, default=None,
+                   help="world directory for the `synthetic` data set (default: in the cache; generated where it holds none)")
+    s.add_argument("--out", type=output_file, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
     s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")

@@ -72,6 +72,21 @@ def _env_int(name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
+def _env_text(name: str, default: str) -> str:
+    raw = os.environ.get(name, default)
+    if not raw.strip():
+        raise InvalidInput("must not be empty (unset it for the default)", name)
+    return raw
+
+
+def _env_file(name: str, default: Path) -> Path:
+    """A file to read: set, it must exist and not be a directory."""
+    path = Path(_env_text(name, str(default)))
+    if not path.is_file():
+        raise InvalidInput(f"{shown(str(path))}: {'is a directory' if path.is_dir() else 'no such file'}", name)
+    return path
+
+
 def _env_device(name: str, default: str) -> str:
     """A torch device name; whether this machine has it is checked where a table is built."""
     import torch
@@ -123,11 +138,11 @@ def load_settings() -> Settings:
         rescore=_env_int("ANDROMEDA_RESCORE", 2, 0, 64),
     )
     return Settings(
-        schema_path=Path(os.environ.get("ANDROMEDA_SCHEMA", DEFAULT_SCHEMA_PATH)),
+        schema_path=_env_file("ANDROMEDA_SCHEMA", DEFAULT_SCHEMA_PATH),
         device=_env_device("ANDROMEDA_DEVICE", "cpu"),
         index=index,
         redis_url=os.environ.get("REDIS_URL") or None,
-        stream=os.environ.get("ANDROMEDA_STREAM", "andromeda:ad-events"),
+        stream=_env_text("ANDROMEDA_STREAM", "andromeda:ad-events"),
         shards=_env_int("ANDROMEDA_SHARDS", 1, 1, 4096),
         cache_dir=Path(os.environ.get("ANDROMEDA_CACHE", ".cache")),
         movielens_dir=Path(os.environ.get("ANDROMEDA_MOVIELENS", Settings.movielens_dir)),

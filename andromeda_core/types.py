@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from andromeda_core.errors import InvalidInput
 
@@ -35,11 +36,13 @@ class Ad(_Strict):
     bid: float = Field(ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
     targeting: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _window(self) -> "Ad":
-        if self.start_time is not None and self.end_time is not None and self.start_time >= self.end_time:
-            raise ValueError("start_time must be before end_time")
-        return self
+    @field_validator("end_time")
+    @classmethod
+    def _after_start(cls, end: int | None, info: ValidationInfo) -> int | None:
+        start = info.data.get("start_time")
+        if start is not None and end is not None and start >= end:
+            raise PydanticCustomError("time_window", "must be after start_time ({start})", {"start": start})
+        return end
 
 
 class UpsertEvent(_Strict):

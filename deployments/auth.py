@@ -124,8 +124,9 @@ def add_token(path: str | Path, name: str, role: Role, advertiser_id: int | None
     """Add (or replace) `name` in the token file at `path` (created if missing), written atomically so a
     router never reads half a file; returns the new token."""
     path = Path(path)
-    tokens = json.loads(path.read_text())["tokens"] if path.exists() else []
-    parse_token_file(json.dumps({"tokens": tokens}))
+    text = path.read_text() if path.exists() else '{"tokens": []}'
+    parse_token_file(text)
+    tokens = json.loads(text)["tokens"]
     token, entry = new_token(name, role, advertiser_id)
     tokens = [t for t in tokens if t["name"] != name] + [entry]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -185,9 +185,9 @@ class Router:
         responses = self.merge(requests, compiled, answers, unreachable, started)
         done = time.perf_counter()
         for stage, seconds in (("compile", t0 - started), ("history", t1 - t0), ("user_towers", t2 - t1),
-                               ("shards", t3 - t2), ("merge", done - t3), ("total", done - started)):
+                               ("shards", t3 - t2), ("merge", done - t3)):
             self.metrics.stage(endpoint, stage, seconds)
-        self.metrics.requests.labels(endpoint).inc()
+        self.answered(endpoint, started)
         return responses
 
     def compiled(self, requests: Sequence[RetrieveRequest], where: str) -> list[CompiledRequest]:
@@ -288,6 +288,7 @@ class Router:
                       principal: Principal = Depends(writer)) -> PublishResponse:
         """Validate, compile and append ad events (all or nothing); needs `Authorization: Bearer <token>`: an
         admin token writes any ad, an advertiser's token only that advertiser's ads (403 otherwise)."""
+        started = time.perf_counter()
         if len(events) > self.config.max_events_per_request:
             raise InvalidInput(f"at most {self.config.max_events_per_request} events per request "
                                f"(max_events_per_request), got {len(events)}", "body")
@@ -300,7 +301,13 @@ class Router:
             raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); retry the whole "
                                     "batch (re-sent events are harmless: they apply by version)", "redis") from None
         self.metrics.published.inc(len(ids))
+        self.answered("ad_events", started)
         return PublishResponse(ids=ids)
+
+    def answered(self, endpoint: str, started: float) -> None:
+        """Counts an answered request of endpoint and its whole time (the retrievals also time their stages)."""
+        self.metrics.stage(endpoint, "total", time.perf_counter() - started)
+        self.metrics.requests.labels(endpoint).inc()
 
     async def check_ownership(self, principal: Principal, events: Sequence[AdEvent]) -> None:
         """Forbidden (naming the event) unless every event touches only `principal`'s ads: an upsert must name
@@ -328,10 +335,12 @@ class Router:
     @app.get("/v1/ads/{ad_id}", response_model=AdState, responses=ERRORS)
     async def get_ad(self, ad_id: AD_ID, _: Principal | None = Depends(reader)) -> AdState:
         """The indexed state of one ad: version, status, shard, satisfiable, servable now."""
+        started = time.perf_counter()
         shard = shard_of(ad_id, len(self.shards))
         state = await self.call(shard, "get_ad", ad_id, int(time.time()))
         if state is None:
             raise NotFound(f"ad {ad_id} is not in the index", "ad_id")
+        self.answered("ad", started)
         return AdState(**state)
 
     # -- operations ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
 from index_updater.records import (DecodedRead, Entry, EntryDecoder, InvalidRecord, applied_key, dead_letter_stream,
-                                   shard_stream)
+                                   layout_key, shard_stream, stream_layout)
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class ShardConsumer:
         self.trimmed = 0  # entries this consumer trimmed away
         self.stats = ConsumerStats(index_size=len(index))
         self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
+        self._layout = stream_layout(shards, index.schema, model, index.dim)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._caught_up = False
@@ -321,6 +322,8 @@ class ShardConsumer:
         if now >= due["report"]:
             due["report"] = now + 1.0
             self.report_applied()
+            self.client.hset(layout_key(self.stream), mapping=self._layout)  # for publishers to check (and again,
+            # should the key be deleted)
 
     def _recover_from(self, gap: StreamGap) -> None:
         """Reload the newest snapshot; if none covers the gap, go on with what the stream still holds and

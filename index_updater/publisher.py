@@ -22,7 +22,7 @@ from andromeda_core.ingest import compile_upserts, prepare_ops, read_events
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.types import parse_event
-from index_updater.records import encode, shard_stream
+from index_updater.records import encode, layout_key, shard_stream, stream_layout
 
 DEFAULT_STREAM = Settings.stream
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -86,6 +86,17 @@ class Publisher:
             kind = kind.decode() if isinstance(kind, bytes) else kind
             if kind not in ("none", "stream"):
                 raise InvalidInput(f"the key {name} holds a Redis {kind}, not a stream", "stream")
+
+    def layout_mismatch(self) -> dict[str, tuple[str, str]]:
+        """{field: (what the replicas reading the stream recorded, what this publisher writes)} for each of
+        shards, schema, model and dim that differ; {} when they agree or no replica has recorded its layout yet.
+        A connection error is retried like a write."""
+        recorded = retry(lambda: self.client.hgetall(layout_key(self.stream)), self.attempts)
+        recorded = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                    for k, v in recorded.items()}
+        ours = stream_layout(self.shards, self.schema, self.scorer.name, self.scorer.dim)
+        return {field: (recorded[field], value) for field, value in ours.items()
+                if field in recorded and recorded[field] != value}
 
     def _types(self, keys: list[str]) -> list:
         pipe = self.client.pipeline(transaction=False)

@@ -44,6 +44,17 @@ def dead_letter_stream(base: str) -> str:
     return f"{base}:dead-letters"
 
 
+def layout_key(base: str) -> str:
+    """Redis hash where the replicas reading the shard streams of `base` record the layout they read them with
+    (stream_layout), so that a publisher can check it writes what they read."""
+    return f"{base}:layout"
+
+
+def stream_layout(shards: int, schema: Schema, model: str, dim: int) -> dict[str, str]:
+    """What an entry must agree with to be applied: the shard count, schema, model and vector dims."""
+    return {"shards": str(shards), "schema": schema_tag(schema), "model": model, "dim": str(dim)}
+
+
 def applied_key(base: str, shard: int) -> str:
     """Redis hash where the replicas of shard `shard` report how far they have applied (replica -> "id time")."""
     return f"{shard_stream(base, shard)}:applied"

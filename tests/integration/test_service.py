@@ -187,6 +187,11 @@ def test_raw_garbage_is_a_422_not_a_500(service):
         got = requests.post(f"{service.url}/two/v1/retrieve", data=body, headers={"Content-Type": "application/json"},
                             timeout=10)
         assert got.status_code == 422, (body, got.status_code, got.text)
+    nested = b"[" * 5000 + b"]" * 5000
+    for body in (b'{"user": {"user_id": 1, "attributes": {"country": "\xff\xfe"}}}', nested):  # not UTF-8; too deep
+        got = requests.post(f"{service.url}/two/v1/retrieve", data=body, headers={"Content-Type": "application/json"},
+                            timeout=10)
+        assert got.status_code == 422 and got.json()["error"]["field"] == "body", (body[:40], got.status_code, got.text)
     bad_id = requests.get(f"{service.url}/two/v1/ads/abc", timeout=10)
     assert bad_id.status_code == 422 and bad_id.json()["error"]["field"] == "ad_id"
     assert requests.get(f"{service.url}/two/v1/ads/-5", timeout=10).status_code == 422
@@ -202,11 +207,16 @@ def test_health_readiness_and_metrics(service):
     assert requests.get(f"{service.url}/two/healthz", timeout=10).status_code == 200
     ready = requests.get(f"{service.url}/two/readyz", timeout=10)
     assert ready.status_code == 200 and [s["shard"] for s in ready.json()["shards"]] == [0, 1]
-    post(f"{service.url}/two/v1/retrieve", world_requests(service)[0])
+    found = post(f"{service.url}/two/v1/retrieve", world_requests(service)[0]).json()["ads"][0]["ad_id"]
     post(f"{service.url}/two/v1/retrieve", {"user": {"user_id": "x"}})
     post(f"{service.url}/two/v1/ad-events", [upsert(1)], token="wrong")
+    assert requests.get(f"{service.url}/two/v1/ads/{found}", timeout=10).status_code == 200
+    delete = {"op": "delete", "ad_id": 424242, "version": 1}  # an id no test indexes: a tombstone, harmless
+    assert post(f"{service.url}/two/v1/ad-events", [delete], token=TOKEN).status_code == 200
     text = requests.get(f"{service.url}/two/metrics", timeout=10).text
     for name in ('andromeda_request_seconds_count{endpoint="retrieve",stage="user_towers"}',
+                 'andromeda_request_seconds_count{endpoint="ad",stage="total"}', 'andromeda_requests_total{endpoint="ad"}',
+                 'andromeda_request_seconds_count{endpoint="ad_events",stage="total"}',
                  'andromeda_shard_index_size{shard="1"}', 'andromeda_shard_lag_seconds{shard="0"}',
                  'andromeda_shard_dead_letters{shard="0"}', "andromeda_eligible_ads_total",
                  'andromeda_errors_total{cause="invalid_input"}', 'andromeda_errors_total{cause="unauthorized"}'):

@@ -17,7 +17,7 @@ from andromeda_core.targeting import CompiledTargeting, compile_user
 from andromeda_core.types import parse_event
 from index_updater.consumer import ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
-from index_updater.records import encode, shard_stream
+from index_updater.records import encode, layout_key, shard_stream
 from index_updater.snapshots import SnapshotStore
 from tests.conftest import upsert
 
@@ -215,6 +215,35 @@ def test_publish_cli_appends_a_file(redis_server, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "andromeda_cli", "publish", str(events), "--redis", url],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "ad.targeting.planet" in bad.stderr and sum(map(client.xlen, streams)) == 5
+
+
+def test_publishing_for_another_layout_than_the_replicas_read_is_refused(setup, redis_server, small_schema, scorer,
+                                                                           tmp_path):
+    """A consumer records the layout it applies (shards, schema, model, dims); a publisher for another is told so
+    before it appends anything (its entries would go to a stream no replica reads, or to the dead letters)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    client, publisher, make = setup
+    assert publisher.layout_mismatch() == {}  # no replica yet: nothing to check against
+    consumer = make().start()
+    try:
+        deadline = time.monotonic() + 10
+        while not client.exists(layout_key(DEFAULT_STREAM)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        consumer.stop()
+    assert publisher.layout_mismatch() == {}
+    assert Publisher(client, small_schema, scorer, shards=2).layout_mismatch() == {"shards": ("1", "2")}
+    events = tmp_path / "events.jsonl"
+    events.write_text(json.dumps(upsert(1)) + "\n")
+    url = redis_server[0].url if redis_server[0] else os.environ["REDIS_URL"]
+    refused = subprocess.run([sys.executable, "-m", "andromeda_cli", "publish", str(events), "--shards", "2", "--redis", url],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--shards" in refused.stderr and "Nothing was published" in refused.stderr
+    assert [client.xlen(shard_stream(DEFAULT_STREAM, s)) for s in range(2)] == [0, 0]
 
 
 def test_an_entry_the_index_rejects_is_dead_lettered_and_the_rest_of_its_batch_applies(setup, small_schema, scorer):
