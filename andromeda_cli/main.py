@@ -342,6 +342,7 @@ def message(exc: Exception) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `andromeda ... | head` ends quietly
     args = parser().parse_args(argv)
+    from_env = args.schema is None and "ANDROMEDA_SCHEMA" in os.environ
     try:
         if args.schema is None:
             args.schema = load_settings().schema_path
@@ -349,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while starting: whatever was started is stopped by its finally
         return 130
     except USER_ERRORS as exc:
-        print(f"error: {redact(message(exc))}", file=sys.stderr)  # never a Redis password
+        named = from_env and isinstance(exc, OSError) and exc.filename == str(args.schema)
+        print(f"error: {'ANDROMEDA_SCHEMA: ' if named else ''}{redact(message(exc))}", file=sys.stderr)  # never a
+        # Redis password
         return 2
     return 0

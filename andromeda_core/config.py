@@ -79,14 +79,6 @@ def _env_text(name: str, default: str) -> str:
     return raw
 
 
-def _env_file(name: str, default: Path) -> Path:
-    """A file to read: set, it must exist and not be a directory."""
-    path = Path(_env_text(name, str(default)))
-    if not path.is_file():
-        raise InvalidInput(f"{shown(str(path))}: {'is a directory' if path.is_dir() else 'no such file'}", name)
-    return path
-
-
 def _env_device(name: str, default: str) -> str:
     """A torch device name; whether this machine has it is checked where a table is built."""
     import torch
@@ -138,7 +130,8 @@ def load_settings() -> Settings:
         rescore=_env_int("ANDROMEDA_RESCORE", 2, 0, 64),
     )
     return Settings(
-        schema_path=_env_file("ANDROMEDA_SCHEMA", DEFAULT_SCHEMA_PATH),
+        schema_path=Path(_env_text("ANDROMEDA_SCHEMA", str(DEFAULT_SCHEMA_PATH))),  # read where it is used: a
+        # Serve config names a file of the machines it runs on
         device=_env_device("ANDROMEDA_DEVICE", "cpu"),
         index=index,
         redis_url=os.environ.get("REDIS_URL") or None,

@@ -24,7 +24,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.models import KernelHead, Scorer, score_each
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import UserValues, compile_user
-from andromeda_core.types import RetrieveRequest, RetrieveResponse, ScoredAd
+from andromeda_core.types import FLOAT32_MAX, RetrieveRequest, RetrieveResponse, ScoredAd
 from kernels import dispatch
 from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
@@ -63,7 +63,9 @@ class TopK:
     eligible: torch.Tensor
 
     def row(self, b: int, k: int) -> list[ScoredAd]:
-        ids, scores = self.ids[b, :k].tolist(), self.scores[b, :k].tolist()
+        """Request b's first k ads; a score of +-inf (one past float32, or a NaN ranked as -inf) goes out as
+        float32's largest finite magnitude, which JSON can carry."""
+        ids, scores = self.ids[b, :k].tolist(), self.scores[b, :k].clamp(-FLOAT32_MAX, FLOAT32_MAX).tolist()
         return [ScoredAd(ad_id=i, score=s) for i, s in zip(ids, scores) if i != NO_ID]
 
 

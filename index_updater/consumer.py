@@ -28,6 +28,7 @@ from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
+LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every second) by this much
 
 
 class StreamGap(RuntimeError):
@@ -243,6 +244,14 @@ class ShardConsumer:
         if self.replica_id is not None:
             self.client.hset(self.applied_key, self.replica_id, f"{self.stats.last_id} {time.time():.3f}")
 
+    def record_layout(self) -> None:
+        """Tell publishers what this replica applies (stream_layout), for LAYOUT_TTL_S: a service that stopped
+        (or changed its layout) no longer binds them once that passes."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(layout_key(self.stream), mapping=self._layout)
+        pipe.expire(layout_key(self.stream), LAYOUT_TTL_S)
+        pipe.execute()
+
     def trim_point(self) -> str | None:
         """The stream id below which no index needs the shard's entries: the least of what the oldest kept
         snapshot covers, what this and every live registered replica has applied, and the first of the
@@ -322,8 +331,7 @@ class ShardConsumer:
         if now >= due["report"]:
             due["report"] = now + 1.0
             self.report_applied()
-            self.client.hset(layout_key(self.stream), mapping=self._layout)  # for publishers to check (and again,
-            # should the key be deleted)
+            self.record_layout()
 
     def _recover_from(self, gap: StreamGap) -> None:
         """Reload the newest snapshot; if none covers the gap, go on with what the stream still holds and

@@ -46,7 +46,7 @@ def dead_letter_stream(base: str) -> str:
 
 def layout_key(base: str) -> str:
     """Redis hash where the replicas reading the shard streams of `base` record the layout they read them with
-    (stream_layout), so that a publisher can check it writes what they read."""
+    (stream_layout), so that a publisher can check it writes what they read; it expires when none reports."""
     return f"{base}:layout"
 
 

@@ -64,6 +64,8 @@ def pass_seconds(inputs: dict, ads: float, batch: int, b: AdBytes) -> tuple[floa
     """One fused pass of `batch` requests over `ads` slots: (seconds, what bounds it). Targeting bytes are read
     once per pass; an ad's vector once if any request of the batch is eligible for it."""
     h, a = inputs["hardware"], inputs["assumed"]
+    if "pass_rates" in inputs:  # the plan at the rates measured (at_measured_rates)
+        return ads * batch / measured_rate(inputs["pass_rates"], batch) + a["pass_overhead_s"], "measured"
     eligible = inputs["measured"]["eligible_fraction"]
     any_eligible = 1 - (1 - eligible) ** batch
     memory = ads * (b.targeting + any_eligible * b.vector) / (h["gpu_bandwidth_bytes_per_s"] * a["kernel_bandwidth_efficiency"])
@@ -133,17 +135,23 @@ def plan_deployment(inputs: dict, ads: int, qps: int, b: AdBytes) -> Deployment:
 PROD = (100_000_000, 20_000)  # the (ads, QPS) row the gpu-prod overlay is sized for
 
 
-def at_measured_rates(inputs: dict, b: AdBytes) -> dict:
-    """The inputs with the kernel's assumed efficiencies replaced by those that make pass_seconds give the H200's
-    measured times: one request's ads/s times its bytes per ad over the HBM bandwidth, and B = 64's user-ad
-    pairs/s (every pair of the batch, as benchmarks.kernels counts them) times the eligible share and the FLOPs
-    per pair over the fp32 peak (the model counts the MoE FLOPs of eligible pairs only)."""
-    h, m, a = inputs["hardware"], inputs["measured"], inputs["assumed"]
-    one = b.targeting + m["eligible_fraction"] * b.vector
-    measured = {"kernel_bandwidth_efficiency": m["gpu_ads_per_s_one_request"] * one / h["gpu_bandwidth_bytes_per_s"],
-                "kernel_compute_efficiency": m["gpu_pairs_per_s_batch64"] * m["eligible_fraction"] * a["moe_flops_per_pair"]
-                / h["gpu_fp32_flops"]}
-    return {**inputs, "assumed": {**a, **measured}}
+def measured_rate(rates: dict[int, float], batch: int) -> float:
+    """User-ad pairs/s of a pass of `batch` requests: the measured rates {batch: pairs/s}, linear in log2(batch)
+    between the batches measured, the nearest one's beyond them."""
+    points = sorted(rates.items())
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, r0), (b1, r1) in zip(points, points[1:]):
+        if batch <= b1:
+            t = (math.log2(batch) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+            return r0 + t * (r1 - r0)
+    return points[-1][1]
+
+
+def at_measured_rates(inputs: dict) -> dict:
+    """The inputs with the pass timed from the H200's measured pairs/s by batch (pass_seconds) instead of the
+    bandwidth and FLOPs the kernel is assumed to reach."""
+    return {**inputs, "pass_rates": {int(k): v for k, v in inputs["measured"]["gpu_pairs_per_s"].items()}}
 
 
 def initial_capacity(inputs: dict, d: Deployment) -> int:
@@ -298,15 +306,18 @@ def report(inputs: dict) -> str:
             f"{fmt(4 * a['router_cores'] * a['utilisation'] * 1000 / m['router_cpu_ms_per_request'])} QPS at that cost): "
             "raise router_replicas and the cpu-workers group together",
             "(docs/operations.md, 'Scale replicas'), and measure the router on the production CPUs first.", ""]
-    measured = at_measured_rates(inputs, b)
-    ma = measured["assumed"]
+    measured = at_measured_rates(inputs)
+    rates = measured["pass_rates"]
+    target_one, _ = pass_seconds(inputs, 1e8, 1, b)
     out += ["## At the rates measured on one H200", "",
-            f"One H200 measured the Triton pass (docs/benchmarks.md, 'Fused kernels on cuda', 100M ads, int8): "
-            f"{fmt(m['gpu_ads_per_s_one_request'] / 1e9, 1)}G ads/s for one request, {fmt(m['gpu_pairs_per_s_batch64'] / 1e9, 1)}G "
-            f"user-ad pairs/s at B = 64. Read as the model's efficiencies: {ma['kernel_bandwidth_efficiency']:.1%} of the HBM",
-            f"bandwidth (assumed above: {a['kernel_bandwidth_efficiency']:.0%}) and {ma['kernel_compute_efficiency']:.1%} of the fp32 peak "
-            f"for the eligible pairs' FLOPs (assumed: {a['kernel_compute_efficiency']:.0%}; the pass computes every pair of a",
-            "block, eligible or not). Until the kernel reaches the target, plan with these rows:", "",
+            "One H200 measured the Triton pass (docs/benchmarks.md, 'Fused kernels on cuda', 100M ads, int8) at "
+            + ", ".join(f"{fmt(r / 1e9, 1)}G" for r in rates.values()) + " user-ad pairs/s for batches of "
+            + ", ".join(map(str, rates)) + f" requests: one request over 100M ads in {1e8 / rates[1] * 1e3:.1f} ms, where the",
+            f"model above takes {target_one * 1e3:.2f} ms. Here a pass takes ads x batch / the measured pairs/s (linear in log2 of the",
+            f"batch between those measured) + {a['pass_overhead_s'] * 1e3:.1f} ms; smaller tables measured somewhat slower per ad "
+            "(a fixed cost of about 2 ms",
+            "per call, docs/benchmarks.md), which this leaves out. Until the kernel reaches its target, plan with these rows:",
+            "",
             DEPLOYMENT_HEADER, "|---|---|---|---|---|---|---|---|---|---|"]
     at_measured = deployment_rows(measured, b, out)
     ratio = at_measured[PROD].gpus / prod.gpus
@@ -356,7 +367,9 @@ def report(inputs: dict) -> str:
     out += ["", "## Inputs and where they come from", "", "| input | value | source |", "|---|---|---|"]
     for section in ("measured", "assumed"):
         for name, entry in raw[section].items():
-            out.append(f"| {section}: {name} | {entry['value']:,} | {entry['source']} |")
+            value = entry["value"]
+            shown = ", ".join(f"{k}: {v:,}" for k, v in value.items()) if isinstance(value, dict) else f"{value:,}"
+            out.append(f"| {section}: {name} | {shown} | {entry['source']} |")
     return "\n".join(out) + "\n"
 
 

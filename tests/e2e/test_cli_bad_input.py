@@ -98,8 +98,8 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("--schema", "{d}/bad.yaml", "schema"), {}, ("bad.yaml:2", "not YAML")),
     (("--schema", "{d}/binary.yaml", "schema"), {}, ("binary.yaml", "not UTF-8")),
     (("--schema", "{d}/ok.json", "schema"), {}, ("ok.json.categories", "list of categories")),
-    (("schema",), {"ANDROMEDA_SCHEMA": "{d}"}, ("ANDROMEDA_SCHEMA", "is a directory")),
-    (("schema",), {"ANDROMEDA_SCHEMA": "{d}/missing.yaml"}, ("ANDROMEDA_SCHEMA", "no such file")),
+    (("schema",), {"ANDROMEDA_SCHEMA": "{d}"}, ("ANDROMEDA_SCHEMA", "Is a directory")),
+    (("schema",), {"ANDROMEDA_SCHEMA": "{d}/missing.yaml"}, ("ANDROMEDA_SCHEMA", "No such file")),
     (("schema",), {"ANDROMEDA_SCHEMA": ""}, ("ANDROMEDA_SCHEMA", "must not be empty")),
     (("serve-config",), {"ANDROMEDA_STREAM": " "}, ("ANDROMEDA_STREAM", "must not be empty")),
     (("publish", "{d}/events.jsonl", "--stream", ""), {}, ("argument --stream", "must not be empty")),
@@ -191,3 +191,10 @@ def test_publish_to_a_key_of_another_type_names_it(d, capsys, redis_url):
     redis.Redis.from_url(redis_url).set(shard_stream("taken", 0), "a string")
     assert_refused(andromeda(capsys, "publish", d / "events.jsonl", "--redis", redis_url, "--stream", "taken"),
                    "stream", "taken:0 holds a Redis string")
+
+
+def test_serve_config_names_a_schema_of_the_machines_it_runs_on(capsys, monkeypatch):
+    """The Serve config is for other machines: ANDROMEDA_SCHEMA may name a file that is not here."""
+    monkeypatch.setenv("ANDROMEDA_SCHEMA", "/srv/andromeda/schema.yaml")
+    code, out, err = andromeda(capsys, "serve-config")
+    assert code == 0 and "schema_path: /srv/andromeda/schema.yaml" in out, err

@@ -15,7 +15,7 @@ from andromeda_core.ingest import prepare_ops
 from andromeda_core.sharding import shard_of
 from andromeda_core.targeting import CompiledTargeting, compile_user
 from andromeda_core.types import parse_event
-from index_updater.consumer import ShardConsumer, StreamGap
+from index_updater.consumer import LAYOUT_TTL_S, ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
 from index_updater.records import encode, layout_key, shard_stream
 from index_updater.snapshots import SnapshotStore
@@ -237,6 +237,7 @@ def test_publishing_for_another_layout_than_the_replicas_read_is_refused(setup, 
         consumer.stop()
     assert publisher.layout_mismatch() == {}
     assert Publisher(client, small_schema, scorer, shards=2).layout_mismatch() == {"shards": ("1", "2")}
+    assert 0 < client.ttl(layout_key(DEFAULT_STREAM)) <= LAYOUT_TTL_S  # a stopped service binds no one for long
     events = tmp_path / "events.jsonl"
     events.write_text(json.dumps(upsert(1)) + "\n")
     url = redis_server[0].url if redis_server[0] else os.environ["REDIS_URL"]

@@ -445,14 +445,16 @@ def test_capacity_model_pads_vector_rows_as_the_index_does():
         assert capacity.vector_bytes(storage, 113, line=ROW_ALIGN) == rows.stride(0) * rows.element_size() + scales
 
 
-def test_the_plan_at_measured_rates_gives_back_the_measured_h200_rates():
+def test_the_plan_at_measured_rates_times_passes_from_the_measured_h200_rates():
     capacity = load_capacity_model()
     inputs = capacity.load_inputs()
     b = capacity.ad_bytes(inputs, "int8", 2)
-    measured = capacity.at_measured_rates(inputs, b)
+    measured = capacity.at_measured_rates(inputs)
     overhead = inputs["assumed"]["pass_overhead_s"]
-    one, _ = capacity.pass_seconds(measured, 1e8, 1, b)
-    assert 1e8 / (one - overhead) == pytest.approx(inputs["measured"]["gpu_ads_per_s_one_request"])
-    many, bound = capacity.pass_seconds(measured, 1e8, 64, b)
-    pairs = 1e8 * 64 / (many - overhead)  # every pair of the batch, as benchmarks.kernels counts them
-    assert (bound, pairs) == ("compute", pytest.approx(inputs["measured"]["gpu_pairs_per_s_batch64"]))
+    rates = {int(k): v for k, v in inputs["measured"]["gpu_pairs_per_s"].items()}
+    for batch, rate in rates.items():  # every pair of the batch, as benchmarks.kernels counts them
+        seconds, bound = capacity.pass_seconds(measured, 1e8, batch, b)
+        assert bound == "measured" and 1e8 * batch / (seconds - overhead) == pytest.approx(rate)
+    eight, _ = capacity.pass_seconds(measured, 1e8, 8, b)
+    assert min(rates[4], rates[16]) < 8e8 / (eight - overhead) < max(rates[4], rates[16])
+    assert capacity.measured_rate(rates, 256) == rates[64]

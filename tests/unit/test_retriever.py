@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.quantization import STORAGE
-from andromeda_core.retriever import Retriever, UserQuery, compile_requests, concat_queries, split_topk
-from andromeda_core.types import parse_request
+from andromeda_core.retriever import Retriever, TopK, UserQuery, compile_requests, concat_queries, split_topk
+from andromeda_core.types import FLOAT32_MAX, RetrieveResponse, parse_request
 from tests.conftest import apply_events, upsert
 
 
@@ -108,3 +110,11 @@ def test_a_tie_at_the_shortlist_cut_joins_the_shortlist(small_schema, scorer):
     index.columns["embedding_exact"][index.slot_of(33)] *= 3  # only the exact copy tells 33 apart
     body = {"user": {"user_id": 1, "history": [{"ad_id": 4, "event": "click", "ts": 5}]}, "context": {"ts": 100}, "k": 1}
     assert [a.ad_id for a in Retriever(index, scorer, rescore=1).retrieve([parse_request(body)])[0].ads] == [33]
+
+
+def test_infinite_scores_go_out_as_float32_extremes_json_can_carry():
+    top = TopK(torch.tensor([[7, 8, 9, -1]]), torch.tensor([[float("inf"), 1.5, float("-inf"), float("-inf")]]),
+               torch.tensor([3]))
+    row = top.row(0, 4)
+    assert [(a.ad_id, a.score) for a in row] == [(7, FLOAT32_MAX), (8, 1.5), (9, -FLOAT32_MAX)]
+    assert json.loads(RetrieveResponse(ads=row, eligible=3, took_ms=0.0).model_dump_json())["ads"][0]["score"] == FLOAT32_MAX
