@@ -417,6 +417,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         eligible.zero_()
     if stats is not None:
         stats.update(blocks=blocks, path="per-block")
+        stats.pop("scored", None)
     width = min(triton.next_power_of_2(max(m, 1)), BLOCK)
     partial = torch.empty((B, blocks, width), dtype=torch.int64, device=status.device)
     scan(blocks, partial, KEEP_TOP, width)
