@@ -350,8 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while starting: whatever was started is stopped by its finally
         return 130
     except USER_ERRORS as exc:
-        named = from_env and isinstance(exc, OSError) and exc.filename == str(args.schema)
-        print(f"error: {'ANDROMEDA_SCHEMA: ' if named else ''}{redact(message(exc))}", file=sys.stderr)  # never a
-        # Redis password
+        unread_schema = from_env and isinstance(exc, OSError) and exc.filename == str(args.schema)
+        where = "ANDROMEDA_SCHEMA: " if unread_schema else ""
+        print(f"error: {where}{redact(message(exc))}", file=sys.stderr)  # never a Redis password
         return 2
     return 0
