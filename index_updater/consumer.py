@@ -23,7 +23,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
 from index_updater.records import (DecodedRead, Entry, EntryDecoder, InvalidRecord, applied_key, dead_letter_stream,
-                                   layout_key, shard_stream, stream_layout)
+                                   layout_key, shard_stream, stream_layout, text)
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class ShardConsumer:
             return  # nothing was ever removed
         first = info.get("first-entry")
         oldest = first[0] if first else info["last-generated-id"]
-        oldest = oldest.decode() if isinstance(oldest, bytes) else oldest
+        oldest = text(oldest)
         applied = stream_id_key(self.stats.last_id)
         if stream_id_key(oldest) > applied:
             raise StreamGap(f"stream trimmed up to {oldest}, past the last applied id {self.stats.last_id}")
@@ -180,7 +180,7 @@ class ShardConsumer:
         results = self._apply(read, entries)
         servable_ms = time.time() * 1000
         last = entries[-1][0]
-        self.stats.last_id = last.decode() if isinstance(last, bytes) else last
+        self.stats.last_id = text(last)
         self.stats.applied += sum(results)
         self.stats.stale += len(results) - sum(results)
         self.stats.index_size = len(self.index)
@@ -212,7 +212,7 @@ class ShardConsumer:
 
     def _dead_letter(self, entry: Entry, exc: InvalidRecord) -> None:
         entry_id, fields = entry
-        entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        entry_id = text(entry_id)
         record = {"source_id": entry_id, "stream": self.source, "reason": exc.message, "field": exc.field or "",
                   "shard": self.shard, "event": fields.get(b"event", b"")}
         retry(lambda: self.client.xadd(self.dead_letter_stream, record))
@@ -272,7 +272,7 @@ class ShardConsumer:
             if len(kept) < self.trim_keep_entries:
                 return None
             first = kept[-1][0]
-            points.append(first.decode() if isinstance(first, bytes) else first)
+            points.append(text(first))
         return min(points, key=stream_id_key)
 
     def trim_stream(self) -> int:

@@ -22,7 +22,7 @@ from andromeda_core.ingest import compile_upserts, prepare_ops, read_events
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.types import parse_event
-from index_updater.records import encode, layout_key, shard_stream, stream_layout
+from index_updater.records import encode, layout_key, shard_stream, stream_layout, text
 
 DEFAULT_STREAM = Settings.stream
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -69,7 +69,7 @@ class Publisher:
         for stream, positions in by_stream.items():
             sent = retry(partial(self._append, stream, [entries[i] for i in positions]), self.attempts)
             for i, entry_id in zip(positions, sent):
-                ids[i] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                ids[i] = text(entry_id)
         return ids
 
     def _append(self, stream: str, entries: list[dict]) -> list:
@@ -83,7 +83,7 @@ class Publisher:
         retried like a write."""
         names = [shard_stream(self.stream, s) for s in range(self.shards)]
         for name, kind in zip(names, retry(partial(self._types, names), self.attempts)):
-            kind = kind.decode() if isinstance(kind, bytes) else kind
+            kind = text(kind)
             if kind not in ("none", "stream"):
                 raise InvalidInput(f"the key {name} holds a Redis {kind}, not a stream", "stream")
 
@@ -92,8 +92,7 @@ class Publisher:
         shards, schema, model and dim that differ; {} when they agree or no replica has recorded its layout yet.
         A connection error is retried like a write."""
         recorded = retry(lambda: self.client.hgetall(layout_key(self.stream)), self.attempts)
-        recorded = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-                    for k, v in recorded.items()}
+        recorded = {text(k): text(v) for k, v in recorded.items()}
         ours = stream_layout(self.shards, self.schema, self.scorer.name, self.scorer.dim)
         return {field: (recorded[field], value) for field, value in ours.items()
                 if field in recorded and recorded[field] != value}

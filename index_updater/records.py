@@ -44,6 +44,11 @@ def dead_letter_stream(base: str) -> str:
     return f"{base}:dead-letters"
 
 
+def text(value: bytes | str) -> str:
+    """A Redis reply as str: redis-py gives bytes unless the client decodes responses."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def layout_key(base: str) -> str:
     """Redis hash where the replicas reading the shard streams of `base` record the layout they read them with
     (stream_layout), so that a publisher can check it writes what they read; it expires when none reports."""

@@ -208,12 +208,10 @@ def human_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-DEPLOYMENT_HEADER = ("| ads | QPS | shards (memory needs) | ads per shard | batch | pass | p99 at the shard | replicas per shard "
-                     "| GPUs | routers |")
-
-
-def deployment_rows(inputs: dict, b: AdBytes, out: list[str]) -> dict[tuple[int, int], Deployment]:
-    """Appends a row of the deployment table to out for each corpus and QPS of the workload; returns the plans."""
+def deployment_table(inputs: dict, b: AdBytes, out: list[str]) -> dict[tuple[int, int], Deployment]:
+    """Appends the deployment table to out, a row for each corpus and QPS of the workload; returns the plans."""
+    out += ["| ads | QPS | shards (memory needs) | ads per shard | batch | pass | p99 at the shard | replicas per shard "
+            "| GPUs | routers |", "|---|---|---|---|---|---|---|---|---|---|"]
     plans = {}
     for ads in inputs["workload"]["corpora"]:
         for qps in inputs["workload"]["qps"]:
@@ -285,10 +283,8 @@ def report(inputs: dict) -> str:
             "the count that needs the fewest GPUs while a pass fits the p99 budget, ties going to more shards (smaller",
             "tables load and recover faster, each replica applies fewer updates, a pass is shorter). Replicas per",
             f"shard: the QPS over one replica's, at least {w['min_replicas']} (one may fail or be upgraded). "
-            "GPUs = shards x replicas.", "",
-            DEPLOYMENT_HEADER,
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    plans = deployment_rows(inputs, b, out)
+            "GPUs = shards x replicas.", ""]
+    plans = deployment_table(inputs, b, out)
     r20 = routers(inputs, w["qps"][-1])
     prod = plans[PROD]
     out += ["", "When the pass is compute-bound, shards do not change the GPU count (every request does the same MoE work",
@@ -317,9 +313,8 @@ def report(inputs: dict) -> str:
             f"batch between those measured) + {a['pass_overhead_s'] * 1e3:.1f} ms; smaller tables measured somewhat slower per ad "
             "(a fixed cost of about 2 ms",
             "per call, docs/benchmarks.md), which this leaves out. Until the kernel reaches its target, plan with these rows:",
-            "",
-            DEPLOYMENT_HEADER, "|---|---|---|---|---|---|---|---|---|---|"]
-    at_measured = deployment_rows(measured, b, out)
+            ""]
+    at_measured = deployment_table(measured, b, out)
     ratio = at_measured[PROD].gpus / prod.gpus
     out += ["", f"The gpu-prod overlay is sized at the target rates: at the measured ones its row needs "
                 f"{at_measured[PROD].gpus} GPUs, {ratio:.1f}x its {prod.gpus}.", "",
