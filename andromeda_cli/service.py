@@ -156,7 +156,9 @@ def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> N
     from ray import serve
 
     from deployments.app import build_app
+    from deployments.config import apply_serve_env
 
+    apply_serve_env()
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="WARNING",
              log_to_driver=False)
     try:

@@ -40,7 +40,7 @@ from andromeda_core.types import RetrieveRequest, parse_request
 from benchmarks import load_cpu
 from benchmarks.common import DOCS, machine, write_section
 from benchmarks.load_client import bodies, run_step
-from deployments.config import APP_NAME, ServiceConfig
+from deployments.config import APP_NAME, ServiceConfig, apply_serve_env
 from deployments.shard import ShardAnswer
 from index_updater.local_redis import LocalRedis, free_port
 from index_updater.publisher import Publisher
@@ -145,6 +145,7 @@ def service(config: ServiceConfig, world: Path) -> Iterator[str]:
     schema = load_schema(config.schema_path)
     Publisher(redis.Redis.from_url(config.redis_url), schema, load_scorer(config.model, schema), shards=config.shards,
               stream=config.stream).publish_file(world / "events.jsonl")
+    apply_serve_env()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
         serve.start(http_options={"host": config.host, "port": config.port})

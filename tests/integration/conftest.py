@@ -12,6 +12,7 @@ import redis
 from ray import serve
 
 from andromeda_core.index import AdIndex
+from deployments.config import SERVE_ENV
 from index_updater.consumer import ShardConsumer
 from index_updater.local_redis import LocalRedis
 from index_updater.publisher import Publisher
@@ -55,7 +56,9 @@ def redis_for(tmp: Path) -> Iterator[str]:
 
 @contextmanager
 def local_ray(env: dict[str, str]) -> Iterator[None]:
-    """A local Ray (2 CPUs) whose workers inherit `env`; after: Serve and Ray shut down, the environment restored."""
+    """A local Ray (2 CPUs) whose workers inherit `env` and the service's Ray Serve settings (SERVE_ENV, as `andromeda
+    up` and the image set them); after: Serve and Ray shut down, the environment restored."""
+    env = {**SERVE_ENV, **env}
     before = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

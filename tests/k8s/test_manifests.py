@@ -24,7 +24,7 @@ from ray.serve.schema import ServeDeploySchema
 from andromeda_cli.k8s import PATCH_FILE, overlay_config, serve_config_patch
 from andromeda_cli.main import main
 from andromeda_core.quantization import ROW_ALIGN, aligned_rows
-from deployments.config import ServiceConfig
+from deployments.config import SERVE_ENV, ServiceConfig
 from deployments.metrics import ServiceMetrics
 from tests.k8s.kustomize import build
 from tests.k8s.manifests import K8S, OVERLAYS, ROOT, alert_exprs, grafana_exprs, groups, metric_names, one, serve_config
@@ -237,6 +237,19 @@ def test_credentials_come_only_from_secrets(overlay):
                 assert "value" not in env and env["valueFrom"]["secretKeyRef"]["name"] == "andromeda-secrets", where
     text = yaml.safe_dump([r for r in resources if r["kind"] == "ConfigMap"]) + one(resources, "RayService")["spec"]["serveConfigV2"]
     assert not re.search(r"requirepass\s+\S*[A-Za-z0-9]{6}|redis://[^\s@]*:[^\s@]+@|write[-_]token\s*[:=]\s*\S", text)
+
+
+def image_env() -> dict[str, str]:
+    """The ENV instructions of k8s/image/Dockerfile (NAME=value pairs, lines joined at backslashes)."""
+    text = (K8S / "image" / "Dockerfile").read_text().replace("\\\n", " ")
+    return dict(pair.split("=", 1) for line in re.findall(r"^ENV (.+)$", text, re.M) for pair in line.split())
+
+
+def test_the_image_sets_the_services_ray_serve_settings_and_no_pod_overrides_them(overlay):
+    assert image_env() == SERVE_ENV
+    _, resources = overlay
+    for where, container in containers(resources):
+        assert not {env["name"] for env in container.get("env", [])} & set(SERVE_ENV), where
 
 
 def test_workers_probe_readyz_and_healthz_and_the_head_keeps_kuberays_probes(overlay):

@@ -1,11 +1,13 @@
 """ServiceConfig: bounds, and the Serve config it writes validates with Ray's own schema."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.config import Autoscaling, ServiceConfig
+from deployments.config import SERVE_ENV, Autoscaling, ServiceConfig, apply_serve_env
 
 
 def test_serve_config_validates_with_rays_schema_and_names_every_shard():
@@ -54,3 +56,13 @@ def test_bounded_queues_reach_the_serve_options():
     with pytest.raises(ValidationError) as info:
         ServiceConfig.model_validate({"overload": {"request_timeout_s": 90, "max_request_timeout_s": 60}})
     assert info.value.errors()[0]["loc"][0] == "overload"
+
+
+def test_apply_serve_env_sets_ray_serves_settings_and_keeps_an_operators_own(monkeypatch):
+    for name in SERVE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")
+    apply_serve_env()
+    assert os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "0"
+    assert {name: os.environ[name] for name in SERVE_ENV if name != "RAY_SERVE_USE_GRPC_BY_DEFAULT"} == \
+        {name: value for name, value in SERVE_ENV.items() if name != "RAY_SERVE_USE_GRPC_BY_DEFAULT"}
