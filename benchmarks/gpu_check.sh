@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check, in one go for a machine lent for minutes (one H200, 16 cores; about 4 minutes at the
+# The GPU check, in one go for a machine lent for minutes (one H200, 16 cores; about 5 minutes at the
 # default sizes):
 #   1. installs what the machine's image lacks, from wheels carried in .whl/ (pydantic and its needs);
 #   2. runs the kernel tests and the serving path's CUDA-against-CPU test on CUDA (8 workers);
-#   3. runs the GPU benchmark (benchmarks.kernels --device cuda) on the 1M-ad world tiled TILES times
+#   3. profiles one call of the fused pass (benchmarks.profile_pass: 1M and 10M ads, fp16, B = 1 and 64): where
+#      the fixed cost per call the H200 showed goes (request side on the host, device busy, the rest);
+#   4. runs the GPU benchmark (benchmarks.kernels --device cuda) on the 1M-ad world tiled TILES times
 #      (default 1 10), from a table saved by `python -m benchmarks.kernels --save-table .devcheck/table-1m.pt`
 #      when there is one (synthesizing 1M ads takes about 2 minutes), else synthesized there;
-#   4. an A/B of the threshold scan's skip below tau: 10M ads, fp16, B = 1 and 64, with the skip off
-#      (--no-skip; step 3 ran it on), printed only.
+#   5. an A/B of the threshold scan's skip below tau: 10M ads, fp16, B = 1 and 64, with the skip off
+#      (--no-skip; step 4 ran it on), printed only.
 # Results: stdout, the logs, and the benchmark's section in docs/benchmarks.md (all copied to $OUT when set).
 #   bash benchmarks/gpu_check.sh [TILES...]
 set -uo pipefail
@@ -20,14 +22,16 @@ fi
 logs="${OUT:-/tmp}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
-timeout 200 python3 -m pytest tests/kernels tests/unit/test_retriever_cuda.py -q -p no:cacheprovider -n 8 \
+timeout 170 python3 -m pytest tests/kernels tests/unit/test_retriever_cuda.py -q -p no:cacheprovider -n 8 \
     -W ignore 2>&1 | tee "$logs/tests.log" | tail -40
 tiles=("$@")
 if [ ${#tiles[@]} -eq 0 ]; then tiles=(1 10); fi
 table=()
 if [ -f .devcheck/table-1m.pt ]; then table=(--table .devcheck/table-1m.pt); fi
+timeout 50 python3 -m benchmarks.profile_pass --device cuda "${table[@]}" --tile 1 10 --batch 1 64 2>&1 \
+    | grep -v "it/s\|B/s\]" | tee "$logs/profile.log"
 timeout 300 python3 -m benchmarks.kernels --device cuda --ads 1000000 "${table[@]}" --tile "${tiles[@]}" \
     --batch 1 4 16 64 --threads 16 --repeats 10 --peer-pairs 64e6 2>&1 | grep -v "it/s\|B/s\]" | tee "$logs/bench.log"
-timeout 90 python3 -m benchmarks.kernels --device cuda --ads 1000000 "${table[@]}" --tile 10 --batch 1 64 \
+timeout 80 python3 -m benchmarks.kernels --device cuda --ads 1000000 "${table[@]}" --tile 10 --batch 1 64 \
     --storage fp16 --threads 16 --repeats 5 --peer-pairs 0 --no-skip 2>&1 | grep -v "it/s\|B/s\]" | tee "$logs/no-skip.log"
 if [ -n "${OUT:-}" ]; then cp docs/benchmarks.md "$OUT/"; fi

@@ -35,6 +35,13 @@ def apply_serve_env() -> None:
         os.environ.setdefault(name, value)
 
 
+def by_reference() -> bool:
+    """Whether handles made in this process call by Ray object reference (False: gRPC), as Ray Serve decides it from
+    RAY_SERVE_USE_GRPC_BY_DEFAULT. A handle takes this default where it is built: the router's shard handles are built
+    by the process that deploys the app, so the router sets its own (Router.__init__)."""
+    return os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0") != "1"
+
+
 def shard_deployment(shard: int) -> str:
     return f"shard-{shard}"
 

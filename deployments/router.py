@@ -32,7 +32,7 @@ from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse, Ups
 from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, GuardSettings, Health, PublishResponse,
                              bearer_token, create_app, current_deadline, remaining_s)
 from deployments.auth import Principal, TokenStore
-from deployments.config import ServiceConfig
+from deployments.config import ServiceConfig, by_reference
 from deployments.limits import TokenBuckets, check_requests
 from deployments.metrics import ServiceMetrics
 from deployments.shared_limits import SharedTokenBuckets, limiter_client
@@ -131,7 +131,7 @@ class Router:
     def __init__(self, config: dict, *shards):
         install_log_redaction()
         self.config = cfg = ServiceConfig.model_validate(config)
-        self.shards = list(shards)
+        self.shards = [shard.options(_by_reference=by_reference()) for shard in shards]  # SERVE_ENV's gRPC
         # one router per process: the app's guard and dependencies read these
         app.state.guard = GuardSettings(cfg.limits.body_bytes, cfg.overload.router_inflight, cfg.overload.request_timeout_s,
                                         cfg.overload.max_request_timeout_s, cfg.overload.retry_after_s,

@@ -352,6 +352,22 @@ def request_operands(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tens
     return experts_hi, experts_lo, keys_hi, keys_lo, usable, unscale, key_unscale * math.log2(math.e)
 
 
+def operand_layout(D: int, G: int, E: int, table: torch.dtype) -> tuple[int, int, int, int]:
+    """(EP, G0, DW, GW): the dots' N (experts padded to a power of two, at least a tensor core's least: smaller ones
+    Triton pads, in more registers; for sm_90 the dot product, E = 1, took 142 at N = 1, 110 at N = 8), the column
+    where q's tile starts (int8: at its first scale block) and the two tiles' widths."""
+    G0 = D - D % SCALE_BLOCK if table == torch.int8 else D
+    return max(triton.next_power_of_2(E), 8), G0, dot_size(D), dot_size(D + G - G0)
+
+
+def request_side(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, table: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The scan kernel's request operands (request_operands) for a table of this dtype, on device."""
+    D, G, E = experts.shape[2], keys.shape[2], experts.shape[1]
+    EP, G0, DW, GW = operand_layout(D, G, E, table)
+    return upload(request_operands(experts, keys, mask, D, G0, DW, GW, EP, table), device)
+
+
 def upload(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Host tensors -> the same on device in one copy: packed into one byte buffer, each at a 128-byte boundary
     (so that the kernels see aligned pointers), then viewed back."""
@@ -381,13 +397,10 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     quant = vectors.dtype == torch.int8
     vectors = table_rows(vectors)
     scales = table_rows(scales.float()) if quant else vectors  # unread unless quantised
-    EP = max(triton.next_power_of_2(E), 8)  # the dots' N: a tensor core's least (smaller ones Triton pads, in
-    # more registers: for sm_90 the dot product, E = 1, took 142 at N = 1, 110 at N = 8)
-    G0 = D - D % SCALE_BLOCK if quant else D  # int8: q's tile starts at its first scale block
-    DW, GW = dot_size(D), dot_size(D + G - G0)
-    request_side = upload(request_operands(experts, keys, mask, D, G0, DW, GW, EP, vectors.dtype), status.device)
+    EP, G0, DW, GW = operand_layout(D, G, E, vectors.dtype)
     inputs = (status.contiguous(), start.contiguous(), end.contiguous(), refs, vectors, scales,
-              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(), *request_side)
+              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(),
+              *request_side(experts, keys, mask, vectors.dtype, status.device))
     eligible = torch.zeros(B, dtype=torch.int64, device=status.device)
     blocks = max(triton.cdiv(n, BLOCK), 1)
 

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.config import SERVE_ENV, Autoscaling, ServiceConfig, apply_serve_env
+from deployments.config import SERVE_ENV, Autoscaling, ServiceConfig, apply_serve_env, by_reference
 
 
 def test_serve_config_validates_with_rays_schema_and_names_every_shard():
@@ -58,11 +58,25 @@ def test_bounded_queues_reach_the_serve_options():
     assert info.value.errors()[0]["loc"][0] == "overload"
 
 
+
+def without_serve_env(monkeypatch) -> None:
+    """os.environ for this test only (restored after it), without the SERVE_ENV variables."""
+    monkeypatch.setattr(os, "environ", {name: value for name, value in os.environ.items() if name not in SERVE_ENV})
+
+
 def test_apply_serve_env_sets_ray_serves_settings_and_keeps_an_operators_own(monkeypatch):
-    for name in SERVE_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")
+    without_serve_env(monkeypatch)
+    os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = "0"
     apply_serve_env()
     assert os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "0"
     assert {name: os.environ[name] for name in SERVE_ENV if name != "RAY_SERVE_USE_GRPC_BY_DEFAULT"} == \
         {name: value for name, value in SERVE_ENV.items() if name != "RAY_SERVE_USE_GRPC_BY_DEFAULT"}
+
+
+def test_handles_call_by_grpc_exactly_where_the_serve_env_says_so(monkeypatch):
+    without_serve_env(monkeypatch)
+    assert by_reference()
+    apply_serve_env()
+    assert not by_reference()
+    os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = "0"
+    assert by_reference()
