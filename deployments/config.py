@@ -12,19 +12,18 @@ APP_NAME = "andromeda"
 ROUTER = "router"
 
 
-# Ray Serve's throughput settings (Ray 2.60's RAY_SERVE_THROUGHPUT_OPTIMIZED preset less its direct ingress and its
-# silenced logs): gRPC instead of Ray object references from the proxy to the router and from the router to the
-# shards, user code and handle routing on each replica's main event loop (no hop between threads), request logs
-# buffered, the garbage collector frozen after start. On the 2-core dev box they raised the service's sustained rate
-# from about 50 to about 80 requests/s (docs/benchmarks.md, "Serving under load"). Ray reads them when each of its
-# processes starts: locally they are set before ray.init (apply_serve_env); on Kubernetes the image sets them
+# Ray Serve settings of every process of the service's Ray cluster: gRPC instead of Ray object references from the
+# proxy to the router and from the router to the shards, and each replica's handle routing on its main event loop
+# (two settings of Ray 2.60's RAY_SERVE_THROUGHPUT_OPTIMIZED preset); gRPC messages up to 1 GiB instead of 4 MiB (a
+# shard's answer to a retrieve:batch at the largest limits is about 30 MB). On the 2-core dev box they took the
+# service from about 50 to about 70 requests/s held, and its no-load p50 from 33 to 23 ms (docs/benchmarks.md,
+# "Serving under load"); the rest of that preset measured within noise of these two. Ray reads them when each of its
+# processes starts: locally they are set before ray.init (apply_serve_env), on Kubernetes the image sets them
 # (k8s/image/Dockerfile; tests/k8s keeps the two equal).
 SERVE_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
-    "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**30),
 }
 
 
@@ -36,9 +35,10 @@ def apply_serve_env() -> None:
 
 
 def by_reference() -> bool:
-    """Whether handles made in this process call by Ray object reference (False: gRPC), as Ray Serve decides it from
-    RAY_SERVE_USE_GRPC_BY_DEFAULT. A handle takes this default where it is built: the router's shard handles are built
-    by the process that deploys the app, so the router sets its own (Router.__init__)."""
+    """Whether handles made in this process call by Ray object reference (False: gRPC), as RAY_SERVE_USE_GRPC_BY_DEFAULT
+    says. A handle carries the default of the process that built it, fixed when that process imported ray.serve: the
+    shard handles the router gets are built by the process that deploys the app (locally, a driver that may have
+    imported ray.serve before apply_serve_env), so the router sets its own (Router.__init__)."""
     return os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0") != "1"
 
 

@@ -10,13 +10,14 @@ import logging
 import time
 from typing import Annotated, Any, Sequence
 
+import grpc
 import redis
 import torch
 from fastapi import Depends, Path, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from andromeda_core.config import install_log_redaction, load_settings
@@ -234,7 +235,7 @@ class Router:
     async def call(self, shard: int, method: str, *args: Any, attempts: int = 2, timeout_s: float | None = None) -> Any:
         """Call a shard with a deadline; a call that times out or whose replica died is made again
         (attempts in all), then ShardUnavailable names the shard. An error raised by the shard's own
-        code is not retried: an AndromedaError passes through, anything else is a 500."""
+        code is not retried: an AndromedaError passes through, anything else is a 500 (logged)."""
         error: BaseException | None = None
         for _ in range(attempts):
             left = remaining_s()  # DeadlineExceeded rather than another try once the request's deadline passed
@@ -250,12 +251,13 @@ class Router:
                                  " retry after Retry-After", f"shard {shard}") from None
             except AndromedaError as exc:  # the shard's answer (e.g. NotFound), not a failure to answer
                 raise getattr(exc, "cause", exc) from None
-            except RayTaskError as exc:  # a bug in the shard's code: retrying would only repeat it
-                log.error("shard %d %s failed: %s", shard, method, exc)
-                raise RuntimeError(f"shard {shard} failed") from None
-            except Exception as exc:  # timeout, dead replica: try again
+            except (TimeoutError, RayActorError, grpc.aio.AioRpcError) as exc:  # no answer in time, a dead or
+                # unreachable replica, a broken gRPC call: try again
                 response.cancel()
                 error = exc
+            except Exception as exc:  # a bug in the shard's code (as raised over gRPC, a RayTaskError by reference):
+                log.error("shard %d %s failed: %r", shard, method, exc)  # retrying would only repeat it
+                raise RuntimeError(f"shard {shard} failed") from None
         remaining_s()  # a call cut short by the request's deadline is that, not an unavailable shard
         raise ShardUnavailable(f"shard {shard} did not answer ({type(error).__name__}); retry later", f"shard {shard}")
 

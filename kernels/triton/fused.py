@@ -361,11 +361,12 @@ def operand_layout(D: int, G: int, E: int, table: torch.dtype) -> tuple[int, int
 
 
 def request_side(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, table: torch.dtype,
-                 device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The scan kernel's request operands (request_operands) for a table of this dtype, on device."""
-    D, G, E = experts.shape[2], keys.shape[2], experts.shape[1]
-    EP, G0, DW, GW = operand_layout(D, G, E, table)
-    return upload(request_operands(experts, keys, mask, D, G0, DW, GW, EP, table), device)
+                 device: torch.device) -> tuple[tuple[int, int, int, int], tuple[torch.Tensor, ...]]:
+    """The operand layout (operand_layout) and the scan kernel's request operands (request_operands), on device, for
+    a table of this dtype."""
+    D = experts.shape[2]
+    EP, G0, DW, GW = layout = operand_layout(D, keys.shape[2], experts.shape[1], table)
+    return layout, upload(request_operands(experts, keys, mask, D, G0, DW, GW, EP, table), device)
 
 
 def upload(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -397,10 +398,9 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     quant = vectors.dtype == torch.int8
     vectors = table_rows(vectors)
     scales = table_rows(scales.float()) if quant else vectors  # unread unless quantised
-    EP, G0, DW, GW = operand_layout(D, G, E, vectors.dtype)
+    (EP, G0, DW, GW), operands = request_side(experts, keys, mask, vectors.dtype, status.device)
     inputs = (status.contiguous(), start.contiguous(), end.contiguous(), refs, vectors, scales,
-              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(),
-              *request_side(experts, keys, mask, vectors.dtype, status.device))
+              now.to(torch.int64).contiguous(), truth.to(torch.int32).contiguous(), *operands)
     eligible = torch.zeros(B, dtype=torch.int64, device=status.device)
     blocks = max(triton.cdiv(n, BLOCK), 1)
 

@@ -29,7 +29,7 @@ from andromeda_core.sharding import shard_of
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import parse_request
 from deployments.app import build_app
-from deployments.config import ServiceConfig
+from deployments.config import ServiceConfig, by_reference
 from index_updater.local_redis import free_port
 from tests.integration.conftest import eventually, local_ray, redis_for
 from index_updater.publisher import Publisher
@@ -95,8 +95,10 @@ def answer(response) -> list[tuple[int, float]]:
 
 def same_answer(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> bool:
     """The same ads in the same order with the same scores up to float32 rounding (the service's
-    workers run torch with another thread count than this process, so sums may round differently)."""
-    return [i for i, _ in got] == [i for i, _ in want] and [s for _, s in got] == pytest.approx([s for _, s in want], rel=1e-5)
+    workers run torch with another thread count than this process, so sums may round differently: relatively, and
+    absolutely for scores near 0, whose terms are not)."""
+    return [i for i, _ in got] == [i for i, _ in want] and \
+        [s for _, s in got] == pytest.approx([s for _, s in want], rel=1e-5, abs=1e-6)
 
 
 def test_http_answers_exactly_what_offline_retrieve_answers(service, offline):
@@ -118,6 +120,47 @@ def test_two_shards_merge_to_the_single_shard_answer(service):
     assert all(same_answer(answer(a), answer(b)) for a, b in zip(one, two, strict=True))
     assert [r["eligible"] for r in one] == [r["eligible"] for r in two]
     assert all(len(r["shard_watermarks"]) == 2 for r in two)
+
+
+def test_a_batch_past_the_shards_batch_size_at_the_largest_k_answers_as_offline(service, offline):
+    """48 requests (past max_batch_size: the shards' search_alone) at k = 10,000 (every eligible ad)."""
+    bodies = (world_requests(service, k=10000) * 48)[:48]
+    want = [answer(r) for r in offline.retrieve([parse_request(b) for b in bodies])]
+    for app in ("one", "two"):
+        got = post(f"{service.url}/{app}/v1/retrieve:batch", bodies)
+        assert got.status_code == 200, got.text[:300]
+        assert all(same_answer(answer(g), w) for g, w in zip(got.json()["responses"], want, strict=True))
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.05})
+class Echo:
+    def size(self, payload: bytes) -> int:
+        return len(payload)
+
+    def blob(self, size: int) -> bytes:
+        return b"x" * size
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.05})
+class Sender:
+    """Calls Echo as the router calls its shards (a handle made by the deploying process, by_reference() set)."""
+
+    def __init__(self, echo):
+        self.echo = echo.options(_by_reference=by_reference())
+
+    async def __call__(self, size: int) -> tuple[int, int]:
+        return await self.echo.size.remote(b"x" * size), len(await self.echo.blob.remote(size))
+
+
+def test_calls_between_replicas_go_by_grpc_and_carry_messages_past_4_mib(service):
+    """SERVE_ENV: the router's calls to its shards go by gRPC, whose messages are capped at 4 MiB unless raised (a
+    shard's answer to a retrieve:batch of 256 requests at k = 10,000 over a large table is about 30 MB)."""
+    assert not by_reference()  # this process has SERVE_ENV too (local_ray), as the replicas do
+    sender = serve.run(Sender.bind(Echo.bind()), name="grpc", route_prefix="/grpc")
+    try:
+        assert sender.remote(5 << 20).result(timeout_s=60) == (5 << 20, 5 << 20)
+    finally:
+        serve.delete("grpc")
 
 
 def retrieved(service, app: str, ad_id: int, attributes: dict) -> bool:
