@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import pickle
 import subprocess
 import sys
@@ -51,6 +52,8 @@ CHECK = 100  # requests whose HTTP answers are compared with the in-process ones
 TIMEOUT_S = 10.0  # per HTTP request; a request still unanswered then is an error
 WARMUP_S = 3.0  # an unreported step at the first rate: connections, caches, lazy imports
 PLOT = DOCS.parent / "load.png"
+RAY_SERVE_DEFAULTS = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+                      "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(4 << 20)}  # Ray 2.60's, for SERVE_ENV's names
 
 
 def post(url: str, body: bytes) -> tuple[dict, int]:
@@ -379,7 +382,13 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--model", type=Path, default=None, help="trained checkpoint (the FAISS peer is then skipped)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
+    p.add_argument("--no-faiss", action="store_true", help="the service only (implies --no-write)")
+    p.add_argument("--ray-defaults", action="store_true",
+                   help="the service on Ray Serve's defaults instead of SERVE_ENV, for A/B runs (implies --no-write)")
     args = p.parse_args()
+    args.no_write |= args.no_faiss or args.ray_defaults
+    if args.ray_defaults:  # apply_serve_env keeps a value already set
+        os.environ.update(RAY_SERVE_DEFAULTS)
     rates = [float(r) for r in args.rates.split(",")]
     torch.set_num_threads(1)
     pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
@@ -402,7 +411,7 @@ def main() -> None:
             wire = wire_bytes(retriever, requests, args.shards)
             print("bytes per request:", json.dumps(wire))
             systems, checks = {}, {}
-            if args.model is None:
+            if args.model is None and not args.no_faiss:
                 with faiss_peer(world) as url:
                     checks[FAISS] = check(url, payloads, ours)
                     systems[FAISS] = step_up("faiss", url, world, rates, args.seconds, pool)

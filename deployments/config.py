@@ -14,12 +14,12 @@ ROUTER = "router"
 
 # Ray Serve settings of every process of the service's Ray cluster: gRPC instead of Ray object references from the
 # proxy to the router and from the router to the shards, and each replica's handle routing on its main event loop
-# (two settings of Ray 2.60's RAY_SERVE_THROUGHPUT_OPTIMIZED preset); gRPC messages up to 1 GiB instead of 4 MiB (a
-# shard's answer to a retrieve:batch at the largest limits is about 30 MB). On the 2-core dev box they took the
-# service from about 50 to about 70 requests/s held, and its no-load p50 from 33 to 23 ms (docs/benchmarks.md,
-# "Serving under load"); the rest of that preset measured within noise of these two. Ray reads them when each of its
-# processes starts: locally they are set before ray.init (apply_serve_env), on Kubernetes the image sets them
-# (k8s/image/Dockerfile; tests/k8s keeps the two equal).
+# (two settings of Ray 2.60's RAY_SERVE_THROUGHPUT_OPTIMIZED preset; the rest of it measured within noise of these
+# two), with gRPC messages up to 1 GiB instead of 4 MiB (a shard's answer to a retrieve:batch at the largest limits is
+# about 30 MB). Against Ray's defaults on the 2-core dev box (docs/benchmarks.md, "Ray Serve settings"): p50 at
+# 10 requests/s lower in each of 5 interleaved pairs of runs, and more of 70 requests/s answered in 4 of 5. Ray reads
+# them when each of its processes starts: locally they are set before ray.init (apply_serve_env), on Kubernetes the
+# image sets them (k8s/image/Dockerfile; tests/k8s keeps the two equal).
 SERVE_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

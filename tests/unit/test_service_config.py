@@ -80,3 +80,9 @@ def test_handles_call_by_grpc_exactly_where_the_serve_env_says_so(monkeypatch):
     assert not by_reference()
     os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = "0"
     assert by_reference()
+
+
+def test_the_load_benchmarks_ray_defaults_undo_every_serve_env_setting():
+    from benchmarks.load import RAY_SERVE_DEFAULTS
+
+    assert set(RAY_SERVE_DEFAULTS) == set(SERVE_ENV) and all(RAY_SERVE_DEFAULTS[k] != SERVE_ENV[k] for k in SERVE_ENV)
