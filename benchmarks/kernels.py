@@ -25,6 +25,7 @@ the time with the MoE's user towers for the same B requests added (end to end on
 from __future__ import annotations
 
 import argparse
+import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,14 @@ def save_table(path: Path, table: Table, requests: Requests) -> None:
                 "now": requests.now, "truth": requests.truth}, path)
 
 
+def saved_table(parser: argparse.ArgumentParser, path: Path) -> tuple[Table, Requests]:
+    """load_table, or the parser's error naming --table."""
+    try:
+        return load_table(path)
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as exc:
+        parser.error(f"--table: {path} is not a table saved by --save-table ({type(exc).__name__}: {exc})"[:500])
+
+
 def load_table(path: Path) -> tuple[Table, Requests]:
     saved = torch.load(path)
     gen = torch.Generator().manual_seed(11)
@@ -222,10 +231,7 @@ def main() -> None:
     print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), kernels: {dispatch.implementation(dev)}")
     rows = []
     if args.table:
-        try:
-            world, requests = load_table(args.table)
-        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
-            p.error(f"--table: {args.table} is not a table saved by --save-table ({type(exc).__name__}: {exc})"[:500])
+        world, requests = saved_table(p, args.table)
     else:
         with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
             world, requests = build(args.ads, Path(tmp))

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import machine, median_seconds
-from benchmarks.kernels import K, S, TOP_N, build, load_table, sync
+from benchmarks.kernels import K, S, TOP_N, build, saved_table, sync
 from kernels import dispatch
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     dev = args.device
     print(f"machine: {machine()}; kernels: {dispatch.implementation(dev)}")
     if args.table:
-        world, requests = load_table(args.table)
+        world, requests = saved_table(p, args.table)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             world, requests = build(args.ads, Path(tmp))
