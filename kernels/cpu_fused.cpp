@@ -2,10 +2,11 @@
 // which compiles this file once per machine and calls it through ctypes).
 //
 // Requests are taken in groups of up to 64. For a group, the request side of the match is turned around
-// first: held[c] is a word with bit b set when request b holds clause c (bit-packed per request in `truth`).
-// The slots are then cut into `tasks` ranges run on OpenMP threads. Per ad, one pass over its refs gives
-// the word of every request it matches at once (a load, an xor and an and per ref, whatever the group's
-// size), and a shared test of the window against the group's earliest and latest `now`. Only an ad some
+// first: held[ref] is a word with bit b set when request b's user satisfies the ref (clause c or "not c";
+// from the bit-packed `truth`). The slots are then cut into `tasks` ranges run on OpenMP threads. Per ad,
+// one pass over its refs gives the word of every request it matches at once (a load and an and per ref,
+// whatever the group's size), and a shared test of the window against the group's earliest and latest
+// `now`. Matched rows are prefetched into L2 a few blocks of ads ahead of their scoring. Only an ad some
 // request matched is decoded (int8 with block scales, fp16 or fp32; AVX-512 where the CPU has it), once,
 // then scored for each request it matched: the request's experts and gating keys are one (D + G, 16)
 // matrix, so the similarities of every expert and the gating logits of every expert are 16-lane
@@ -221,11 +222,10 @@ inline __m512 products(const float* w, const float* x, int64_t dims) {
 template <int P>
 inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float bar) {
     const __m512 sims = products<P>(w, x, r.D);
-    if (bar > -std::numeric_limits<float>::infinity()) {
-        const __mmask16 ok = usable_lanes(usable);
-        const float bound = std::fmax(_mm512_mask_reduce_max_ps(ok, sims), 0.0f);
-        if (bound < bar) return -std::numeric_limits<float>::infinity();
-    }
+    // max(0, every usable similarity) < bar: a NaN similarity makes a NaN score (-inf) if its expert is chosen, and
+    // else does not count
+    if (bar > 0.0f && !_mm512_mask_cmp_ps_mask(usable_lanes(usable), sims, _mm512_set1_ps(bar), _CMP_GE_OQ))
+        return -std::numeric_limits<float>::infinity();
     return mixture(sims, products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G), usable, r.top_n);
 }
 #else
@@ -301,15 +301,20 @@ inline int64_t push(float* score, int64_t* slot, int64_t size, int64_t m, float 
 
 namespace {
 
-// held (W * 32,) words: bit b of held[c] set when request first + b of the group holds clause c.
+// held (W * 64,) words, two per clause, so that a ref indexes its own: bit b of held[2 c] set when request first + b
+// of the group holds clause c, and of held[2 c + 1] when it does not (the ref of "not c").
 template <typename Word>
 std::vector<Word> transpose_truth(const int32_t* truth, int64_t W, int64_t first, int64_t count) {
-    std::vector<Word> held(W * 32, 0);
+    std::vector<Word> held(W * 64, 0);
+    for (int64_t c = 0; c < W * 32; ++c) held[2 * c + 1] = static_cast<Word>(~Word(0));
     for (int64_t b = 0; b < count; ++b) {
         const uint32_t* words = reinterpret_cast<const uint32_t*>(truth) + (first + b) * W;
         for (int64_t w = 0; w < W; ++w)
-            for (uint32_t bits = words[w]; bits; bits &= bits - 1)
-                held[w * 32 + __builtin_ctz(bits)] |= static_cast<Word>(Word(1) << b);
+            for (uint32_t bits = words[w]; bits; bits &= bits - 1) {
+                const int64_t c = w * 32 + __builtin_ctz(bits);
+                held[2 * c] |= static_cast<Word>(Word(1) << b);
+                held[2 * c + 1] &= static_cast<Word>(~(Word(1) << b));
+            }
     }
     return held;
 }
@@ -326,10 +331,7 @@ inline Word matches(const Table& t, const Word* held, Word all, const int64_t* n
     ok = ((t.status[i] & SERVABLE) == SERVABLE) ? ok : Word(0);
     const int64_t columns = COLUMNS ? COLUMNS : t.C;
     const int32_t* row = t.refs + i * columns;
-    for (int64_t c = 0; c < columns; ++c) {  // padding (clause 0, negated) holds for everyone
-        const int32_t ref = row[c];
-        ok &= static_cast<Word>(held[ref >> 1] ^ static_cast<Word>(-(ref & 1)));
-    }
+    for (int64_t c = 0; c < columns; ++c) ok &= held[row[c]];  // padding (clause 0, negated) holds for everyone
     return ok;
 }
 
@@ -360,19 +362,21 @@ MatchRun<Word> match_run_for(int64_t C) {
     }
 }
 
-constexpr int64_t BLOCK = 16;  // ads matched (and their rows prefetched) one block ahead of their scoring (16 measured
-                               // 10-15% faster than 64 at B = 1: fewer prefetches in flight at once)
+constexpr int64_t BLOCK = 16;  // ads matched at once (16 measured 10-15% faster than 64 at B = 1)
+constexpr int AHEAD = 3;        // blocks matched, and their matched rows prefetched into L2, ahead of the one scored: a
+                                // block's scoring is shorter than a row's trip from memory (3 ahead into L2 measured
+                                // 15% faster at B = 1 than 1 ahead into L1, whose prefetches stalled on a full queue)
 
 // Asks for the cache lines of row i that decode reads: its first `width` dims, its bias, its scales.
 inline void prefetch_row(const Table& t, int64_t i, int64_t width, int64_t bias_col) {
     const int64_t size = t.kind == I8 ? 1 : t.kind == F16 ? 2 : 4;
     const char* row = static_cast<const char*>(t.vectors) + i * t.S * size;
     for (int64_t at = 0; at < width * size + (reinterpret_cast<uintptr_t>(row) & 63); at += 64) {
-        __builtin_prefetch(row + at);
+        __builtin_prefetch(row + at, 0, 1);  // into L2
         asm volatile("" : : "r"(row + at));  // GCC deletes a loop of prefetches alone as free of side effects
     }
-    if (bias_col >= 0) __builtin_prefetch(row + bias_col * size);
-    if (t.kind == I8) __builtin_prefetch(t.scales + i * t.n_scales);
+    if (bias_col >= 0) __builtin_prefetch(row + bias_col * size, 0, 1);
+    if (t.kind == I8) __builtin_prefetch(t.scales + i * t.n_scales, 0, 1);
 }
 
 struct Group {
@@ -407,8 +411,8 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
         int64_t* slots = out_slot + (task * r.B + g.first) * m;
         const int64_t first = task * per, last = (task + 1) * per < t.n ? (task + 1) * per : t.n;
         // Two blocks in flight: one is matched and its matched rows prefetched while the other is scored.
-        Word words[2][BLOCK];
-        int64_t matched[2][BLOCK], n_matched[2] = {0, 0};
+        Word words[AHEAD + 1][BLOCK];
+        int64_t matched[AHEAD + 1][BLOCK], n_matched[AHEAD + 1] = {};
         auto match_block = [&](int64_t block, int j) {
             const int64_t count = last - block < BLOCK ? last - block : BLOCK;
             match(t, held.data(), all, now, g.count, g.earliest, g.latest, block, count, words[j]);
@@ -420,9 +424,9 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
             for (int64_t k = 0; k < n; ++k) prefetch_row(t, matched[j][k], r.D + r.G, r.bias_col);
             n_matched[j] = n;
         };
-        if (first < last) match_block(first, 0);
-        for (int64_t block = first, j = 0; block < last; block += BLOCK, j ^= 1) {
-            if (block + BLOCK < last) match_block(block + BLOCK, j ^ 1);
+        for (int a = 0; a < AHEAD; ++a) if (first + a * BLOCK < last) match_block(first + a * BLOCK, a);
+        for (int64_t block = first, j = 0; block < last; block += BLOCK, j = (j + 1) % (AHEAD + 1)) {
+            if (block + AHEAD * BLOCK < last) match_block(block + AHEAD * BLOCK, (j + AHEAD) % (AHEAD + 1));
             // The vector's bytes are read only for these ads, all the block's before any is scored: their loads
             // overlap (measured 5-13% faster at 2 threads than decoding each just before its scoring).
             float biases[BLOCK];

@@ -237,6 +237,26 @@ def test_cpu_scan_skips_only_ads_that_cannot_enter_the_top(dtype):
     assert_same(cpu.fused_scan(*table, *requests, D + G, 2, 7), reference.fused_scan(*table, *requests, D + G, 2, 7))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_cpu_scan_skips_on_the_usable_similarities_that_are_numbers():
+    """Once the heaps are full, an ad is skipped only when none of its usable similarities that is a number reaches
+    the bar: a = (inf, inf) gives similarities (inf, NaN) and leads (slots 15, 35: the NaN expert is not chosen);
+    a = (inf, -inf) gives (NaN, inf) and ranks as -inf (slot 36: the chosen one is NaN), as in the reference."""
+    n = 40
+    status, start, end, refs = servable_table(n)
+    inf = float("inf")
+    vectors = torch.tensor([[0.5 + 0.01 * i, 0.1, 1.0, 0.0, 0.0] for i in range(n)])  # a (2), q (2), bias
+    for slot, a in [(15, (inf, inf)), (35, (inf, inf)), (36, (inf, -inf))]:
+        vectors[slot, :2] = torch.tensor(a)
+    experts = torch.tensor([[[1.0, 1.0], [1.0, -1.0]]])
+    keys = torch.eye(2).unsqueeze(0)  # logits 1 and 0: expert 0 is chosen
+    now, truth, mask = torch.full((1,), NOW), torch.zeros((1, W), dtype=torch.int32), torch.ones((1, 2), dtype=torch.bool)
+    args = (status, start, end, refs, vectors, None, now, truth, experts, keys, mask, 4, 1, 3)
+    got = cpu.fused_scan(*args)
+    assert_same(got, reference.fused_scan(*args))
+    assert got[0][0].tolist() == [15, 35, 39]
+
+
 @pytest.mark.parametrize("tasks_per_thread", [1, 3])
 def test_cpu_scan_merges_the_heaps_of_many_slot_ranges(monkeypatch, tasks_per_thread):
     """Whatever the machine's threads, 7 and 21 slot ranges (each with heaps of min(m, its slots) places) merge into
