@@ -6,7 +6,7 @@
 // from the bit-packed `truth`). The slots are then cut into `tasks` ranges run on OpenMP threads. Per ad,
 // one pass over its refs gives the word of every request it matches at once (a load and an and per ref,
 // whatever the group's size), and a shared test of the window against the group's earliest and latest
-// `now`. Matched rows are prefetched into L2 a few blocks of ads ahead of their scoring. Only an ad some
+// `now`. Matched rows are prefetched a few blocks of ads ahead of their scoring. Only an ad some
 // request matched is decoded (int8 with block scales, fp16 or fp32; AVX-512 where the CPU has it), once,
 // then scored for each request it matched: the request's experts and gating keys are one (D + G, 16)
 // matrix, so the similarities of every expert and the gating logits of every expert are 16-lane
@@ -362,17 +362,18 @@ MatchRun<Word> match_run_for(int64_t C) {
     }
 }
 
-constexpr int64_t BLOCK = 16;  // ads matched at once (16 measured 10-15% faster than 64 at B = 1)
-constexpr int AHEAD = 3;        // blocks matched, and their matched rows prefetched into L2, ahead of the one scored: a
-                                // block's scoring is shorter than a row's trip from memory (3 ahead into L2 measured
-                                // 15% faster at B = 1 than 1 ahead into L1, whose prefetches stalled on a full queue)
+constexpr int64_t BLOCK = 16;  // ads matched at once
+constexpr int AHEAD = 3;        // blocks matched, and their matched rows prefetched, ahead of the one scored: a block's
+                                // scoring is shorter than a row's trip from memory (measured at B = 1, 1M ads, 2 threads:
+                                // 3 ahead with prefetcht2 15% faster than 1 ahead with prefetcht0, whose requests stalled
+                                // on a full miss queue; 2 to 8 ahead, prefetcht1 or blocks of 8 or 32 within 5% of it)
 
 // Asks for the cache lines of row i that decode reads: its first `width` dims, its bias, its scales.
 inline void prefetch_row(const Table& t, int64_t i, int64_t width, int64_t bias_col) {
     const int64_t size = t.kind == I8 ? 1 : t.kind == F16 ? 2 : 4;
     const char* row = static_cast<const char*>(t.vectors) + i * t.S * size;
     for (int64_t at = 0; at < width * size + (reinterpret_cast<uintptr_t>(row) & 63); at += 64) {
-        __builtin_prefetch(row + at, 0, 1);  // into L2
+        __builtin_prefetch(row + at, 0, 1);  // low locality: prefetcht2
         asm volatile("" : : "r"(row + at));  // GCC deletes a loop of prefetches alone as free of side effects
     }
     if (bias_col >= 0) __builtin_prefetch(row + bias_col * size, 0, 1);
@@ -410,7 +411,7 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
         float* scores = out_score + (task * r.B + g.first) * m;
         int64_t* slots = out_slot + (task * r.B + g.first) * m;
         const int64_t first = task * per, last = (task + 1) * per < t.n ? (task + 1) * per : t.n;
-        // Two blocks in flight: one is matched and its matched rows prefetched while the other is scored.
+        // AHEAD + 1 blocks in flight: the one scored, and the next AHEAD, matched and their matched rows prefetched.
         Word words[AHEAD + 1][BLOCK];
         int64_t matched[AHEAD + 1][BLOCK], n_matched[AHEAD + 1] = {};
         auto match_block = [&](int64_t block, int j) {
