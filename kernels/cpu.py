@@ -53,25 +53,31 @@ def _cache_folder() -> Path:
 _BUILD = threading.Lock()  # one build at a time: the temp file is named by the process
 
 
-@functools.cache
-def library() -> ctypes.CDLL:
-    """The compiled kernels, built on first use into the cache folder (_cache_folder), with FLAGS and then
-    $ANDROMEDA_CXXFLAGS."""
+def build(source: bytes) -> Path:
+    """The shared library compiled from C++ `source` with FLAGS and then $ANDROMEDA_CXXFLAGS, in the cache folder
+    (_cache_folder), built once per source, flags and machine."""
     flags = (*FLAGS, *os.environ.get("ANDROMEDA_CXXFLAGS", "").split())  # appended: e.g. -mno-avx512f
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _machine()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags).encode() + _machine()).hexdigest()[:16]
     path = _cache_folder() / f"cpu_fused-{key}.so"
     with _BUILD:
         if not path.exists():
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             compiler = os.environ.get("CXX", "g++")
             try:
-                subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
+                subprocess.run([compiler, *flags, "-x", "c++", "-", "-o", str(tmp)], input=source, check=True,
+                               capture_output=True)
             except FileNotFoundError:
                 raise RuntimeError(f"the CPU kernels need a C++ compiler ({compiler}); install g++ (apt-get install g++)") from None
             except subprocess.CalledProcessError as exc:
-                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{exc.stderr[-2000:]}") from None
+                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{exc.stderr.decode(errors='replace')[-2000:]}") from None
             os.replace(tmp, path)
-    return ctypes.CDLL(str(path))
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled kernels (cpu_fused.cpp), built on first use (build)."""
+    return ctypes.CDLL(str(build(SOURCE.read_bytes())))
 
 
 def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -109,8 +115,9 @@ def expert_weights(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
-               m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels.reference.fused.fused_scan on CPU tensors (m and top_n at least 1)."""
+               m: int, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.reference.fused.fused_scan on CPU tensors (m and top_n at least 1), with `lib` (a build of
+    cpu_fused.cpp; default: library())."""
     n, B, threads = status.shape[0], now.shape[0], torch.get_num_threads()
     require_top(m, top_n)  # an empty heap would be written through
     if B == 0:
@@ -127,7 +134,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     out_score = torch.empty((B, m), dtype=torch.float32)
     out_slot, counts = torch.empty((B, m), dtype=torch.int64), torch.empty(B, dtype=torch.int64)
     i64 = ctypes.c_int64
-    failed = library().fused_scan(
+    failed = (library() if lib is None else lib).fused_scan(
         i64(n), i64(refs.shape[1]), i64(vectors.stride(0)), i64(0 if scales is None else scales.shape[1]),
         _pointer(status), _pointer(start), _pointer(end), _pointer(refs), _pointer(vectors),
         ctypes.c_int(STORAGE[vectors.dtype]), _pointer(scales), i64(B), i64(truth.shape[1]), i64(experts.shape[1]),

@@ -1,0 +1,85 @@
+"""The CPU kernel of the working tree against itself at a git revision, the two builds called alternately in
+one process over the same table and requests. On a shared machine the time of separate runs swings by tens of
+percent; calls that alternate share its state, so the median of their ratios resolves a few percent. Both
+builds must give the same top (slots and scores); a pair that does not is flagged.
+
+    python -m benchmarks.kernel_ab --table .devcheck/table-1m.pt --base HEAD --batch 1 16
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.kernels import TOP_N, K, S, build, saved_table
+from kernels import cpu
+
+WORKING_TREE = "working tree"
+
+
+def source_at(revision: str) -> bytes:
+    """kernels/cpu_fused.cpp as committed at `revision`; ValueError naming it when git cannot show it."""
+    run = subprocess.run(["git", "show", f"{revision}:kernels/cpu_fused.cpp"], cwd=cpu.SOURCE.parents[1],
+                         capture_output=True)
+    if run.returncode:
+        raise ValueError(f"git cannot show kernels/cpu_fused.cpp at {revision!r}: {run.stderr.decode().strip()[:300]}")
+    return run.stdout
+
+
+def alternate(args: tuple, builds: dict[str, ctypes.CDLL], calls: int) -> dict:
+    """cpu.fused_scan(*args) with each of two builds in turn, `calls` rounds -> {"same": both gave the same result,
+    "ms": {build: median ms}, "ratio": median over rounds of the second build's time over the first's}."""
+    (first, first_lib), (second, second_lib) = builds.items()
+    same = all(torch.equal(a, b) for a, b in zip(cpu.fused_scan(*args, lib=first_lib), cpu.fused_scan(*args, lib=second_lib)))
+    times: dict[str, list[float]] = {name: [] for name in builds}
+    for _ in range(calls):
+        for name, lib in builds.items():
+            start = time.perf_counter()
+            cpu.fused_scan(*args, lib=lib)
+            times[name].append(time.perf_counter() - start)
+    return {"same": same, "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+            "ratio": statistics.median(b / a for a, b in zip(times[first], times[second]))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="HEAD", help="the git revision whose kernels/cpu_fused.cpp is the baseline")
+    p.add_argument("--table", type=Path, default=None, help="a table saved by `benchmarks.kernels --save-table`")
+    p.add_argument("--ads", type=int, default=1_000_000, help="without --table: ads of the synthetic world to build")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--storage", nargs="+", default=["fp16"], choices=["fp16", "int8"])
+    p.add_argument("--calls", type=int, default=20, help="alternating rounds per (storage, batch)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    try:
+        base = source_at(args.base)
+    except ValueError as exc:
+        p.error(f"--base: {exc}")
+    torch.set_num_threads(args.threads)
+    builds = {args.base: ctypes.CDLL(str(cpu.build(base))), WORKING_TREE: cpu.library()}
+    if args.table:
+        world, requests = saved_table(p, args.table)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            world, requests = build(args.ads, Path(tmp))
+    if max(args.batch) > len(requests.now):
+        p.error(f"--batch: at most {len(requests.now)} (the requests the table holds)")
+    gen = torch.Generator().manual_seed(0)
+    for storage in args.storage:
+        t = world.stored(storage).tiled(1, "cpu")  # rows aligned as an AdIndex aligns them
+        for B in args.batch:
+            scan = (t.status, t.start, t.end, t.refs, t.vectors, t.scales, *requests.batch(B, gen), S - 1, TOP_N, K)
+            r = alternate(scan, builds, args.calls)
+            print(f"{storage} B={B}: {args.base} {r['ms'][args.base]:.2f} ms, {WORKING_TREE} {r['ms'][WORKING_TREE]:.2f} ms; "
+                  f"{WORKING_TREE} / {args.base} = {r['ratio']:.3f} (median of {args.calls} alternating rounds)"
+                  + ("" if r["same"] else "; RESULTS DIFFER"))
+
+
+if __name__ == "__main__":
+    main()
