@@ -25,8 +25,11 @@ WORKING_TREE = "working tree"
 
 def source_at(revision: str) -> bytes:
     """kernels/cpu_fused.cpp as committed at `revision`; ValueError naming it when git cannot show it."""
-    run = subprocess.run(["git", "show", f"{revision}:kernels/cpu_fused.cpp"], cwd=cpu.SOURCE.parents[1],
-                         capture_output=True)
+    try:
+        run = subprocess.run(["git", "show", f"{revision}:kernels/cpu_fused.cpp"], cwd=cpu.SOURCE.parents[1],
+                             capture_output=True)
+    except FileNotFoundError:
+        raise ValueError("git is not installed: the baseline is read from the repository's history") from None
     if run.returncode:
         raise ValueError(f"git cannot show kernels/cpu_fused.cpp at {revision!r}: {run.stderr.decode().strip()[:300]}")
     return run.stdout

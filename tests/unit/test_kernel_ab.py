@@ -50,5 +50,5 @@ def test_a_changed_result_is_flagged():
 
 def test_an_unknown_base_is_a_parser_error():
     run = subprocess.run([sys.executable, "-m", "benchmarks.kernel_ab", "--base", "no-such-revision"],
-                         capture_output=True, text=True, timeout=120)
+                         cwd=cpu.SOURCE.parents[1], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--base" in run.stderr and "no-such-revision" in run.stderr
