@@ -3,12 +3,17 @@ one process over the same table and requests. On a shared machine the time of se
 percent; calls that alternate share its state, so the median of their ratios resolves a few percent. Both
 builds must give the same top (slots and scores); a pair that does not is flagged.
 
+Only kernels/cpu_fused.cpp comes from the revision: the compiler flags and the Python wrapper (kernels/cpu.py)
+are the working tree's, so the revision's kernel must have today's interface (its `fused_scan` declaration);
+one that does not is refused.
+
     python -m benchmarks.kernel_ab --table .devcheck/table-1m.pt --base HEAD --batch 1 16
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import re
 import statistics
 import subprocess
 import tempfile
@@ -25,6 +30,8 @@ WORKING_TREE = "working tree"
 
 def source_at(revision: str) -> bytes:
     """kernels/cpu_fused.cpp as committed at `revision`; ValueError naming it when git cannot show it."""
+    if revision.startswith("-"):
+        raise ValueError(f"{revision!r} is not a revision")
     try:
         run = subprocess.run(["git", "show", f"{revision}:kernels/cpu_fused.cpp"], cwd=cpu.SOURCE.parents[1],
                              capture_output=True)
@@ -35,37 +42,51 @@ def source_at(revision: str) -> bytes:
     return run.stdout
 
 
+def interface(source: bytes) -> str:
+    """The kernel's `extern "C" int fused_scan(...)` declaration, whitespace collapsed ('' when it has none)."""
+    found = re.search(rb'extern "C" int fused_scan\([^)]*\)', source)
+    return b" ".join(found.group().split()).decode() if found else ""
+
+
 def alternate(args: tuple, builds: dict[str, ctypes.CDLL], calls: int) -> dict:
-    """cpu.fused_scan(*args) with each of two builds in turn, `calls` rounds -> {"same": both gave the same result,
-    "ms": {build: median ms}, "ratio": median over rounds of the second build's time over the first's}."""
+    """cpu.fused_scan(*args) with each of two builds, `calls` rounds (in turn, the first build first in even
+    rounds, second in odd ones) -> {"same": both gave the same result, "ms": {build: median ms}, "ratio": median
+    over rounds of the second build's time over the first's}."""
     (first, first_lib), (second, second_lib) = builds.items()
     same = all(torch.equal(a, b) for a, b in zip(cpu.fused_scan(*args, lib=first_lib), cpu.fused_scan(*args, lib=second_lib)))
-    times: dict[str, list[float]] = {name: [] for name in builds}
-    for _ in range(calls):
-        for name, lib in builds.items():
+    times: dict[str, list[float]] = {first: [], second: []}
+    for round_ in range(calls):
+        for name in (first, second) if round_ % 2 == 0 else (second, first):
             start = time.perf_counter()
-            cpu.fused_scan(*args, lib=lib)
+            cpu.fused_scan(*args, lib=builds[name])
             times[name].append(time.perf_counter() - start)
     return {"same": same, "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
             "ratio": statistics.median(b / a for a, b in zip(times[first], times[second]))}
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="HEAD", help="the git revision whose kernels/cpu_fused.cpp is the baseline")
     p.add_argument("--table", type=Path, default=None, help="a table saved by `benchmarks.kernels --save-table`")
-    p.add_argument("--ads", type=int, default=1_000_000, help="without --table: ads of the synthetic world to build")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--ads", type=positive, default=1_000_000, help="without --table: ads of the synthetic world to build")
+    p.add_argument("--batch", type=positive, nargs="+", default=[1, 16])
     p.add_argument("--storage", nargs="+", default=["fp16"], choices=["fp16", "int8"])
-    p.add_argument("--calls", type=int, default=20, help="alternating rounds per (storage, batch)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--calls", type=positive, default=20, help="alternating rounds per (storage, batch)")
+    p.add_argument("--threads", type=positive, default=2)
     args = p.parse_args()
     try:
         base = source_at(args.base)
     except ValueError as exc:
         p.error(f"--base: {exc}")
-    torch.set_num_threads(args.threads)
-    builds = {args.base: ctypes.CDLL(str(cpu.build(base))), WORKING_TREE: cpu.library()}
+    if interface(base) != interface(cpu.SOURCE.read_bytes()):
+        p.error(f"--base: the kernel at {args.base} declares another fused_scan than the working tree's wrapper calls")
     if args.table:
         world, requests = saved_table(p, args.table)
     else:
@@ -73,6 +94,8 @@ def main() -> None:
             world, requests = build(args.ads, Path(tmp))
     if max(args.batch) > len(requests.now):
         p.error(f"--batch: at most {len(requests.now)} (the requests the table holds)")
+    torch.set_num_threads(args.threads)
+    builds = {args.base: ctypes.CDLL(str(cpu.build(base))), WORKING_TREE: cpu.library()}
     gen = torch.Generator().manual_seed(0)
     for storage in args.storage:
         t = world.stored(storage).tiled(1, "cpu")  # rows aligned as an AdIndex aligns them

@@ -1,9 +1,12 @@
-"""benchmarks.kernel_ab: the baseline's source from git, alternating calls of two builds, bad revisions refused."""
+"""benchmarks.kernel_ab: the baseline's source from git, alternating calls of two builds (which is which, results
+compared), bad arguments refused."""
 from __future__ import annotations
 
 import ctypes
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -11,6 +14,9 @@ import torch
 from benchmarks import kernel_ab
 from kernels import cpu
 from kernels.reference.fused import ALWAYS
+
+ROOT = cpu.SOURCE.parents[1]
+needs_git = pytest.mark.skipif(not shutil.which("git") or not (ROOT / ".git").exists(), reason="needs a git checkout")
 
 
 def tiny_scan(n: int = 300) -> tuple:
@@ -25,30 +31,59 @@ def tiny_scan(n: int = 300) -> tuple:
             experts, keys, torch.ones((1, 2), dtype=torch.bool), 8, 1, 5)
 
 
+class Sleeper:
+    """Stands in for a build: its fused_scan takes `seconds` and reports success (writes nothing)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def fused_scan(self, *args) -> int:
+        time.sleep(self.seconds)
+        return 0
+
+
+@needs_git
 def test_the_baseline_source_comes_from_git():
-    assert b"extern \"C\" int fused_scan(" in kernel_ab.source_at("HEAD")
-    with pytest.raises(ValueError, match="no-such-revision"):
-        kernel_ab.source_at("no-such-revision")
+    assert kernel_ab.interface(kernel_ab.source_at("HEAD")) == kernel_ab.interface(cpu.SOURCE.read_bytes()) != ""
+    for bad in ("no-such-revision", "--help"):
+        with pytest.raises(ValueError, match="revision"):
+            kernel_ab.source_at(bad)
 
 
-def test_alternating_builds_of_one_source_agree():
-    lib = ctypes.CDLL(str(cpu.build(cpu.SOURCE.read_bytes())))
-    result = kernel_ab.alternate(tiny_scan(), {"a": lib, "b": cpu.library()}, calls=3)
-    assert result["same"] and set(result["ms"]) == {"a", "b"}
-    assert all(ms > 0 for ms in result["ms"].values()) and result["ratio"] > 0
+def test_a_kernel_with_another_interface_is_told_apart():
+    source = cpu.SOURCE.read_bytes()
+    older = source.replace(b'extern "C" int fused_scan(', b'extern "C" void fused_scan(')
+    declared = source.index(b'extern "C" int fused_scan(')
+    wider = source[:declared] + source[declared:].replace(b"int64_t* counts) {", b"int64_t* counts, int extra) {", 1)
+    assert interface_differs(source, older) and interface_differs(source, wider)
+    rewrapped = source[:declared] + source[declared:].replace(b"int64_t m, int64_t tasks", b"int64_t m,\n    int64_t tasks", 1)
+    assert rewrapped != source and not interface_differs(source, rewrapped)
 
 
-def test_a_changed_result_is_flagged():
+def interface_differs(a: bytes, b: bytes) -> bool:
+    return kernel_ab.interface(a) != kernel_ab.interface(b)
+
+
+def test_the_ratio_is_the_second_build_over_the_first():
+    result = kernel_ab.alternate(tiny_scan(), {"slow": Sleeper(0.02), "fast": Sleeper(0.005)}, calls=4)
+    assert result["ms"]["slow"] > result["ms"]["fast"] and result["ratio"] < 1
+
+
+def test_builds_of_one_source_agree_and_a_changed_result_is_flagged():
     """A build that subtracts the ad's bias instead of adding it gives another top: flagged, and still timed."""
     score = b"gated(r, g.first + b, xs.data() + k * stride, bar) + biases[k]"
     source = cpu.SOURCE.read_bytes()
     assert score in source
     wrong = ctypes.CDLL(str(cpu.build(source.replace(score, score.replace(b"+ biases", b"- biases")))))
+    assert kernel_ab.alternate(tiny_scan(), {"a": cpu.library(), "b": cpu.library()}, calls=1)["same"]
     result = kernel_ab.alternate(tiny_scan(), {"right": cpu.library(), "wrong": wrong}, calls=1)
     assert not result["same"] and result["ratio"] > 0
 
 
-def test_an_unknown_base_is_a_parser_error():
-    run = subprocess.run([sys.executable, "-m", "benchmarks.kernel_ab", "--base", "no-such-revision"],
-                         cwd=cpu.SOURCE.parents[1], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "--base" in run.stderr and "no-such-revision" in run.stderr
+@needs_git
+@pytest.mark.parametrize("argv, field", [(["--base", "no-such-revision"], "--base"), (["--calls", "0"], "--calls"),
+                                         (["--batch", "1", "-2"], "--batch")])
+def test_bad_arguments_are_parser_errors(argv, field):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.kernel_ab", *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and field in run.stderr
