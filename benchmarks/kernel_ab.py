@@ -16,13 +16,12 @@ import ctypes
 import re
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.kernels import TOP_N, K, S, build, saved_table
+from benchmarks.kernels import TOP_N, K, S, table_and_requests
 from kernels import cpu
 
 WORKING_TREE = "working tree"
@@ -87,13 +86,7 @@ def main() -> None:
         p.error(f"--base: {exc}")
     if interface(base) != interface(cpu.SOURCE.read_bytes()):
         p.error(f"--base: the kernel at {args.base} declares another fused_scan than the working tree's wrapper calls")
-    if args.table:
-        world, requests = saved_table(p, args.table)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            world, requests = build(args.ads, Path(tmp))
-    if max(args.batch) > len(requests.now):
-        p.error(f"--batch: at most {len(requests.now)} (the requests the table holds)")
+    world, requests = table_and_requests(p, args.table, args.ads, args.batch)
     torch.set_num_threads(args.threads)
     builds = {args.base: ctypes.CDLL(str(cpu.build(base))), WORKING_TREE: cpu.library()}
     gen = torch.Generator().manual_seed(0)

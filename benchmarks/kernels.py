@@ -135,6 +135,20 @@ def saved_table(parser: argparse.ArgumentParser, path: Path) -> tuple[Table, Req
         parser.error(f"--table: {path} is not a table saved by --save-table ({type(exc).__name__}: {exc})"[:500])
 
 
+def table_and_requests(parser: argparse.ArgumentParser, table: Path | None, ads: int, batches: list[int],
+                       workdir: Path | None = None) -> tuple[Table, Requests]:
+    """The table saved at `table` (saved_table), else the synthetic world of `ads` ads built in a temporary folder
+    (under workdir); the parser's error naming --batch when a batch is larger than the requests it holds."""
+    if table:
+        world, requests = saved_table(parser, table)
+    else:
+        with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+            world, requests = build(ads, Path(tmp))
+    if max(batches) > len(requests.now):
+        parser.error(f"--batch: at most {len(requests.now)} (the requests the table holds)")
+    return world, requests
+
+
 def load_table(path: Path) -> tuple[Table, Requests]:
     saved = torch.load(path)
     gen = torch.Generator().manual_seed(11)
@@ -230,15 +244,9 @@ def main() -> None:
     copy = copy_gbs(dev)
     print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), kernels: {dispatch.implementation(dev)}")
     rows = []
-    if args.table:
-        world, requests = saved_table(p, args.table)
-    else:
-        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-            world, requests = build(args.ads, Path(tmp))
-        if args.save_table:
-            save_table(args.save_table, world, requests)
-    if max(args.batch) > len(requests.now):
-        p.error(f"--batch: at most {len(requests.now)} (the requests the table holds)")
+    world, requests = table_and_requests(p, args.table, args.ads, args.batch, args.workdir)
+    if args.save_table and not args.table:
+        save_table(args.save_table, world, requests)
     stored = {storage: world.stored(storage) for storage in args.storage}
     for times in args.tile:
         n = times * len(world.status)

@@ -8,14 +8,13 @@ time and by device time. For the fixed cost per call the H200 showed (about 2 ms
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import machine, median_seconds
-from benchmarks.kernels import K, S, TOP_N, build, saved_table, sync
+from benchmarks.kernels import K, S, TOP_N, sync, table_and_requests
 from kernels import dispatch
 
 
@@ -48,11 +47,7 @@ def main() -> None:
     args = p.parse_args()
     dev = args.device
     print(f"machine: {machine()}; kernels: {dispatch.implementation(dev)}")
-    if args.table:
-        world, requests = saved_table(p, args.table)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            world, requests = build(args.ads, Path(tmp))
+    world, requests = table_and_requests(p, args.table, args.ads, args.batch)
     stored = world.stored(args.storage)
     gen = torch.Generator().manual_seed(0)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
