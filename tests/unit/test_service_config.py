@@ -58,7 +58,6 @@ def test_bounded_queues_reach_the_serve_options():
     assert info.value.errors()[0]["loc"][0] == "overload"
 
 
-
 def without_serve_env(monkeypatch) -> None:
     """os.environ for this test only (restored after it), without the SERVE_ENV variables."""
     monkeypatch.setattr(os, "environ", {name: value for name, value in os.environ.items() if name not in SERVE_ENV})
