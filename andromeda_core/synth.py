@@ -2,13 +2,14 @@
 
 Topics (the schema's base interests) have latent centres in R^d. An ad belongs to one topic:
 latent a = normalise(centre + noise) and a quality q. A user has K interest clusters u_1..u_K near
-topic centres. True affinity: truth(u, a) = 4 * max_k <u_k, a> + q; engagement is drawn with
-probability sigmoid(truth - 2). Ads carry realistic targeting (mostly broad, some narrow,
+topic centres. True affinity: truth(u, a) = 4 * max_k <u_k, a> + q. A user is shown 8 ads of each
+cluster's topic (uniform within the topic, repeats merged) and 8 uniform over all ads, and engages with
+each with probability sigmoid(truth - 2) (engagement_probability). Ads carry realistic targeting (mostly broad, some narrow,
 exclusions, all_of groups, time windows, paused ads) and topic-worded creatives.
 
 Output directory: events.jsonl (ad events, stream order), requests.jsonl (one request per user),
-engagements.jsonl (impressions and engagements drawn from the truth), truth.npz (latents, quality,
-the generator's config). Deterministic for a seed; ad chunks are generated in parallel.
+engagements.jsonl (impressions and engagements drawn from the truth), truth.npz (latents, quality and
+topics of ads and users, the generator's config). Deterministic for a seed; ad chunks are generated in parallel.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ LANGUAGE_OF = {"US": "en", "IN": "hi", "BR": "pt", "GB": "en", "DE": "de", "FR":
 SURFACE_WEIGHTS = {"feed": 45, "stories": 15, "reels": 15, "video": 8, "search": 6, "marketplace": 5,
                    "messenger": 3, "right_column": 2, "notifications": 1}
 AUDIENCE_POOL, LOOKALIKE_POOL = 5000, 2000
+SHOWN_PER_TOPIC, SHOWN_AT_RANDOM = 8, 8  # a user's impressions: per cluster topic, then over all ads
 DAY = 86400
 
 
@@ -81,6 +83,18 @@ class World:
 def truth_scores(user_latent: np.ndarray, ad_latent: np.ndarray, ad_quality: np.ndarray) -> np.ndarray:
     """user_latent (K, d), ad_latent (N, d), ad_quality (N,) -> (N,) true affinity."""
     return 4.0 * (ad_latent.astype(np.float32) @ user_latent.astype(np.float32).T).max(axis=1) + ad_quality
+
+
+def engagement_probability(user_latent: np.ndarray, user_topic: np.ndarray, ad_latent: np.ndarray,
+                           ad_quality: np.ndarray, ad_topic: np.ndarray) -> np.ndarray:
+    """user_latent (K, d), user_topic (K,), ad_latent (N, d), ad_quality (N,), ad_topic (N,) -> (N,): the
+    probability that the world shows the user each ad (in its topic draws or its random ones) and the user
+    engages with it."""
+    per_topic = np.bincount(ad_topic, minlength=int(ad_topic.max()) + 1)
+    in_topic = np.isin(ad_topic, user_topic)
+    missed = (1 - 1 / len(ad_topic)) ** SHOWN_AT_RANDOM * np.where(
+        in_topic, (1 - 1 / np.maximum(per_topic[ad_topic], 1)) ** SHOWN_PER_TOPIC, 1.0)
+    return (1 - missed) / (1 + np.exp(2.0 - truth_scores(user_latent, ad_latent, ad_quality)))
 
 
 def _brand(advertiser_id: int) -> str:
@@ -195,7 +209,7 @@ class _AdsByTopic:
 
 
 def _user(world: World, rng: np.random.Generator, user_id: int, by_topic: _AdsByTopic, ad_latent: np.ndarray,
-          ad_quality: np.ndarray) -> tuple[dict, np.ndarray, list[dict]]:
+          ad_quality: np.ndarray) -> tuple[dict, np.ndarray, np.ndarray, list[dict]]:
     cfg = world.cfg
     clusters = rng.choice(len(world.topics), cfg.clusters, replace=False, p=world.popularity)
     latent = world.latents(rng, clusters, 0.3)
@@ -221,8 +235,8 @@ def _user(world: World, rng: np.random.Generator, user_id: int, by_topic: _AdsBy
     if rng.random() < 0.15:
         attributes["life_events"] = [str(rng.choice(world.schema.by_name["life_events"].vocabulary))]
     # Engagement history drawn from the truth over ads of the user's topics plus random ones.
-    pool = np.unique(by_topic.sample(rng, clusters, 8))
-    shown = np.concatenate([pool, rng.integers(0, len(ad_quality), 8)])
+    pool = np.unique(by_topic.sample(rng, clusters, SHOWN_PER_TOPIC))
+    shown = np.concatenate([pool, rng.integers(0, len(ad_quality), SHOWN_AT_RANDOM)])
     p_engage = 1 / (1 + np.exp(-(truth_scores(latent, ad_latent[shown], ad_quality[shown]) - 2.0)))
     engaged = rng.random(len(shown)) < p_engage
     times = np.sort(rng.integers(cfg.base_time - 14 * DAY, cfg.base_time, len(shown)))
@@ -239,7 +253,7 @@ def _user(world: World, rng: np.random.Generator, user_id: int, by_topic: _AdsBy
         "context": {"surface": surface, "placement": str(rng.choice(placements)), "ts": cfg.base_time + int(rng.integers(0, 3600))},
         "k": 100,
     }
-    return request, latent.astype(np.float16), log
+    return request, clusters, latent.astype(np.float16), log
 
 
 def iter_ad_chunks(world: World, workers: int = 2) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
@@ -282,12 +296,13 @@ def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, 
     rng = np.random.default_rng([cfg.seed, 2])
     by_topic = _AdsByTopic(topics, len(world.topics))
     user_latents = np.empty((cfg.users, cfg.clusters, cfg.latent_dim), np.float16)
+    user_topics = np.empty((cfg.users, cfg.clusters), np.int16)
     with open(out / "requests.jsonl", "w", encoding="utf-8") as req_f, \
             open(out / "engagements.jsonl", "w", encoding="utf-8") as log_f:
         for u in tqdm(range(cfg.users), unit="user", desc="users", disable=not progress):
-            request, user_latents[u], log = _user(world, rng, u + 1, by_topic, latents, quality)
+            request, user_topics[u], user_latents[u], log = _user(world, rng, u + 1, by_topic, latents, quality)
             req_f.write(json.dumps(request, separators=(",", ":")) + "\n")
             log_f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in log)
     np.savez(out / "truth.npz", ad_latent=latents, ad_quality=quality, ad_topic=topics, user_latent=user_latents,
-             config=json.dumps(asdict(cfg)))
+             user_topic=user_topics, config=json.dumps(asdict(cfg)))
     return out

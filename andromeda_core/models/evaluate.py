@@ -113,6 +113,14 @@ def per_user_metrics(target_rank: np.ndarray) -> dict[str, np.ndarray]:
             "NDCG@10": np.where(rank < 10, 1 / np.log2(rank + 2.0), 0.0)}
 
 
+def expected_metrics(top: np.ndarray, p: np.ndarray) -> dict[str, np.ndarray]:
+    """top (U, T) item rows best first, p (U, N) each user's probability that the held-out item is each item ->
+    per_user_metrics' names, each (U,): the metric's expectation over that probability instead of one draw."""
+    mass = np.take_along_axis(p, top[:, :max(CUTOFFS)], axis=1)
+    return {**{f"HR@{k}": mass[:, :k].sum(1) for k in CUTOFFS},
+            "NDCG@10": (mass[:, :10] / np.log2(np.arange(2, 2 + mass[:, :10].shape[1]))).sum(1)}
+
+
 def hit_metrics(r: Ranking) -> dict[str, float]:
     return {name: float(values.mean()) for name, values in per_user_metrics(r.target_rank).items()}
 

@@ -56,7 +56,7 @@ class RecData:
     name: str
     items: Items
     users: Users
-    truth: dict[str, np.ndarray] = field(default_factory=dict)  # synthetic only: latents, quality
+    truth: dict[str, np.ndarray] = field(default_factory=dict)  # synthetic only: truth.npz's arrays and item_ad
 
     def split(self, user: int) -> tuple[int, int]:
         """(validation position, test position) in the user's sequence."""
@@ -131,9 +131,9 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
                             ctx["ts"] // 3600 % 24])
             now.append(ctx["ts"])
     shown, validation_shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
-    truth = dict(np.load(world / "truth.npz"))
-    keep = np.array(order) - 1
-    truth = {"user_latent": truth["user_latent"], "ad_latent": truth["ad_latent"][keep], "ad_quality": truth["ad_quality"][keep]}
+    with np.load(world / "truth.npz") as saved:
+        truth = {name: saved[name] for name in saved.files if name != "config"}
+    truth["item_ad"] = np.array(order) - 1  # each item's row in the world's ad arrays
     users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown,
                   validation_shown)
     return RecData("synthetic", items, users, truth)

@@ -7,15 +7,28 @@ import numpy as np
 import pytest
 
 from andromeda_core.models import quality
+from andromeda_core.models.evaluate import expected_metrics, per_user_metrics
 from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.train import TrainConfig
+from andromeda_core.synth import engagement_probability
 from tests.unit.test_models import tiny_data
+
+
+def with_truth(data, seed=0):
+    """data with the truth of a made-up world of 3 topics whose ads are more than its items, in another order."""
+    rng = np.random.default_rng(seed)
+    n_users, n_ads = len(data.users.items), len(data.items.ids) + 10
+    data.truth = {"user_latent": rng.standard_normal((n_users, 2, 4)), "ad_latent": rng.standard_normal((n_ads, 4)),
+                  "ad_quality": rng.standard_normal(n_ads), "ad_topic": rng.integers(0, 3, n_ads),
+                  "user_topic": np.stack([rng.choice(3, 2, replace=False) for _ in range(n_users)]),
+                  "item_ad": rng.permutation(n_ads)[:len(data.items.ids)]}
+    return data
 
 
 @pytest.fixture
 def tiny_report(tmp_path, monkeypatch):
     monkeypatch.setenv("ANDROMEDA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(quality, "load_data", lambda name, world=None: tiny_data(n_items=60, n_users=30))
+    monkeypatch.setattr(quality, "load_data", lambda name, world=None: with_truth(tiny_data(n_items=60, n_users=30)))
     monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0, start="": TrainConfig(
         steps=12, batch=16, negatives=16, seed=seed, distill=distill, teacher_rows=8, validate_every=6,
         expert_loss=1.0 if start else 0.0))
@@ -37,6 +50,11 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
     assert len(re.findall(r"[-+]\d\.\d{4} \[[-+]\d\.\d{4}, [-+]\d\.\d{4}\] (\*\*better\*\*|\*\*worse\*\*|within noise)",
                           comparisons)) == 20
     assert "### Cold start" in text and "Short histories" in text and "Every ad new" in text
+    expected = text.split("### Expected over the world's engagements")[1].split("###")[0]
+    for name in (quality.CEILING, quality.ORACLE, "most popular", "item-kNN", "sasrec", "two_tower", "moe", "ranker"):
+        assert re.search(rf"^\| {re.escape(name)} \| \d\.\d{{4}} \[", expected, re.M), name
+    assert len(re.findall(r"^\| (most popular|item-kNN|sasrec|two_tower|ranker) \| [-+]", expected, re.M)) == 5
+    assert "ranker beats the MoE (expected over the world's engagements): higher on" in text
     assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5) \(", text)
     assert re.search(r"moe: \d\.\d{4}, moe \(from sasrec\): \d\.\d{4}; chosen: moe( \(from sasrec\))?\. ", text)
     assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
@@ -68,13 +86,41 @@ def test_a_model_going_on_from_one_trained_again_is_trained_again(tiny_report):
 
 
 def test_the_oracle_ranks_by_the_worlds_true_affinity():
-    data = tiny_data()
-    rng = np.random.default_rng(0)
-    data.truth = {"user_latent": rng.standard_normal((12, 2, 4)), "ad_latent": rng.standard_normal((40, 4)),
-                  "ad_quality": rng.standard_normal(40)}
-    users = data.eval_users()
+    data = with_truth(tiny_data())
+    users, t = data.eval_users(), data.truth
     ranking = quality.oracle_ranking(data, users)
     for i, u in enumerate(users):
-        truth = 4 * (data.truth["ad_latent"] @ data.truth["user_latent"][u].T).max(1) + data.truth["ad_quality"]
+        ads = t["item_ad"]
+        truth = 4 * (t["ad_latent"][ads] @ t["user_latent"][u].T).max(1) + t["ad_quality"][ads]
         truth[data.users.items[u][:5]] = -np.inf
         assert ranking.top[i, :5].tolist() == np.argsort(-truth, kind="stable")[:5].tolist()
+
+
+def test_the_engagement_distribution_is_the_worlds_over_the_items_history_excluded():
+    data = with_truth(tiny_data())
+    users, t = data.eval_users(), data.truth
+    p = quality.engagement_distribution(data, users)
+    assert p.shape == (len(users), len(data.items.ids)) and np.allclose(p.sum(1), 1)
+    for i, u in enumerate(users):
+        history = data.users.items[u][:data.split(u)[1]]
+        assert (p[i, history] == 0).all()
+        world = engagement_probability(t["user_latent"][u], t["user_topic"][u], t["ad_latent"], t["ad_quality"],
+                                       t["ad_topic"])[t["item_ad"]]
+        rest = np.setdiff1d(np.arange(len(data.items.ids)), history)
+        assert np.allclose(p[i, rest], world[rest] / world[rest].sum())
+    ceiling, oracle = expected_metrics(quality.ranking_by(p, data, users).top, p), expected_metrics(
+        quality.oracle_ranking(data, users).top, p)
+    assert all((ceiling[name] >= oracle[name] - 1e-12).all() for name in ceiling)  # no ranking beats the ceiling
+
+
+def test_expected_metrics_average_the_metrics_over_every_possible_held_out_item():
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.full(300, 0.3), size=4)
+    top = np.stack([rng.permutation(300)[:250] for _ in range(4)])  # 50 items of each user's are outside its top
+    expected = expected_metrics(top, p)
+    for u in range(4):
+        rank = np.full(300, 10**6)
+        rank[top[u]] = np.arange(250)
+        every = per_user_metrics(rank)  # the metrics if item t were the held-out one, (300,) each
+        for name, values in every.items():
+            assert expected[name][u] == pytest.approx(float((p[u] * values).sum()), abs=1e-12), name

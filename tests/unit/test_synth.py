@@ -8,7 +8,7 @@ import pytest
 from andromeda_core.ingest import load_events, read_events
 from andromeda_core.index import AdIndex
 from andromeda_core.retriever import Retriever
-from andromeda_core.synth import WorldConfig, synthesize, truth_scores
+from andromeda_core.synth import WorldConfig, engagement_probability, synthesize, truth_scores
 from andromeda_core.types import parse_request
 
 
@@ -52,3 +52,23 @@ def test_engagement_follows_the_truth(world):
                              truth["ad_quality"][[e["ad_id"] - 1]])[0]
         clicked[e["event"] == "click"].append(score)
     assert np.mean(clicked[True]) > np.mean(clicked[False]) + 0.5
+
+
+def test_engagement_probability_predicts_the_worlds_clicks(world):
+    """Clicks on ads of the user's topics and on the others, summed over users, against the sums of the
+    probabilities (independent Bernoulli draws: within 4 standard deviations)."""
+    truth = np.load(world / "truth.npz")
+    users = len(truth["user_latent"])
+    observed, expected, variance = np.zeros(2), np.zeros(2), np.zeros(2)
+    for e in map(json.loads, (world / "engagements.jsonl").read_text().splitlines()):
+        if e["event"] == "click":
+            observed[int(truth["ad_topic"][e["ad_id"] - 1] not in truth["user_topic"][e["user_id"] - 1])] += 1
+    for u in range(users):
+        p = engagement_probability(truth["user_latent"][u], truth["user_topic"][u], truth["ad_latent"],
+                                   truth["ad_quality"], truth["ad_topic"])
+        in_topic = np.isin(truth["ad_topic"], truth["user_topic"][u])
+        for part, mask in enumerate((in_topic, ~in_topic)):
+            expected[part] += p[mask].sum()
+            variance[part] += (p * (1 - p))[mask].sum()
+    assert observed.min() > 0
+    assert (np.abs(observed - expected) < 4 * np.sqrt(variance)).all(), (observed, expected, np.sqrt(variance))
