@@ -42,6 +42,7 @@ LANGUAGE_OF = {"US": "en", "IN": "hi", "BR": "pt", "GB": "en", "DE": "de", "FR":
 SURFACE_WEIGHTS = {"feed": 45, "stories": 15, "reels": 15, "video": 8, "search": 6, "marketplace": 5,
                    "messenger": 3, "right_column": 2, "notifications": 1}
 AUDIENCE_POOL, LOOKALIKE_POOL = 5000, 2000
+GENERATOR = 2  # the version of the drawing below, kept in truth.npz: 2 keeps user topics and shuffles the log's order
 SHOWN_PER_TOPIC, SHOWN_AT_RANDOM = 8, 8  # a user's impressions: per cluster topic, then over all ads
 DAY = 86400
 
@@ -236,7 +237,9 @@ def _user(world: World, rng: np.random.Generator, user_id: int, by_topic: _AdsBy
         attributes["life_events"] = [str(rng.choice(world.schema.by_name["life_events"].vocabulary))]
     # Engagement history drawn from the truth over ads of the user's topics plus random ones.
     pool = np.unique(by_topic.sample(rng, clusters, SHOWN_PER_TOPIC))
-    shown = np.concatenate([pool, rng.integers(0, len(ad_quality), SHOWN_AT_RANDOM)])
+    # In a random order: the times below are sorted, and the log's order must not tell how an ad came to be shown
+    # (the random ads last, the topics' ads by row made the last click mostly a random ad).
+    shown = rng.permutation(np.concatenate([pool, rng.integers(0, len(ad_quality), SHOWN_AT_RANDOM)]))
     p_engage = 1 / (1 + np.exp(-(truth_scores(latent, ad_latent[shown], ad_quality[shown]) - 2.0)))
     engaged = rng.random(len(shown)) < p_engage
     times = np.sort(rng.integers(cfg.base_time - 14 * DAY, cfg.base_time, len(shown)))
@@ -276,6 +279,15 @@ def world_config(out: str | Path) -> WorldConfig | None:
         return WorldConfig(**json.loads(str(arrays["config"])))
 
 
+def is_current(out: str | Path) -> bool:
+    """Whether `out` holds a complete world drawn by this GENERATOR (older ones lack what the report reads)."""
+    truth = Path(out) / "truth.npz"
+    if not truth.is_file():
+        return False
+    with np.load(truth) as arrays:
+        return "generator" in arrays.files and int(arrays["generator"]) == GENERATOR
+
+
 def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, workers: int = 2,
                progress: bool = True) -> Path:
     """Write the world to `out`; returns the directory."""
@@ -304,5 +316,5 @@ def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, 
             req_f.write(json.dumps(request, separators=(",", ":")) + "\n")
             log_f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in log)
     np.savez(out / "truth.npz", ad_latent=latents, ad_quality=quality, ad_topic=topics, user_latent=user_latents,
-             user_topic=user_topics, config=json.dumps(asdict(cfg)))
+             user_topic=user_topics, generator=GENERATOR, config=json.dumps(asdict(cfg)))
     return out

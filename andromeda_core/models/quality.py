@@ -25,7 +25,7 @@ from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
 from andromeda_core.models.train import default_config, other_start, train, validation_score
 from andromeda_core.schema import load_schema
-from andromeda_core.synth import WorldConfig, engagement_probability, synthesize, truth_scores
+from andromeda_core.synth import WorldConfig, engagement_probability, is_current, synthesize, truth_scores
 
 RESCORE = IndexConfig.rescore  # as served by default
 METRICS = ("HR@10", "HR@50", "HR@200", "NDCG@10")
@@ -45,19 +45,11 @@ def load_data(name: str, world: Path | None = None) -> RecData:
     if name == "movielens":
         return load_movielens()
     world = world or load_settings().cache_dir / "worlds" / name
-    if not has_user_topics(world / "truth.npz"):
+    if not is_current(world):
         synthesize(WORLDS[name], world, load_schema())
     data = load_synthetic(world)
     data.name = name
     return data
-
-
-def has_user_topics(truth: Path) -> bool:
-    """Whether the world's truth file exists and is recent enough to hold each user's cluster topics."""
-    if not truth.exists():
-        return False
-    with np.load(truth) as saved:
-        return "user_topic" in saved.files
 
 
 def checkpoint_path(data: str, kind: str, distill: float = 0.0, start: str = "") -> Path:

@@ -132,7 +132,7 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
             now.append(ctx["ts"])
     shown, validation_shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
     with np.load(world / "truth.npz") as saved:
-        truth = {name: saved[name] for name in saved.files if name != "config"}
+        truth = {name: saved[name] for name in saved.files if name not in ("config", "generator")}
     truth["item_ad"] = np.array(order) - 1  # each item's row in the world's ad arrays
     users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown,
                   validation_shown)

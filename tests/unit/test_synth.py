@@ -8,7 +8,7 @@ import pytest
 from andromeda_core.ingest import load_events, read_events
 from andromeda_core.index import AdIndex
 from andromeda_core.retriever import Retriever
-from andromeda_core.synth import WorldConfig, engagement_probability, synthesize, truth_scores
+from andromeda_core.synth import WorldConfig, engagement_probability, is_current, synthesize, truth_scores
 from andromeda_core.types import parse_request
 
 
@@ -72,3 +72,32 @@ def test_engagement_probability_predicts_the_worlds_clicks(world):
             variance[part] += (p * (1 - p))[mask].sum()
     assert observed.min() > 0
     assert (np.abs(observed - expected) < 4 * np.sqrt(variance)).all(), (observed, expected, np.sqrt(variance))
+
+
+def test_a_users_last_click_is_drawn_like_any_other(world):
+    """The last click of each history (the report's held-out engagement) lands on the user's topics as often as
+    the engagement probability, over the ads not clicked before it, says (within 4 standard deviations): the
+    order of the log does not tell how an ad came to be shown."""
+    truth = np.load(world / "truth.npz")
+    observed = expected = variance = 0.0
+    for line in (world / "requests.jsonl").read_text().splitlines():
+        user = json.loads(line)["user"]
+        clicks = [h["ad_id"] - 1 for h in user["history"]]
+        if not clicks:
+            continue
+        u = user["user_id"] - 1
+        p = engagement_probability(truth["user_latent"][u], truth["user_topic"][u], truth["ad_latent"],
+                                   truth["ad_quality"], truth["ad_topic"])
+        p[clicks[:-1]] = 0
+        share = p[np.isin(truth["ad_topic"], truth["user_topic"][u])].sum() / p.sum()
+        observed += truth["ad_topic"][clicks[-1]] in truth["user_topic"][u]
+        expected += share
+        variance += share * (1 - share)
+    assert abs(observed - expected) < 4 * np.sqrt(variance), (observed, expected, np.sqrt(variance))
+
+
+def test_a_world_of_an_older_generator_is_not_current(world, tmp_path):
+    assert is_current(world) and not is_current(tmp_path)
+    with np.load(world / "truth.npz") as arrays:
+        np.savez(tmp_path / "truth.npz", **{k: arrays[k] for k in arrays.files if k != "generator"})
+    assert not is_current(tmp_path)
