@@ -302,7 +302,8 @@ def parser() -> argparse.ArgumentParser:
                    help="data sets to evaluate (default: MovieLens and both synthetic worlds)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")
     s.add_argument("--world", type=output_dir, default=None,
-                   help="world directory for the `synthetic` data set (default: in the cache; generated where it holds none)")
+                   help="world directory for the `synthetic` data set (default: in the cache; generated where it holds none; "
+                        "a world of an older generator is refused)")
     s.add_argument("--out", type=output_file, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
     s.set_defaults(func=cmd_eval)
 

@@ -91,10 +91,10 @@ def engagement_probability(user_latent: np.ndarray, user_topic: np.ndarray, ad_l
     """user_latent (K, d), user_topic (K,), ad_latent (N, d), ad_quality (N,), ad_topic (N,) -> (N,): the
     probability that the world shows the user each ad (in its topic draws or its random ones) and the user
     engages with it."""
-    per_topic = np.bincount(ad_topic, minlength=int(ad_topic.max()) + 1)
+    per_topic = np.bincount(ad_topic)
     in_topic = np.isin(ad_topic, user_topic)
     missed = (1 - 1 / len(ad_topic)) ** SHOWN_AT_RANDOM * np.where(
-        in_topic, (1 - 1 / np.maximum(per_topic[ad_topic], 1)) ** SHOWN_PER_TOPIC, 1.0)
+        in_topic, (1 - 1 / per_topic[ad_topic]) ** SHOWN_PER_TOPIC, 1.0)
     return (1 - missed) / (1 + np.exp(2.0 - truth_scores(user_latent, ad_latent, ad_quality)))
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from andromeda_core.config import IndexConfig, load_settings
+from andromeda_core.errors import InvalidInput
 from andromeda_core.models.baselines import item_knn, most_popular
 from andromeda_core.models.distill import TEACHER_TOP, Teacher, ask_teacher
 from andromeda_core.models.evaluate import (CUTOFFS, Ranking, bytes_per_ad, counted_flops_per_pair, crossings,
@@ -25,7 +26,8 @@ from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
 from andromeda_core.models.train import default_config, other_start, train, validation_score
 from andromeda_core.schema import load_schema
-from andromeda_core.synth import WorldConfig, engagement_probability, is_current, synthesize, truth_scores
+from andromeda_core.synth import (GENERATOR, WorldConfig, engagement_probability, is_current, synthesize, truth_scores,
+                                  world_config)
 
 RESCORE = IndexConfig.rescore  # as served by default
 METRICS = ("HR@10", "HR@50", "HR@200", "NDCG@10")
@@ -42,10 +44,17 @@ STORAGE_ROWS = (("fp16", 0), ("int8", 0), ("fp16", RESCORE), ("int8", RESCORE)) 
 
 
 def load_data(name: str, world: Path | None = None) -> RecData:
+    """The data set; a synthetic world is drawn where `world` holds none. The default world, in the cache, is
+    also drawn again (and its checkpoints dropped) when an older generator drew it."""
     if name == "movielens":
         return load_movielens()
-    world = world or load_settings().cache_dir / "worlds" / name
-    if not is_current(world):
+    if world is None:
+        world = load_settings().cache_dir / "worlds" / name
+        if not is_current(world):
+            for stale in (load_settings().cache_dir / "models").glob(f"{name}-*.safetensors"):
+                stale.unlink()  # trained on the older world
+            synthesize(WORLDS[name], world, load_schema())
+    elif world_config(world) is None:
         synthesize(WORLDS[name], world, load_schema())
     data = load_synthetic(world)
     data.name = name
@@ -147,11 +156,13 @@ def oracle_ranking(data: RecData, users: np.ndarray) -> Ranking:
 
 def engagement_distribution(data: RecData, users: np.ndarray) -> np.ndarray:
     """(U, N) float64 (synthetic data only): for users (U,), the probability that the held-out engagement is each
-    item under the world's own process (shown, then engaged with), their history before it excluded, rows summing
-    to 1."""
+    item given the engagements before it, under the world's own process; rows sum to 1. The world engages the user
+    with each ad independently with probability c (engagement_probability: shown, then engaged with), so given the
+    others, the one engagement more is ad a with probability proportional to c_a / (1 - c_a); the history is 0."""
     t = data.truth
-    p = np.stack([engagement_probability(t["user_latent"][u], t["user_topic"][u], t["ad_latent"], t["ad_quality"],
+    c = np.stack([engagement_probability(t["user_latent"][u], t["user_topic"][u], t["ad_latent"], t["ad_quality"],
                                          t["ad_topic"])[t["item_ad"]] for u in users]).astype(np.float64)
+    p = c / (1 - c)
     for i, u in enumerate(users):
         p[i, data.users.items[u][:data.split(u)[1]]] = 0.0
     return p / p.sum(1, keepdims=True)
@@ -324,8 +335,9 @@ def expected_section(data: RecData, users: np.ndarray, by_name: dict[str, Row], 
     drawn, mean = held_out(ceiling.ranking)["HR@10"], expected(ceiling.ranking)["HR@10"]
     return (f"### Expected over the world's engagements\n\n"
             f"The held-out engagement above is one draw per user. The world knows each user's probability of "
-            f"engaging with every ad next: shown (in the user's topic draws or at random) and then engaged with "
-            f"(sigmoid(truth - 2)), the history excluded. Each cell here is the metric's expectation over that "
+            f"engaging with every ad (c: shown in the user's topic draws or at random, then engaged with, "
+            f"sigmoid(truth - 2)), each ad independently, so given the engagements before it the held-out one is "
+            f"ad a with probability proportional to c_a / (1 - c_a). Each cell here is the metric's expectation over that "
             f"probability, averaged over the same users [95% bootstrap interval]: what the table above estimates, "
             f"without the noise of one draw. The ceiling ranks by that probability itself (no ranking does better "
             f"on these; on the held-out draws it reaches HR@10 {format_ci(*bootstrap_ci(drawn))} against "
@@ -388,6 +400,9 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
 
 
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None) -> str:
+    if world and world_config(world) is not None and not is_current(world):
+        raise InvalidInput(f"{world} was drawn by an older generator (the report reads what version {GENERATOR} keeps); "
+                           f"draw it again with `andromeda synth`", "--world")
     started = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
     sections = [section(load_data(name, world if name == "synthetic" else None), retrain, out.parent)

@@ -1,16 +1,19 @@
 """The quality report end to end on a tiny data set: every section, interval and plot is written."""
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 
+from andromeda_core.errors import InvalidInput
 from andromeda_core.models import quality
 from andromeda_core.models.evaluate import expected_metrics, per_user_metrics
 from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.train import TrainConfig
-from andromeda_core.synth import engagement_probability
+from andromeda_core.synth import WorldConfig, engagement_probability
 from tests.unit.test_models import tiny_data
 
 
@@ -63,7 +66,20 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
 def test_a_second_run_reuses_the_checkpoints(tiny_report, monkeypatch):
     _, out = tiny_report
     monkeypatch.setattr(quality, "train", lambda *a, **k: pytest.fail("trained again"))
-    assert "Models trained in this run: none" in quality.quality_report(("tiny",), out)
+    monkeypatch.setattr(quality, "load_data", lambda name, world=None: tiny_data(n_items=60, n_users=30))  # no truth
+    text = quality.quality_report(("tiny",), out)
+    assert "Models trained in this run: none" in text
+    assert "Expected over" not in text and quality.ORACLE not in text and "Targets:" in text
+
+
+def test_a_world_of_an_older_generator_is_refused_and_left_alone(tmp_path):
+    world = tmp_path / "world"
+    world.mkdir()
+    np.savez(world / "truth.npz", config=json.dumps(asdict(WorldConfig(ads=10, users=2))))
+    before = (world / "truth.npz").read_bytes()
+    with pytest.raises(InvalidInput, match="older generator") as caught:
+        quality.quality_report(("synthetic",), tmp_path / "q.md", world=world)
+    assert caught.value.field == "--world" and (world / "truth.npz").read_bytes() == before
 
 
 def test_a_distilled_checkpoint_that_names_no_start_is_trained_again(tiny_report, monkeypatch):
@@ -96,7 +112,7 @@ def test_the_oracle_ranks_by_the_worlds_true_affinity():
         assert ranking.top[i, :5].tolist() == np.argsort(-truth, kind="stable")[:5].tolist()
 
 
-def test_the_engagement_distribution_is_the_worlds_over_the_items_history_excluded():
+def test_the_engagement_distribution_is_the_odds_of_the_worlds_engagements_history_excluded():
     data = with_truth(tiny_data())
     users, t = data.eval_users(), data.truth
     p = quality.engagement_distribution(data, users)
@@ -106,8 +122,8 @@ def test_the_engagement_distribution_is_the_worlds_over_the_items_history_exclud
         assert (p[i, history] == 0).all()
         world = engagement_probability(t["user_latent"][u], t["user_topic"][u], t["ad_latent"], t["ad_quality"],
                                        t["ad_topic"])[t["item_ad"]]
-        rest = np.setdiff1d(np.arange(len(data.items.ids)), history)
-        assert np.allclose(p[i, rest], world[rest] / world[rest].sum())
+        rest, odds = np.setdiff1d(np.arange(len(data.items.ids)), history), world / (1 - world)
+        assert np.allclose(p[i, rest], odds[rest] / odds[rest].sum())
     ceiling, oracle = expected_metrics(quality.ranking_by(p, data, users).top, p), expected_metrics(
         quality.oracle_ranking(data, users).top, p)
     assert all((ceiling[name] >= oracle[name] - 1e-12).all() for name in ceiling)  # no ranking beats the ceiling

@@ -76,7 +76,7 @@ def test_engagement_probability_predicts_the_worlds_clicks(world):
 
 def test_a_users_last_click_is_drawn_like_any_other(world):
     """The last click of each history (the report's held-out engagement) lands on the user's topics as often as
-    the engagement probability, over the ads not clicked before it, says (within 4 standard deviations): the
+    the engagement probability's odds, over the ads not clicked before it, say (within 4 standard deviations): the
     order of the log does not tell how an ad came to be shown."""
     truth = np.load(world / "truth.npz")
     observed = expected = variance = 0.0
@@ -88,8 +88,9 @@ def test_a_users_last_click_is_drawn_like_any_other(world):
         u = user["user_id"] - 1
         p = engagement_probability(truth["user_latent"][u], truth["user_topic"][u], truth["ad_latent"],
                                    truth["ad_quality"], truth["ad_topic"])
-        p[clicks[:-1]] = 0
-        share = p[np.isin(truth["ad_topic"], truth["user_topic"][u])].sum() / p.sum()
+        odds = p / (1 - p)  # given the other clicks, the last is ad a with probability proportional to its odds
+        odds[clicks[:-1]] = 0
+        share = odds[np.isin(truth["ad_topic"], truth["user_topic"][u])].sum() / odds.sum()
         observed += truth["ad_topic"][clicks[-1]] in truth["user_topic"][u]
         expected += share
         variance += share * (1 - share)
