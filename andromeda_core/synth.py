@@ -86,6 +86,11 @@ def truth_scores(user_latent: np.ndarray, ad_latent: np.ndarray, ad_quality: np.
     return 4.0 * (ad_latent.astype(np.float32) @ user_latent.astype(np.float32).T).max(axis=1) + ad_quality
 
 
+def engaged_if_shown(truth: np.ndarray) -> np.ndarray:
+    """(N,) true affinities -> (N,) the probability that a user shown the ad engages with it, sigmoid(truth - 2)."""
+    return 1 / (1 + np.exp(-(truth - 2.0)))
+
+
 def engagement_probability(user_latent: np.ndarray, user_topic: np.ndarray, ad_latent: np.ndarray,
                            ad_quality: np.ndarray, ad_topic: np.ndarray) -> np.ndarray:
     """user_latent (K, d), user_topic (K,), ad_latent (N, d), ad_quality (N,), ad_topic (N,) -> (N,): the
@@ -95,7 +100,7 @@ def engagement_probability(user_latent: np.ndarray, user_topic: np.ndarray, ad_l
     in_topic = np.isin(ad_topic, user_topic)
     missed = (1 - 1 / len(ad_topic)) ** SHOWN_AT_RANDOM * np.where(
         in_topic, (1 - 1 / per_topic[ad_topic]) ** SHOWN_PER_TOPIC, 1.0)
-    return (1 - missed) / (1 + np.exp(2.0 - truth_scores(user_latent, ad_latent, ad_quality)))
+    return (1 - missed) * engaged_if_shown(truth_scores(user_latent, ad_latent, ad_quality))
 
 
 def _brand(advertiser_id: int) -> str:
@@ -240,7 +245,7 @@ def _user(world: World, rng: np.random.Generator, user_id: int, by_topic: _AdsBy
     # In a random order: the times below are sorted, and the log's order must not tell how an ad came to be shown
     # (the random ads last, the topics' ads by row made the last click mostly a random ad).
     shown = rng.permutation(np.concatenate([pool, rng.integers(0, len(ad_quality), SHOWN_AT_RANDOM)]))
-    p_engage = 1 / (1 + np.exp(-(truth_scores(latent, ad_latent[shown], ad_quality[shown]) - 2.0)))
+    p_engage = engaged_if_shown(truth_scores(latent, ad_latent[shown], ad_quality[shown]))
     engaged = rng.random(len(shown)) < p_engage
     times = np.sort(rng.integers(cfg.base_time - 14 * DAY, cfg.base_time, len(shown)))
     log = [{"user_id": user_id, "ad_id": int(a) + 1, "event": "click" if e else "impression", "ts": int(ts)}

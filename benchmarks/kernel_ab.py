@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from andromeda_cli.args import POSITIVE
 from benchmarks.kernels import TOP_N, K, S, table_and_requests
 from kernels import cpu
 
@@ -63,22 +64,15 @@ def alternate(args: tuple, builds: dict[str, ctypes.CDLL], calls: int) -> dict:
             "ratio": statistics.median(b / a for a, b in zip(times[first], times[second]))}
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="HEAD", help="the git revision whose kernels/cpu_fused.cpp is the baseline")
     p.add_argument("--table", type=Path, default=None, help="a table saved by `benchmarks.kernels --save-table`")
-    p.add_argument("--ads", type=positive, default=1_000_000, help="without --table: ads of the synthetic world to build")
-    p.add_argument("--batch", type=positive, nargs="+", default=[1, 16])
+    p.add_argument("--ads", type=POSITIVE, default=1_000_000, help="without --table: ads of the synthetic world to build")
+    p.add_argument("--batch", type=POSITIVE, nargs="+", default=[1, 16])
     p.add_argument("--storage", nargs="+", default=["fp16"], choices=["fp16", "int8"])
-    p.add_argument("--calls", type=positive, default=20, help="alternating rounds per (storage, batch)")
-    p.add_argument("--threads", type=positive, default=2)
+    p.add_argument("--calls", type=POSITIVE, default=20, help="alternating rounds per (storage, batch)")
+    p.add_argument("--threads", type=POSITIVE, default=2)
     args = p.parse_args()
     try:
         base = source_at(args.base)
