@@ -70,6 +70,14 @@ def rank_of_targets(scores: torch.Tensor, data: RecData, users: np.ndarray, posi
     return ((scores > target_scores) | tied_before).sum(1).numpy()
 
 
+def corpus_scores(model: RetrievalModel, state, stored: torch.Tensor, text: torch.Tensor, cross: torch.Tensor | None,
+                  chunk: int = 512) -> torch.Tensor:
+    """(B, N) every item's score (stored (N, S), text (N, 384), pair features cross (B, N, F) or None) for the B
+    users of state, `chunk` items at a time."""
+    return torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk],
+                                  None if cross is None else cross[:, a:a + chunk]) for a in range(0, len(stored), chunk)], 1)
+
+
 @torch.no_grad()
 def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: str = "fp32", split: int = 1,
                rescore: int = 0, keep: int | None = None, content_only: bool = False, batch: int = 16,
@@ -92,9 +100,7 @@ def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: s
         positions = np.array([data.split(u)[split] for u in us])
         state = model.users(user_inputs(data, exact if rescore else stored, us, positions, model.dims.history, keep))
         cross = pair.dense(data, us, positions, keep) if pair is not None else None
-        scores = torch.cat([model.score(state, stored[a:a + chunk], text[a:a + chunk],
-                                        None if cross is None else cross[:, a:a + chunk])
-                            for a in range(0, len(stored), chunk)], 1)
+        scores = corpus_scores(model, state, stored, text, cross, chunk)
         if rescore:  # the shortlist is of items the user may be shown
             scores = rescored(model, state, without_history(scores, data, us, positions), exact, rescore * TOP)
         top, rank = ranking_from_scores(scores, data, us, positions)
@@ -119,6 +125,11 @@ def expected_metrics(top: np.ndarray, p: np.ndarray) -> dict[str, np.ndarray]:
     mass = np.take_along_axis(p, top[:, :max(CUTOFFS)], axis=1)
     return {**{f"HR@{k}": mass[:, :k].sum(1) for k in CUTOFFS},
             "NDCG@10": (mass[:, :10] / np.log2(np.arange(2, 2 + mass[:, :10].shape[1]))).sum(1)}
+
+
+def mean_metric(target_rank: np.ndarray) -> float:
+    """The mean of HR@10, HR@50, HR@200 and NDCG@10 over users (target_rank (U,)): what validation maximises."""
+    return float(np.mean([v.mean() for v in per_user_metrics(target_rank).values()]))
 
 
 def hit_metrics(r: Ranking) -> dict[str, float]:

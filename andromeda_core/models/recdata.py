@@ -47,8 +47,6 @@ class Users:
     now: np.ndarray  # (U,) request time
     shown: list[np.ndarray] = field(default_factory=list)  # per user (K, 2) int64: the impressions logged before
     # the held-out engagements (item row, clicked 0/1); empty when none are logged
-    validation_shown: list[np.ndarray] = field(default_factory=list)  # per user (K, 2): those logged from the
-    # validation engagement (included) up to the test one (excluded)
 
 
 @dataclass
@@ -89,10 +87,12 @@ class RecData:
         odds = (clicked + smoothing * rate) / (seen - clicked + smoothing * (1 - rate))
         return (np.log(odds) - np.log(rate / (1 - rate))).astype(np.float32)
 
-    def train_items(self) -> np.ndarray:
-        """Sorted item rows engaged in training: the items a model can learn an identity for; every
-        other item is new to it (cold)."""
-        return np.unique(np.concatenate(self.train_sequences() or [np.zeros(0, np.int64)])).astype(np.int64)
+    def train_items(self, at_least: int = 1) -> np.ndarray:
+        """Sorted item rows engaged in training at least `at_least` times (repeats counted). With 1: every item
+        a model has seen, all others are new to it (cold); a model learns an identity for those engaged at least
+        TrainConfig.min_id_engagements times."""
+        rows = np.concatenate(self.train_sequences() or [np.zeros(0, np.int64)]).astype(np.int64)
+        return np.flatnonzero(np.bincount(rows, minlength=len(self.items.ids)) >= at_least)
 
 
 def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
@@ -130,37 +130,30 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
             context.append([surfaces.value_index(ctx["surface"]) + 1, placements.value_index(ctx["placement"]) + 1,
                             ctx["ts"] // 3600 % 24])
             now.append(ctx["ts"])
-    shown, validation_shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
+    shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
     with np.load(world / "truth.npz") as saved:
         truth = {name: saved[name] for name in saved.files if name not in ("config", "generator")}
     truth["item_ad"] = np.array(order) - 1  # each item's row in the world's ad arrays
-    users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown,
-                  validation_shown)
+    users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown)
     return RecData("synthetic", items, users, truth)
 
 
 def _impressions(log: Path, row: dict[int, int], user_ids: dict[int, int],
-                 times: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                 times: list[np.ndarray]) -> list[np.ndarray]:
     """Per user (user_ids: user id -> index) the impressions of ads in `row`, (K, 2) int64 item row,
     clicked: those logged strictly before the user's first held-out engagement (RecData.split: the
-    validation one; with a single engagement, the test one), and those from the validation engagement up
-    to, not including, the test one."""
+    validation one; with a single engagement, the test one)."""
     cut = [t[max(len(t) - 2, 0)] if len(t) else np.inf for t in times]
-    test = [t[-1] if len(t) >= 2 else -np.inf for t in times]
     before: list[list[tuple[int, int]]] = [[] for _ in times]
-    validation: list[list[tuple[int, int]]] = [[] for _ in times]
     with open(log, encoding="utf-8") as f:
         for line in f:
             e = json.loads(line)
             u = user_ids.get(e["user_id"])
             if u is None or e["ad_id"] not in row:
                 continue
-            shown = (row[e["ad_id"]], int(e["event"] == "click"))
             if e["ts"] < cut[u]:
-                before[u].append(shown)
-            elif e["ts"] < test[u]:
-                validation[u].append(shown)
-    return [np.array(s, np.int64).reshape(-1, 2) for s in before], [np.array(s, np.int64).reshape(-1, 2) for s in validation]
+                before[u].append((row[e["ad_id"]], int(e["event"] == "click")))
+    return [np.array(s, np.int64).reshape(-1, 2) for s in before]
 
 
 def load_movielens(directory: Path | None = None) -> RecData:

@@ -138,36 +138,29 @@ def test_training_adds_the_datas_click_prior_after_training():
     assert not len(plain.click_ids)  # no impressions logged: no prior
 
 
-def test_the_click_prior_is_chosen_on_the_impressions_after_the_validation_engagement():
-    """Item a, which the untrained model scores below item b for every user, was clicked every time it was
-    shown, b never; after each user's validation engagement both were shown again and a clicked: weight 0
-    orders every such pair wrongly, the largest weight with the least smoothing every pair rightly, and of
-    those that do, the least smoothing and then the smallest weight is kept, with its log-odds as the prior.
-    Data without such impressions gives the prior at the default smoothing and keeps the weight."""
+def test_the_click_prior_is_chosen_on_the_validation_engagements_over_the_whole_corpus():
+    """Every user's validation item was clicked the one time it was shown, 20 other items never: with no weight
+    the untrained model ranks the validation items anywhere, with weight they lead the corpus. The pair with the
+    best validation score is kept (the first of equals), with its log-odds as the prior, and the model then
+    scores exactly that on validation. Data without impressions holds no prior and keeps its dims."""
     torch.manual_seed(0)
     data = tiny_data()
-    n = len(data.users.items)
+    users = np.arange(len(data.users.items))
+    validation = [int(data.users.items[u][data.split(u)[0]]) for u in users]
+    others = [i for i in range(40) if i not in validation][:20]
+    data.users.shown = [np.array([[validation[u], 1]] + [[o, 0] for o in others]) for u in users]
     model = RetrievalModel("moe", DIMS, np.arange(1, 41)).eval()
-    with torch.no_grad():
-        stored = model.item_vectors(data.items)
-        base = model.score(model.users(user_inputs(data, stored, np.arange(n), np.array([data.split(u)[0] for u in range(n)]))),
-                           stored)
-    a, b = next((a, b) for a in range(40) for b in range(40) if (base[:, a] < base[:, b]).all())
-    data.users.shown = [np.array([[a, 1], [b, 0]]) for _ in range(n)]
-    data.users.validation_shown = [np.array([[a, 1], [b, 0], [b, 0]]) for _ in range(n)]
-    shares = choose_click_prior(model, data, None)
-    assert list(shares) == [(s, w) for s in CLICK_SMOOTHINGS for w in CLICK_WEIGHTS]
-    assert shares[CLICK_SMOOTHINGS[0], 0.0] == 0.0 and shares[CLICK_SMOOTHINGS[0], 8.0] == 1.0
-    chosen = next(key for key, share in shares.items() if share == 1.0)
-    assert (model.dims.click_smoothing, model.dims.click_weight) == chosen
+    scores = choose_click_prior(model, data, None, users)
+    assert list(scores) == [(s, w) for s in CLICK_SMOOTHINGS for w in CLICK_WEIGHTS]
+    best = max(scores.values())
+    assert scores[CLICK_SMOOTHINGS[0], 0.0] < best
+    chosen = next(key for key, score in scores.items() if score == best)
+    assert (model.dims.click_smoothing, model.dims.click_weight) == chosen and chosen[1] > 0
     assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds(chosen[0])))
-    shares = choose_click_prior(model, data, None, smoothings=(10.0, 5.0))  # every pair ordered rightly: the first
-    assert model.dims.click_smoothing == 10.0 and shares[10.0, model.dims.click_weight] == 1.0
-    assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds(10.0)))
-    data.users.validation_shown = [np.array([[a, 1]]) for _ in range(n)]  # no unclicked impression to order
+    assert validation_score(model, data, users) == best
+    data.users.shown = []  # no impressions logged
     model = RetrievalModel("moe", DIMS, np.arange(1, 41)).eval()
-    assert choose_click_prior(model, data, None) == {} and model.dims == DIMS
-    assert torch.equal(model.click_prior(torch.from_numpy(data.items.ids)), torch.from_numpy(data.click_logodds()))
+    assert choose_click_prior(model, data, None, users) == {} and model.dims == DIMS and not len(model.click_ids)
 
 
 def test_log_q_is_the_log_of_each_candidates_expected_count():
@@ -261,7 +254,8 @@ def test_training_is_deterministic_for_a_seed_across_processes():
 def test_training_learns_at_the_configured_rate_for_any_step_count(steps):
     data, cfg = tiny_data(), TrainConfig(steps=steps, batch=8, negatives=4, seed=2)
     torch.manual_seed(cfg.seed)  # train() draws its initial weights the same way
-    start = RetrievalModel("moe", Dims(categories=len(data.items.categories) + 1), data.items.ids[data.train_items()])
+    start = RetrievalModel("moe", Dims(categories=len(data.items.categories) + 1),
+                           data.items.ids[data.train_items(cfg.min_id_engagements)])
     model = train(data, "moe", cfg, progress=False)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     moved = max((b - a).abs().max().item() for a, b in zip(start.parameters(), model.parameters()))
@@ -311,11 +305,13 @@ def test_tiny_model_overfits_tiny_data(kind):
 def test_checkpoint_round_trip(tmp_path):
     data = tiny_data()
     data.users.shown = [np.array([[(u * 3 + 7) % 40, u % 2]]) for u in range(len(data.users.items))]
-    model = train(data, "moe", TrainConfig(steps=3, batch=8, negatives=4), progress=False)
+    model = train(data, "moe", TrainConfig(steps=3, batch=8, negatives=4, min_id_engagements=2), progress=False)
     model.save(tmp_path / "m.safetensors", {"data": "tiny", "schema_version": 1})
     loaded, config = RetrievalModel.load(tmp_path / "m.safetensors")
     assert config["model"] == "moe" and config["data"] == "tiny" and config["dims"]["dim"] == 64
-    assert torch.equal(loaded.item_ids, model.item_ids) and len(model.item_ids) == len(data.train_items())
+    # A learned identity only for the ads engaged at least twice in training (some once: content alone).
+    assert 0 < len(data.train_items(2)) < len(data.train_items())
+    assert torch.equal(loaded.item_ids, model.item_ids) and model.item_ids.tolist() == data.items.ids[data.train_items(2)].tolist()
     assert torch.equal(loaded.click_logodds, model.click_logodds) and model.click_logodds.any()  # the prior travels
     assert not model.ad_tower.identity.weight[-1].any()  # the "no id" row stays zero through training
     with torch.no_grad():
