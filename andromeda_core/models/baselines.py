@@ -1,4 +1,4 @@
-"""Non-learned baselines under the learned models' protocol: most-popular and item-kNN.
+"""Non-learned baselines under the learned models' protocol: most-popular, item-kNN and content similarity.
 
 Both are fit on the training interactions only (each user's items before their validation
 position) and rank the full corpus with the user's history at the asked position excluded,
@@ -84,5 +84,18 @@ def item_knn(data: RecData, users: np.ndarray, split: int = 1, recent: int = 50,
             return torch.from_numpy((q @ sim).toarray())
         # Q Xn^T Xn without the (N, N) matrix: (B, U) user overlaps, then back to items.
         return torch.from_numpy(np.asarray(xnt @ (q @ xnt).T.toarray()).T.copy())
+
+    return _rank_batches(data, users, split, batch, scores)
+
+
+def content_similarity(data: RecData, users: np.ndarray, split: int = 1, recent: int = 50, batch: int = 512) -> Ranking:
+    """Score of item j = cosine of its text embedding (MiniLM, the ad tower's input) with the mean of the unit text
+    embeddings of the user's `recent` latest history engagements: content-based retrieval with nothing trained."""
+    text = torch.nn.functional.normalize(torch.from_numpy(data.items.text).double(), dim=1)  # (N, 384)
+
+    def scores(us: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        profile = torch.stack([text[torch.from_numpy(data.users.items[u][max(p - recent, 0):p])].sum(0)
+                               for u, p in zip(us, positions)])  # (B, 384); the mean's direction
+        return torch.nn.functional.normalize(profile, dim=1) @ text.T
 
     return _rank_batches(data, users, split, batch, scores)

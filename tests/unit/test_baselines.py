@@ -1,4 +1,5 @@
-"""Most-popular and item-kNN against a plain-Python reading of their definitions on hand-made data."""
+"""Most-popular, item-kNN and content similarity against a plain-Python reading of their definitions on hand-made
+data."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from andromeda_core.models.baselines import item_knn, most_popular, training_matrix
+from andromeda_core.models.baselines import content_similarity, item_knn, most_popular, training_matrix
 from andromeda_core.models.evaluate import ranking_from_scores
 from andromeda_core.models.recdata import Items, RecData, Users
 
@@ -122,6 +123,25 @@ def test_item_knn_fits_on_training_positions_only():
     # so it ties at 0 with item 4 (the lower row, first) behind the items that do (0 and 3).
     ranking = item_knn(data, np.array([1]), split=1)
     assert ranking.top[0][:4].tolist() == [0, 3, 4, 7] and ranking.target_rank[0] == 3
+
+
+def brute_content(text: np.ndarray, seq: list[int], p: int, recent: int) -> dict[int, float]:
+    """cos(mean of the unit text vectors of seq's last `recent` before p, repeats included, item j's text)."""
+    unit = [[float(x) / math.sqrt(sum(float(y) ** 2 for y in row)) for x in row] for row in text]
+    history = seq[max(p - recent, 0):p]
+    mean = [sum(unit[h][d] for h in history) / len(history) for d in range(text.shape[1])]
+    norm = math.sqrt(sum(x * x for x in mean))
+    return {j: sum(m * x for m, x in zip(mean, unit[j])) / norm for j in range(len(text))}
+
+
+@pytest.mark.parametrize("recent", [50, 1, 3])
+def test_content_similarity_matches_cosines_by_hand(recent):
+    for seed in range(4):
+        data = random_data(seed)
+        data.items.text = np.random.default_rng(seed).standard_normal((len(data.items.ids), 384)).astype(np.float16)
+        for split in (0, 1):
+            ranking = content_similarity(data, data.eval_users(), split, recent=recent)
+            check(ranking, data, split, lambda seq, p: brute_content(data.items.text, seq, p, recent))
 
 
 def test_ranking_from_scores_breaks_ties_by_row_in_top_and_rank():

@@ -311,7 +311,8 @@ def test_checkpoint_round_trip(tmp_path):
     assert config["model"] == "moe" and config["data"] == "tiny" and config["dims"]["dim"] == 64
     # A learned identity only for the ads engaged at least twice in training (some once: content alone).
     assert 0 < len(data.train_items(2)) < len(data.train_items())
-    assert torch.equal(loaded.item_ids, model.item_ids) and model.item_ids.tolist() == data.items.ids[data.train_items(2)].tolist()
+    assert model.item_ids.tolist() == data.items.ids[data.train_items(2)].tolist()
+    assert torch.equal(loaded.item_ids, model.item_ids)
     assert torch.equal(loaded.click_logodds, model.click_logodds) and model.click_logodds.any()  # the prior travels
     assert not model.ad_tower.identity.weight[-1].any()  # the "no id" row stays zero through training
     with torch.no_grad():

@@ -42,21 +42,23 @@ def tiny_report(tmp_path, monkeypatch):
 def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
     text, out = tiny_report
     assert out.read_text() == text
-    for name in ("most popular", "item-kNN", "sasrec", "two_tower", "moe", "ranker"):
+    for name in ("most popular", "item-kNN", quality.CONTENT, "sasrec", "two_tower", "moe", "ranker"):
         assert re.search(rf"^\| {re.escape(name)} \|", text, re.M), name
     assert "int8 + exact rescoring of the top 2x" in text
     assert (out.parent / "quality-tiny.png").stat().st_size > 0
     cells = re.findall(r"(\d\.\d{4}) \[(\d\.\d{4}), (\d\.\d{4})\]", text)
     assert cells and all(float(low) <= float(mean) <= float(high) for mean, low, high in cells)
     comparisons = text.split("### The MoE against every other row")[1].split("###")[0]
-    assert len(re.findall(r"^\| (most popular|item-kNN|sasrec|two_tower|ranker) \|", comparisons, re.M)) == 5
+    others = r"(most popular|item-kNN|content \(MiniLM cosine\)|sasrec|two_tower|ranker)"
+    assert len(re.findall(rf"^\| {others} \|", comparisons, re.M)) == 6
     assert len(re.findall(r"[-+]\d\.\d{4} \[[-+]\d\.\d{4}, [-+]\d\.\d{4}\] (\*\*better\*\*|\*\*worse\*\*|within noise)",
-                          comparisons)) == 20
+                          comparisons)) == 24
     assert "### Cold start" in text and "Short histories" in text and "Every ad new" in text
     expected = text.split("### Expected over the world's engagements")[1].split("###")[0]
-    for name in (quality.CEILING, quality.ORACLE, "most popular", "item-kNN", "sasrec", "two_tower", "moe", "ranker"):
+    for name in (quality.CEILING, quality.ORACLE, "most popular", "item-kNN", quality.CONTENT, "sasrec", "two_tower",
+                 "moe", "ranker"):
         assert re.search(rf"^\| {re.escape(name)} \| \d\.\d{{4}} \[", expected, re.M), name
-    assert len(re.findall(r"^\| (most popular|item-kNN|sasrec|two_tower|ranker) \| [-+]", expected, re.M)) == 5
+    assert len(re.findall(rf"^\| {others} \| [-+]", expected, re.M)) == 6
     assert "ranker beats the MoE (expected over the world's engagements): higher on" in text
     assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5) \(", text)
     assert re.search(r"moe: \d\.\d{4}, moe \(from sasrec\): \d\.\d{4}; chosen: moe( \(from sasrec\))?\. ", text)
