@@ -60,6 +60,8 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
         assert re.search(rf"^\| {re.escape(name)} \| \d\.\d{{4}} \[", expected, re.M), name
     assert len(re.findall(rf"^\| {others} \| [-+]", expected, re.M)) == 6
     assert "ranker beats the MoE (expected over the world's engagements): higher on" in text
+    tradeoff = text.split("### The click prior")[1].split("###")[0]
+    assert len(re.findall(r"^\| \d+(\.\d+)?( \(chosen\))? \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{3} \|$", tradeoff, re.M)) == 5
     assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5) \(", text)
     assert re.search(r"moe: \d\.\d{4}, moe \(from sasrec\): \d\.\d{4}; chosen: moe( \(from sasrec\))?\. ", text)
     assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
