@@ -5,9 +5,10 @@ semantic projection of the creative's MiniLM text embedding | b (1) ad bias]. Th
 user towers read the stored vectors of the ads a user engaged with, so serving needs no other per-ad data.
 
 Item identity: a and b are content (MiniLM text, category, advertiser, bid) plus a learned residual per
-ad id seen in training. An ad the model has no id row for (created after training) gets the content
-part alone; training drops each ad's id row with some probability (`id_dropout`), so the content
-tower learns to stand in for the id (the fallback is content-only, not hashing).
+ad id engaged often enough in training (TrainConfig.min_id_engagements). An ad the model has no id row for
+(created after training, or rarer) gets the content part alone; training drops each ad's id row with some
+probability (`id_dropout`), so the content tower learns to stand in for the id (the fallback is
+content-only, not hashing).
 
 User experts (E = interests + 4), each an embedding u_e (D) and a gating key k_e (G):
   sequence expert: causal self-attention (SASRec style) over the engagement sequence, read at its

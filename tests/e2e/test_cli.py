@@ -77,8 +77,8 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
     config = RetrievalModel.load(checkpoint)[1]
     assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 0.25
     assert config["init"] == base.name and RetrievalModel.load(base)[1]["init"] == "sasrec.safetensors"
-    other = tmp_path / "other-world"  # the same shape, other ads clicked: other learned ids
-    andromeda("synth", "--ads", "2000", "--users", "5", "--seed", "2", "--out", str(other))
+    other = tmp_path / "other-world"  # enough users for a few ads to earn learned ids (5 users give none)
+    andromeda("synth", "--ads", "2000", "--users", "1000", "--seed", "2", "--out", str(other))
     for args, words in ((["--model", "sasrec", "--init", str(ranker)], "is a ranker model: a sasrec goes on only"),
                         (["--model", "moe", "--init", str(ranker)], "a moe goes on only from a moe or a sasrec"),
                         (["--model", "moe", "--init", str(base), "--out", str(base)], "would overwrite --init"),
