@@ -158,7 +158,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     teacher = ask_teacher(ranker, data) if ranker is not None else None
-    fits = init is None or np.array_equal(init.item_ids.numpy(), np.sort(data.items.ids[data.train_items(cfg.min_id_engagements)]))
+    learned = np.sort(data.items.ids[data.train_items(cfg.min_id_engagements)])  # the ads training here gives ids
+    fits = init is None or np.array_equal(init.item_ids.numpy(), learned)
     if not fits:  # a model of other data: its learned ids are not the ads trained on here
         raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
     model = train(data, args.model, cfg, teacher, init)

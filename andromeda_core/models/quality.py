@@ -3,9 +3,9 @@ of different shapes, measured in one run, with 95% bootstrap intervals over user
 tests, cold-start rows and a plot of quality against FLOPs per pair."""
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
