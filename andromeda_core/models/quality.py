@@ -351,16 +351,17 @@ def expected_section(data: RecData, users: np.ndarray, by_name: dict[str, Row], 
             f"{comparisons(by_name['moe'], others, expected)}\n\n")
 
 
-def click_prior_tradeoff(model: RetrievalModel, data: RecData, users: np.ndarray, p: np.ndarray,
+def click_prior_tradeoff(model: RetrievalModel, ranked: Ranking, data: RecData, users: np.ndarray, p: np.ndarray,
                          truth: np.ndarray) -> str:
-    """The model ranked at each click weight of CLICK_WEIGHTS (its smoothing kept): expected metrics over p (U, N) and
-    its share of the true top-100 (truth (U, 100)) in its top-1000. The model's own weight is restored."""
+    """The model ranked at each click weight of CLICK_WEIGHTS (its smoothing kept; at its own weight: ranked, its
+    ranking of users): expected metrics over p (U, N) and its share of the true top-100 (truth (U, 100)) in its
+    top-1000. The model's own weight is restored."""
     chosen = model.dims
     lines = ["| click weight w | expected HR@10 | expected HR@200 | true top-100 in top-1000 |", "|---|---|---|---|"]
     try:
         for weight in CLICK_WEIGHTS:
             model.dims = dataclasses.replace(chosen, click_weight=weight)
-            ranking = rank_items(model, data, users, progress=False)
+            ranking = ranked if weight == chosen.click_weight else rank_items(model, data, users, progress=False)
             expected = expected_metrics(ranking.top, p)
             lines.append(f"| {weight:g}{' (chosen)' if weight == chosen.click_weight else ''} | "
                          f"{expected['HR@10'].mean():.4f} | {expected['HR@200'].mean():.4f} | "
@@ -412,7 +413,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"{len(others) * len(METRICS)} comparisons, about one may look significant by chance.\n\n"
             f"{comparisons(by_name['moe'], others)}\n\n"
             f"{expected_section(data, users, by_name, others, p) if p is not None else ''}"
-            f"{click_prior_tradeoff(trained.models['moe'], data, users, p, truth) if p is not None else ''}"
+            f"{click_prior_tradeoff(trained.models['moe'], by_name['moe'].ranking, data, users, p, truth) if p is not None else ''}"
             f"### Cold start\n\nNew items: the {int(cold.sum())} users whose held-out item was never engaged in "
             f"training (no learned id: embedded from content alone).\n\n"
             f"{subset_table([r for r in by_name.values() if r.name != ORACLE], cold)}\n\n"
