@@ -1,6 +1,7 @@
-"""Non-learned baselines under the learned models' protocol: most-popular, item-kNN and content similarity.
+"""Non-learned baselines under the learned models' protocol: most-popular, item-kNN, content similarity (to the
+user's history) and declared-interest similarity (to the user's declared interests and behaviours).
 
-Both are fit on the training interactions only (each user's items before their validation
+All are fit on the training interactions only (each user's items before their validation
 position) and rank the full corpus with the user's history at the asked position excluded,
 returning the same `Ranking` as `evaluate.rank_items`.
 """
@@ -12,6 +13,8 @@ import torch
 
 from andromeda_core.models.evaluate import Ranking, ranking_from_scores
 from andromeda_core.models.recdata import RecData
+from andromeda_core.models.segments import described_table
+from andromeda_core.schema import load_schema
 
 
 def training_matrix(data: RecData) -> sp.csr_matrix:
@@ -99,3 +102,23 @@ def content_similarity(data: RecData, users: np.ndarray, split: int = 1, recent:
         return torch.nn.functional.normalize(profile, dim=1) @ text.T
 
     return _rank_batches(data, users, split, batch, scores)
+
+
+def declared_profiles(data: RecData) -> torch.Tensor:
+    """(U, 384) float64 per user the unit mean of the MiniLM texts of their described declared values (interests,
+    behaviours: segments.described_table, looked up by the hashes in Users.segments); 0 for a user with none."""
+    hashes, text = (torch.from_numpy(a) for a in described_table(load_schema()))
+    profiles = torch.zeros((len(data.users.segments), text.shape[1]), dtype=torch.float64)
+    for u, held in enumerate(data.users.segments if len(hashes) else []):
+        held = torch.tensor(held, dtype=torch.int64)
+        rows = torch.searchsorted(hashes, held).clamp(max=len(hashes) - 1)
+        profiles[u] = text[rows[hashes[rows] == held]].double().sum(0)
+    return torch.nn.functional.normalize(profiles, dim=1)
+
+
+def declared_similarity(data: RecData, users: np.ndarray, split: int = 1, batch: int = 512) -> Ranking:
+    """Score of item j = cosine of its text embedding with the user's declared_profiles row: what the user says
+    they like, read by the sentence model alone (all 0, so ranked by row, for a user who declares nothing)."""
+    text = torch.nn.functional.normalize(torch.from_numpy(data.items.text).double(), dim=1)  # (N, 384)
+    profiles = declared_profiles(data)
+    return _rank_batches(data, users, split, batch, lambda us, _: profiles[torch.from_numpy(us)] @ text.T)

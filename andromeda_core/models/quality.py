@@ -15,7 +15,7 @@ import torch
 
 from andromeda_core.config import IndexConfig, load_settings
 from andromeda_core.errors import InvalidInput
-from andromeda_core.models.baselines import content_similarity, item_knn, most_popular
+from andromeda_core.models.baselines import content_similarity, declared_profiles, declared_similarity, item_knn, most_popular
 from andromeda_core.models.distill import TEACHER_TOP, Teacher, ask_teacher
 from andromeda_core.models.evaluate import (CUTOFFS, Ranking, bytes_per_ad, counted_flops_per_pair, crossings,
                                             expected_metrics, per_user_metrics, rank_items, ranking_from_scores,
@@ -42,6 +42,7 @@ SHORT_HISTORY = 5
 ORACLE = "oracle (true affinity)"
 CEILING = "ceiling (engagement probability)"
 CONTENT = "content (MiniLM cosine)"
+DECLARED = "declared interests (MiniLM cosine)"
 STORAGE_ROWS = (("fp16", 0), ("int8", 0), ("fp16", RESCORE), ("int8", RESCORE))  # the MoE as stored and served
 
 
@@ -186,6 +187,8 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
     m = trained.models
     rows = [Row("most popular", "-", most_popular(data, users)), Row("item-kNN", "-", item_knn(data, users)),
             Row(CONTENT, "-", content_similarity(data, users))]
+    if declared_profiles(data).any():  # the synthetic worlds' users declare interests; MovieLens's declare nothing
+        rows.append(Row(DECLARED, "-", declared_similarity(data, users)))
     if data.truth:
         rows.insert(0, Row(ORACLE, "-", oracle_ranking(data, users)))
 
@@ -289,7 +292,9 @@ def ordering(by: dict[tuple[str, str], Row], measure: Measure, label: str) -> li
     significantly worse on none."""
     moe, ranker = by[("moe", "fp32")], by[("ranker", "fp32")]
     checks = []
-    for name in ("most popular", "item-kNN", CONTENT):
+    for name in ("most popular", "item-kNN", CONTENT, DECLARED):
+        if (name, "-") not in by:
+            continue
         above, better, worse = versus(moe, by[(name, "-")], measure)
         checks.append((above == len(METRICS), f"MoE beats {name}{label}: higher on {above} of {len(METRICS)} "
                                               f"metrics ({better} significantly, {worse} significantly lower)"))
@@ -440,7 +445,9 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
             f"{torch.get_num_threads()} threads, torch {torch.__version__}). Models train with default sizes "
             f"(`andromeda train`); checkpoints in `.cache/models/`. Baselines: most popular (training "
             f"engagements), item-kNN (cosine over co-engagement, summed over the user's last 50), content (cosine of "
-            f"the ad's MiniLM text embedding, the ad tower's input, with the mean of the user's last 50), and a "
+            f"the ad's MiniLM text embedding, the ad tower's input, with the mean of the user's last 50), declared "
+            f"interests (the same cosine with the mean MiniLM text of the interests and behaviours the user declares; "
+            f"synthetic worlds only: MovieLens users declare nothing), and a "
             f"SASRec-style two-tower (the MoE's sequence expert alone, dot product). The MoE trains from scratch and, "
             f"apart, goes on from the SASRec-style two-tower's weights (its ad tower and sequence expert come "
             f"trained; the other experts and the gating start fresh); validation keeps one. Going on from SASRec, every "

@@ -22,9 +22,9 @@ from andromeda_core.models.recdata import Items, RecData
 from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
-MODEL_VERSION = "6"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
+MODEL_VERSION = "7"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
 # 5: the ranker reads pair features (head.cross and a wider first layer); 6: click prior in the bias, which
-# the user towers and the ranker's deep part no longer read
+# the user towers and the ranker's deep part no longer read; 7: the segment expert reads the text of described values
 CO_ITEMS = 8
 
 
@@ -35,7 +35,10 @@ def served_name(kind: str) -> str:
 
 class RetrievalModel(nn.Module):
     def __init__(self, kind: str, dims: Dims, item_ids: np.ndarray | torch.Tensor = (),
-                 click_ids: np.ndarray | torch.Tensor = (), click_logodds: np.ndarray | torch.Tensor = ()):
+                 click_ids: np.ndarray | torch.Tensor = (), click_logodds: np.ndarray | torch.Tensor = (),
+                 described: tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor] | None = None):
+        """described: (hashes (V,), texts (V, 384)) of the described values the segment expert reads
+        (segments.described_table); None: it reads none."""
         super().__init__()
         if kind not in HEADS:
             raise ValueError(f"model must be one of {sorted(HEADS)}, got {kind!r}")
@@ -45,9 +48,17 @@ class RetrievalModel(nn.Module):
         self.register_buffer("click_logodds", torch.zeros(0))
         self.set_click_prior(click_ids, click_logodds)
         self.ad_tower = AdTower(dims, len(self.item_ids))
-        self.user_towers = UserTowers(dims)
+        self.user_towers = UserTowers(dims, 0 if described is None else len(described[0]))
+        if described is not None:
+            self.user_towers.described_hashes.copy_(torch.as_tensor(np.asarray(described[0], np.int64)))
+            self.user_towers.described_text.copy_(torch.as_tensor(np.asarray(described[1], np.float16)))
         self.head = HEADS[kind](dims)
         self.eval()  # dropout only where train() asks for it
+
+    @property
+    def described(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hashes (V,), texts (V, 384)) of the described values its segment expert reads."""
+        return self.user_towers.described_hashes, self.user_towers.described_text
 
     def id_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(n,) external ad ids -> (n,) rows of their learned identity, -1 for ads without one."""
@@ -134,7 +145,8 @@ class RetrievalModel(nn.Module):
             raise ValueError(f"{path}: model version {config.get('model_version')} is not {MODEL_VERSION}")
         tensors = load_file(str(path))
         model = cls(config["model"], Dims(**config["dims"]), tensors["item_ids"], tensors["click_ids"],
-                    tensors["click_logodds"])
+                    tensors["click_logodds"],
+                    (tensors["user_towers.described_hashes"], tensors["user_towers.described_text"]))
         model.load_state_dict(tensors)
         return model.eval(), config
 

@@ -9,11 +9,15 @@ tower takes them modulo its table size."""
 from __future__ import annotations
 
 import zlib
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from andromeda_core.schema import Schema
 
 SEGMENTS = 32  # at most this many per user: cohorts first, then attributes in schema order
+DESCRIBED = ("interests", "behaviors")  # user categories whose values are words: their text is read too
 
 
 def segment_ids(cohorts: Sequence[int], attributes: Mapping[str, Any], schema: Schema) -> list[int]:
@@ -24,4 +28,25 @@ def segment_ids(cohorts: Sequence[int], attributes: Mapping[str, Any], schema: S
             values = attributes[category.name]
             values = dict.fromkeys(values if isinstance(values, list) else [values])  # once each, in order
             tokens += [f"{category.name}={v}" for v in values if category.value_index(v) is not None]
-    return [zlib.crc32(t.encode()) for t in tokens[:SEGMENTS]]
+    return [_hash(t) for t in tokens[:SEGMENTS]]
+
+
+def _hash(token: str) -> int:
+    return zlib.crc32(token.encode())
+
+
+def described_values(schema: Schema) -> tuple[np.ndarray, list[str]]:
+    """(hashes (V,) int64 ascending, texts (V,)): every value of the schema's DESCRIBED user categories, as
+    segment_ids hashes its token and as words ("running_shoes" -> "running shoes")."""
+    pairs = sorted({_hash(f"{c.name}={v}"): v.replace("_", " ") for c in schema.categories
+                    if c.name in DESCRIBED and c.kind == "enum" and c.source == "user" for v in c.vocabulary}.items())
+    return np.array([h for h, _ in pairs], np.int64), [t for _, t in pairs]
+
+
+@lru_cache(maxsize=4)
+def described_table(schema: Schema) -> tuple[np.ndarray, np.ndarray]:
+    """(hashes (V,) int64 ascending, texts (V, 384) float16 unit MiniLM embeddings) of described_values."""
+    from andromeda_core.models.text import encode_texts_cached
+
+    hashes, texts = described_values(schema)
+    return hashes, encode_texts_cached(texts, progress=False)

@@ -15,7 +15,9 @@ User experts (E = interests + 4), each an embedding u_e (D) and a gating key k_e
                    most recent position; tokens = stored vector + event + position + time gap,
   interests experts: attention of learned interest queries over the same contextualised sequence,
   segment expert: mean of the embeddings of the user's segments (cohort ids and declared attribute
-                  values, hashed: andromeda_core.models.segments),
+                  values, hashed: andromeda_core.models.segments) plus a projection of the mean MiniLM
+                  text of its described values (interests, behaviours: segments.described_table, held
+                  in the towers, so serving needs no text model),
   semantic expert: attention-pooled semantic parts (s) of the engaged ads,
   co-engagement expert: pooled stored vectors of ads engaged on other surfaces.
 The serving context (surface, placement, hour) modulates every expert once per request:
@@ -175,10 +177,16 @@ class SequenceEncoder(nn.Module):
 
 
 class UserTowers(nn.Module):
-    def __init__(self, d: Dims):
+    """described: the number of described values whose text the segment expert reads (buffers
+    described_hashes (V,) int64 ascending and described_text (V, 384) float16: segments.described_table)."""
+
+    def __init__(self, d: Dims, described: int = 0):
         super().__init__()
         self.d = d
         D, S = d.dim, d.stored
+        self.register_buffer("described_hashes", torch.zeros(described, dtype=torch.int64))
+        self.register_buffer("described_text", torch.zeros((described, TEXT_DIM), dtype=torch.float16))
+        self.described_out = nn.Sequential(nn.Linear(TEXT_DIM, 128), nn.GELU(), nn.Linear(128, D))
         self.item = nn.Linear(S - 1, D)  # Dims.features: the bias is the score's alone
         self.event = nn.Embedding(N_EVENTS, D)
         self.position = nn.Embedding(d.history, D)  # 0 = most recent
@@ -208,6 +216,17 @@ class UserTowers(nn.Module):
         return (self.item(self.d.features(x.hist)) + self.event(x.hist_event) + self.position(position)
                 + self.gap(gap_buckets(previous - x.hist_age)) + self.age(gap_buckets(x.hist_age)))
 
+    def described(self, segments: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """segments (B, C) hashed ids, mask (B, C) -> (B, D): the projection of the mean text of the described
+        values among them; 0 for a user with none."""
+        V = len(self.described_hashes)
+        if not V or not segments.shape[1]:
+            return self.described_text.new_zeros((len(segments), self.d.dim), dtype=torch.float32)
+        rows = torch.searchsorted(self.described_hashes, segments).clamp(max=V - 1)
+        found = mask & (self.described_hashes[rows] == segments)
+        pooled = masked_mean(self.described_text[rows].float(), found)
+        return self.described_out(pooled) * found.any(1, keepdim=True)
+
     def forward(self, x: UserInputs) -> UserState:
         d = self.d
         B = x.hist.shape[0]
@@ -226,6 +245,7 @@ class UserTowers(nn.Module):
         weights = x.segment_mask.float() / x.segment_mask.float().sum(1, keepdim=True).clamp(min=1)
         segment = self.segment(segments, per_sample_weights=weights) if segments.shape[1] \
             else x.hist.new_zeros((B, d.dim))
+        segment = segment + self.described(x.segments, x.segment_mask)
         # Semantic expert: attention-pooled semantic parts of engaged ads.
         sem = x.hist[..., d.dim + d.gate: d.dim + d.gate + d.semantic]
         sem_logits = self.semantic_query(sem).squeeze(-1).masked_fill(~x.hist_mask, float("-inf"))

@@ -41,7 +41,9 @@ from andromeda_core.models.features import PairFeatures
 from andromeda_core.models.heads import expert_similarities
 from andromeda_core.models.recdata import RecData
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
+from andromeda_core.models.segments import described_table
 from andromeda_core.models.towers import Dims, UserState
+from andromeda_core.schema import load_schema
 
 
 @dataclass(frozen=True)
@@ -316,7 +318,8 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     examples = data.train_examples()
     n_items = len(data.items.ids)
     model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1),
-                           data.items.ids[data.train_items(cfg.min_id_engagements)])
+                           data.items.ids[data.train_items(cfg.min_id_engagements)],
+                           described=described_table(load_schema()))
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
     frozen = init is not None and kind == "ranker"

@@ -1,5 +1,5 @@
-"""Most-popular, item-kNN and content similarity against a plain-Python reading of their definitions on hand-made
-data."""
+"""Most-popular, item-kNN, content and declared-interest similarity against a plain-Python reading of their
+definitions on hand-made data."""
 from __future__ import annotations
 
 import math
@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from andromeda_core.models.baselines import content_similarity, item_knn, most_popular, training_matrix
+from andromeda_core.models.baselines import (content_similarity, declared_similarity, item_knn, most_popular,
+                                             training_matrix)
 from andromeda_core.models.evaluate import ranking_from_scores
 from andromeda_core.models.recdata import Items, RecData, Users
+from andromeda_core.models.segments import described_table, segment_ids
 
 HAND = [[0, 1, 0, 2, 3, 4], [1, 2, 5, 6, 7], [0, 2, 5, 3, 6, 7], [1, 5, 4, 7], [3, 0, 1, 2, 6, 5, 4]]
 # Training (all but the last two): counts 0:4 (user 0 twice), 1:4, 2:4, 3:2, 5:3, 6:1, 4:0, 7:0.
@@ -72,11 +74,12 @@ def brute_knn(seqs: list[list[int]], n_items: int, seq: list[int], p: int, recen
 
 
 def check(ranking, data: RecData, split: int, score_of) -> None:
+    """score_of(user, sequence, position) -> {item: score} (absent: 0)."""
     n_items = len(data.items.ids)
     for i, u in enumerate(data.eval_users()):
         seq = data.users.items[u].tolist()
         p = data.split(u)[split]
-        order, rank = brute_ranking(score_of(seq, p), seq, p, n_items)
+        order, rank = brute_ranking(score_of(u, seq, p), seq, p, n_items)
         assert ranking.top[i].tolist() == order, (u, split)
         assert ranking.target_rank[i] == rank, (u, split)
 
@@ -85,7 +88,7 @@ def check(ranking, data: RecData, split: int, score_of) -> None:
 def test_most_popular_matches_counting_by_hand(split):
     data = rec_data(HAND, 8)
     ranking = most_popular(data, data.eval_users(), split)
-    check(ranking, data, split, lambda seq, p: brute_popularity(HAND))
+    check(ranking, data, split, lambda u, seq, p: brute_popularity(HAND))
 
 
 def test_most_popular_ignores_validation_and_test_items_and_excludes_history():
@@ -103,7 +106,7 @@ def test_most_popular_matches_counting_on_random_sequences(seed):
     data = random_data(seed)
     seqs = [s.tolist() for s in data.users.items]
     for split in (0, 1):
-        check(most_popular(data, data.eval_users(), split), data, split, lambda seq, p: brute_popularity(seqs))
+        check(most_popular(data, data.eval_users(), split), data, split, lambda u, seq, p: brute_popularity(seqs))
 
 
 @pytest.mark.parametrize("recent,neighbours", [(50, None), (1, None), (2, None), (50, 1), (50, 2), (2, 3)])
@@ -112,7 +115,7 @@ def test_item_knn_matches_cosines_by_hand(recent, neighbours):
         seqs, n_items = [s.tolist() for s in data.users.items], len(data.items.ids)
         for split in (0, 1):
             ranking = item_knn(data, data.eval_users(), split, recent=recent, neighbours=neighbours)
-            check(ranking, data, split, lambda seq, p: brute_knn(seqs, n_items, seq, p, recent, neighbours))
+            check(ranking, data, split, lambda u, seq, p: brute_knn(seqs, n_items, seq, p, recent, neighbours))
 
 
 def test_item_knn_fits_on_training_positions_only():
@@ -141,7 +144,38 @@ def test_content_similarity_matches_cosines_by_hand(recent):
         data.items.text = np.random.default_rng(seed).standard_normal((len(data.items.ids), 384)).astype(np.float16)
         for split in (0, 1):
             ranking = content_similarity(data, data.eval_users(), split, recent=recent)
-            check(ranking, data, split, lambda seq, p: brute_content(data.items.text, seq, p, recent))
+            check(ranking, data, split, lambda u, seq, p: brute_content(data.items.text, seq, p, recent))
+
+
+def unit(v) -> list[float]:
+    norm = math.sqrt(sum(float(y) ** 2 for y in v))
+    return [float(x) / norm for x in v]
+
+
+def test_declared_similarity_matches_cosines_by_hand(default_schema):
+    """Each user's score of item j: cos(mean of the unit MiniLM rows of the interests and behaviours they declare,
+    item j's text). Cohorts and other attributes (country) have no text; a user who declares nothing ranks by row."""
+    data = random_data(0)
+    data.items.text = np.random.default_rng(0).standard_normal((len(data.items.ids), 384)).astype(np.float16)
+    behaviors = default_schema.by_name["behaviors"].vocabulary
+    declared = [{"interests": ["running", "jazz"], "country": "US"}, {"behaviors": [behaviors[3]]}, {"country": "FR"},
+                {"interests": ["running"], "behaviors": [behaviors[0]]}, {}, {"interests": ["yoga"]}]
+    data.users.segments = [segment_ids([u], attributes, default_schema) for u, attributes in enumerate(declared)]
+    hashes, table = described_table(default_schema)
+    row_of = {int(h): r for r, h in enumerate(hashes)}
+
+    def brute(u: int) -> dict[int, float]:
+        rows = [row_of[h] for h in data.users.segments[u] if h in row_of]
+        if not rows:
+            return {}
+        mean = unit([sum(float(table[r][d]) for r in rows) for d in range(384)])
+        return {j: sum(m * x for m, x in zip(mean, unit(data.items.text[j]))) for j in range(len(data.items.ids))}
+
+    users = data.eval_users()
+    assert {len([h for h in data.users.segments[u] if h in row_of]) for u in users} >= {0, 1, 2}
+    for split in (0, 1):
+        check(declared_similarity(data, users, split), data, split,
+              lambda u, seq, p: brute(u))
 
 
 def test_ranking_from_scores_breaks_ties_by_row_in_top_and_rank():

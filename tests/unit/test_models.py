@@ -357,7 +357,7 @@ def test_a_warm_started_ranker_starts_as_the_moe_and_learns_only_its_head():
     moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
     stored, text = moe.item_vectors(data.items), torch.from_numpy(data.items.text).float()
     state = moe.users(user_inputs(data, stored, np.array([0, 4]), np.array([3, 5]), moe.dims.history))
-    start = RetrievalModel("ranker", moe.dims, moe.item_ids)
+    start = RetrievalModel("ranker", moe.dims, moe.item_ids, described=moe.described)
     start.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
     with torch.no_grad():
         assert torch.allclose(start.eval().score(state, stored, text), moe.score(state, stored, text))

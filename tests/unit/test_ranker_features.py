@@ -134,7 +134,7 @@ def test_pair_weights_are_chosen_on_validation_within_the_funnel_and_stay_fixed(
     combination is set; a warm-started ranker keeps the weights chosen while its deep part trains."""
     data = tiny_data(n_items=1200, n_users=30)
     moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
-    model = RetrievalModel("ranker", moe.dims, moe.item_ids)
+    model = RetrievalModel("ranker", moe.dims, moe.item_ids, described=moe.described)
     model.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
     users = data.eval_users()
     grid = ((0.0, 30.0), (0.0, 20.0), (0.0, 10.0), (0.0, -1.0))
@@ -152,7 +152,7 @@ def test_pair_weights_are_chosen_on_validation_within_the_funnel_and_stay_fixed(
         assert kept == pytest.approx(np.mean([len(set(t) & set(m)) / len(t) for t, m in zip(top, moe_top)]))
     ranker = train(data, "ranker", TrainConfig(steps=12, batch=16, negatives=16, seed=1, validate_every=6,
                                                pair_users=len(users)), init=moe, progress=False)
-    chosen = RetrievalModel("ranker", moe.dims, moe.item_ids)
+    chosen = RetrievalModel("ranker", moe.dims, moe.item_ids, described=moe.described)
     chosen.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
     choose_pair_weights(chosen, data, users, PairFeatures.fit(data))
     assert torch.equal(ranker.head.cross, chosen.head.cross)

@@ -1,13 +1,16 @@
 """Segments: a user's cohorts and declared enum attributes, hashed the same way in training data and at
-serving, and read by the MoE's segment expert."""
+serving, and read by the MoE's segment expert, with the text of the described ones (interests, behaviours)."""
 from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
-from andromeda_core.models.segments import SEGMENTS, segment_ids
+from andromeda_core.models.retrieval import RetrievalModel, user_inputs
+from andromeda_core.models.segments import SEGMENTS, described_values, segment_ids
 from andromeda_core.types import parse_request
+from tests.unit.test_models import DIMS, tiny_data
 from tests.unit.test_models_device import lookup, model_scorer
 
 
@@ -42,3 +45,46 @@ def test_declared_interests_change_the_served_user_state(default_schema):
     segment = 1 + scorer.model.dims.interests  # the expert after the sequence and interest experts
     assert runners.mask[0, segment] and not nothing.mask[0, segment]
     assert not torch.allclose(runners.experts[0, segment], chess.experts[0, segment])
+
+
+def test_described_values_are_the_interest_and_behaviour_tokens_as_words(default_schema):
+    hashes, texts = described_values(default_schema)
+    interests, behaviors = (default_schema.by_name[n].vocabulary for n in ("interests", "behaviors"))
+    assert len(hashes) == len(texts) == len(interests) + len(behaviors) and (np.diff(hashes) > 0).all()
+    text_of = dict(zip(hashes.tolist(), texts))
+    assert text_of[segment_ids([], {"interests": ["running_gear"]}, default_schema)[0]] == "running gear"
+    assert text_of[segment_ids([], {"behaviors": [behaviors[0]]}, default_schema)[0]] == behaviors[0].replace("_", " ")
+    assert segment_ids([], {"country": "US"}, default_schema)[0] not in text_of  # a country is no description
+
+
+def test_the_segment_expert_reads_the_text_of_described_values():
+    """A model holding texts for two values: a user declaring one of them has a segment expert that moves with that
+    value's text, and with nothing else's; the table travels in the checkpoint."""
+    running, jazz, cohort = (zlib.crc32(t.encode()) for t in ("interests=running", "interests=jazz", "cohort=1"))
+    hashes = np.array(sorted([running, jazz]), np.int64)
+    texts = np.random.default_rng(0).standard_normal((2, 384)).astype(np.float16)
+    model = RetrievalModel("moe", DIMS, described=(hashes, texts)).eval()
+    segment = 1 + DIMS.interests
+
+    def experts(m: RetrievalModel, held: list[int]) -> torch.Tensor:
+        stored = torch.zeros((1, DIMS.stored))
+        inputs = user_inputs(tiny_data(), stored.expand(40, -1), np.array([0]), np.array([0]), DIMS.history)
+        inputs.segments, inputs.segment_mask = torch.tensor([held]), torch.ones((1, len(held)), dtype=torch.bool)
+        with torch.no_grad():
+            return m.users(inputs).experts[0, segment]
+
+    before = experts(model, [cohort, running]), experts(model, [cohort])
+    model.user_towers.described_text[int(np.searchsorted(hashes, jazz))] = 0  # another value's text
+    assert torch.equal(experts(model, [cohort, running]), before[0])
+    model.user_towers.described_text[int(np.searchsorted(hashes, running))] = 0
+    assert not torch.allclose(experts(model, [cohort, running]), before[0])
+    assert torch.equal(experts(model, [cohort]), before[1])  # no described value: the text plays no part
+    assert not torch.allclose(experts(model, [cohort]), experts(model, [cohort, running]))
+    assert not torch.allclose(experts(RetrievalModel("moe", DIMS).eval(), [cohort, running]), before[0])
+
+
+def test_the_described_table_travels_in_the_checkpoint(tmp_path):
+    hashes, texts = np.array([3, 7], np.int64), np.ones((2, 384), np.float16)
+    RetrievalModel("moe", DIMS, described=(hashes, texts)).save(tmp_path / "m.safetensors")
+    loaded, _ = RetrievalModel.load(tmp_path / "m.safetensors")
+    assert loaded.user_towers.described_hashes.tolist() == [3, 7] and loaded.user_towers.described_text.eq(1).all()
