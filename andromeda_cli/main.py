@@ -170,7 +170,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from andromeda_core.models.quality import quality_report
 
-    print(quality_report(tuple(args.data), args.out, retrain=args.retrain, world=args.world))
+    print(quality_report(tuple(args.data), args.out, retrain=args.retrain, world=args.world, workers=args.workers))
 
 
 def cmd_publish(args: argparse.Namespace) -> None:
@@ -298,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("eval", help="quality report of every model and baseline on every data set; trains the missing "
-                                    "checkpoints (about 45 minutes on 2 CPU cores) and rewrites docs/quality.md")
+                                    "checkpoints (about an hour on 2 CPU cores) and rewrites docs/quality.md")
     s.add_argument("--data", nargs="+", choices=DATASETS, default=list(DATASETS),
                    help="data sets to evaluate (default: MovieLens and both synthetic worlds)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")
@@ -306,6 +306,9 @@ def parser() -> argparse.ArgumentParser:
                    help="world directory for the `synthetic` data set (default: in the cache; generated where it holds none; "
                         "a world of an older generator is refused)")
     s.add_argument("--out", type=output_file, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
+    s.add_argument("--workers", type=POSITIVE, default=None,
+                   help="processes the data sets run in side by side, the cores shared among them (default: one per "
+                        "core, at most one per data set)")
     s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")

@@ -49,6 +49,8 @@ def encode_texts_cached(texts: Sequence[str], progress: bool = True) -> np.ndarr
     else:
         vectors = encode_texts(texts, progress)
         cache.mkdir(parents=True, exist_ok=True)
-        np.save(path, vectors)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npy")  # processes may encode the same texts at
+        np.save(partial, vectors)  # once (andromeda eval's data sets): a reader sees the whole file or none
+        os.replace(partial, path)
     _known.update(zip(texts, vectors))  # publishing the same corpus later needs no second pass of the model
     return vectors

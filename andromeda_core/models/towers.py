@@ -154,25 +154,43 @@ def gap_buckets(hours: torch.Tensor) -> torch.Tensor:
     return torch.log2(hours.clamp(min=0) + 1).floor().long().clamp(max=GAP_BUCKETS - 1)
 
 
+class CausalBlock(nn.Module):
+    """Pre-norm transformer block over (B, L, D): x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))),
+    attention causal. Dropout only on the two residual branches: on CPU it costs about 10 ns an element, and
+    nn.TransformerEncoderLayer's two more sites (the (B, H, L, L) attention weights and the MLP's hidden layer)
+    took a fifth of a training step on MovieLens."""
+
+    def __init__(self, d: Dims, dropout: float = 0.1):
+        super().__init__()
+        self.heads, self.dropout = d.heads, dropout
+        self.attention_norm, self.mlp_norm = nn.LayerNorm(d.dim), nn.LayerNorm(d.dim)
+        self.qkv, self.attention_out = nn.Linear(d.dim, 3 * d.dim), nn.Linear(d.dim, d.dim)
+        self.mlp = nn.Sequential(nn.Linear(d.dim, 2 * d.dim), nn.GELU(), nn.Linear(2 * d.dim, d.dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, D = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, D)
+        x = x + F.dropout(self.attention_out(attended), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+
+
 class SequenceEncoder(nn.Module):
     """Causal self-attention over engagements (SASRec/HSTU style, pre-norm blocks).
 
     tokens (B, L, D), mask (B, L) bool (real engagements first, padding after) -> (B, L, D): position i
-    sees positions <= i only, so a later engagement cannot change an earlier position's output."""
+    sees positions <= i only, so a later engagement cannot change an earlier position's output (and no real
+    engagement sees the padding after it)."""
 
     def __init__(self, d: Dims):
         super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(d.dim, d.heads, 2 * d.dim, dropout=0.1, activation="gelu", batch_first=True,
-                                       norm_first=True) for _ in range(d.layers))
+        self.blocks = nn.ModuleList(CausalBlock(d) for _ in range(d.layers))
         self.norm = nn.LayerNorm(d.dim)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        L = tokens.shape[1]
-        causal = torch.triu(torch.full((L, L), float("-inf"), device=tokens.device), diagonal=1)
         x = tokens
         for block in self.blocks:
-            x = block(x, src_mask=causal, is_causal=True)
+            x = block(x)
         return self.norm(x) * mask[..., None]
 
 
@@ -224,8 +242,11 @@ class UserTowers(nn.Module):
             return self.described_text.new_zeros((len(segments), self.d.dim), dtype=torch.float32)
         rows = torch.searchsorted(self.described_hashes, segments).clamp(max=V - 1)
         found = mask & (self.described_hashes[rows] == segments)
-        pooled = masked_mean(self.described_text[rows].float(), found)
-        return self.described_out(pooled) * found.any(1, keepdim=True)
+        b, c = found.nonzero(as_tuple=True)  # only the described values' rows are read
+        summed = torch.zeros((len(segments), TEXT_DIM), device=segments.device).index_add_(
+            0, b, self.described_text[rows[b, c]].float())
+        count = found.sum(1, keepdim=True)
+        return self.described_out(summed / count.clamp(min=1)) * (count > 0)
 
     def forward(self, x: UserInputs) -> UserState:
         d = self.d

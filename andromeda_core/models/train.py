@@ -66,6 +66,8 @@ class TrainConfig:
     validation_users: int = 1000
     patience: int = 2  # validations without improvement before stopping
     pair_users: int = 2000  # warm-started ranker: users whose validation engagement chooses the pair-feature weights
+    prior_users: int = 1000  # users whose validation engagement chooses the click prior (the ranker validates its deep
+    # part on fewer, but chose w = 0 on them where 1,000 users chose w = 1 for the MoE it starts from)
 
     def __post_init__(self):
         if self.steps < 1:
@@ -391,5 +393,5 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
                     break
     if best_state is not None:
         model.load_state_dict(best_state)
-    choose_click_prior(model.eval(), data, pair, val_users)
+    choose_click_prior(model.eval(), data, pair, data.eval_users()[: cfg.prior_users])
     return model

@@ -60,6 +60,9 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
         assert re.search(rf"^\| {re.escape(name)} \| \d\.\d{{4}} \[", expected, re.M), name
     assert len(re.findall(rf"^\| {others} \| [-+]", expected, re.M)) == 6
     assert "ranker beats the MoE (expected over the world's engagements): higher on" in text
+    assert "ranker beats every retrieval model before distillation (sasrec, two_tower, moe" in text
+    distilled = "; chosen: 0.5 (" in text
+    assert bool(re.search(rf"^\| {quality.UNDISTILLED} \| fp32 \|", text, re.M)) == distilled
     tradeoff = text.split("### The click prior")[1].split("###")[0]
     assert len(re.findall(r"^\| \d+(\.\d+)?( \(chosen\))? \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{3} \|$", tradeoff, re.M)) == 5
     assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5) \(", text)
@@ -74,6 +77,19 @@ def test_a_second_run_reuses_the_checkpoints(tiny_report, monkeypatch):
     text = quality.quality_report(("tiny",), out)
     assert "Models trained in this run: none" in text
     assert "Expected over" not in text and quality.ORACLE not in text and "Targets:" in text
+
+
+def power(x: int, y: int) -> int:
+    if y < 0:
+        raise ValueError(f"negative power {y}")
+    return x ** y
+
+
+def test_side_by_side_keeps_the_job_order_and_raises_a_jobs_error():
+    jobs = [(2, 10), (3, 2), (5, 1)]
+    assert quality.side_by_side(power, jobs, 2) == quality.side_by_side(power, jobs, 1) == [1024, 9, 5]
+    with pytest.raises(ValueError, match="negative power -1"):
+        quality.side_by_side(power, [(2, 1), (2, -1)], 2)
 
 
 def test_a_world_of_an_older_generator_is_refused_and_left_alone(tmp_path):
