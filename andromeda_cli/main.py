@@ -307,8 +307,8 @@ def parser() -> argparse.ArgumentParser:
                         "a world of an older generator is refused)")
     s.add_argument("--out", type=output_file, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
     s.add_argument("--workers", type=POSITIVE, default=None,
-                   help="processes the data sets run in side by side, the cores shared among them (default: one per "
-                        "core, at most one per data set)")
+                   help="processes the data sets run in side by side, the cores shared among them as torch threads "
+                        "(default: one per data set)")
     s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")

@@ -196,13 +196,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def cached_model_loads(path: Path) -> bool:
     """Whether `path` holds a checkpoint this version of the code loads (an older model version does not)."""
-    from safetensors import SafetensorError
-
-    from andromeda_core.models.retrieval import RetrievalModel
+    from andromeda_core.models.retrieval import UNLOADABLE, RetrievalModel
 
     try:
         RetrievalModel.load(path)
-    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+    except UNLOADABLE as exc:
         if path.exists():
             print(f"not using the cached demo model ({str(exc).splitlines()[0]})", file=sys.stderr)
         return False

@@ -35,6 +35,16 @@ class KernelHead:
     top_n: int
 
 
+def find_sorted(keys: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys (V,) ascending, queries (...) -> (rows (...) int64 into keys, found (...) bool: keys[rows] == queries).
+    Rows where not found are valid indices (any row), so gathering with them needs no masking first."""
+    if not len(keys):
+        return torch.zeros(queries.shape, dtype=torch.int64, device=queries.device), \
+            torch.zeros(queries.shape, dtype=torch.bool, device=queries.device)
+    rows = torch.searchsorted(keys, queries.to(keys.device)).clamp(max=len(keys) - 1)
+    return rows, keys[rows] == queries.to(keys.device)
+
+
 def dot_head(users: torch.Tensor, bias_col: int) -> KernelHead:
     """A dot-product head: users (B, D)."""
     B = users.shape[0]

@@ -11,6 +11,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from andromeda_core.models import find_sorted
 from andromeda_core.models.evaluate import Ranking, ranking_from_scores
 from andromeda_core.models.recdata import RecData
 from andromeda_core.models.segments import described_table
@@ -109,16 +110,15 @@ def declared_profiles(data: RecData) -> torch.Tensor:
     behaviours: segments.described_table, looked up by the hashes in Users.segments); 0 for a user with none."""
     hashes, text = (torch.from_numpy(a) for a in described_table(load_schema()))
     profiles = torch.zeros((len(data.users.segments), text.shape[1]), dtype=torch.float64)
-    for u, held in enumerate(data.users.segments if len(hashes) else []):
-        held = torch.tensor(held, dtype=torch.int64)
-        rows = torch.searchsorted(hashes, held).clamp(max=len(hashes) - 1)
-        profiles[u] = text[rows[hashes[rows] == held]].double().sum(0)
+    for u, held in enumerate(data.users.segments):
+        rows, found = find_sorted(hashes, torch.tensor(held, dtype=torch.int64))
+        profiles[u] = text[rows[found]].double().sum(0)
     return torch.nn.functional.normalize(profiles, dim=1)
 
 
-def declared_similarity(data: RecData, users: np.ndarray, split: int = 1, batch: int = 512) -> Ranking:
-    """Score of item j = cosine of its text embedding with the user's declared_profiles row: what the user says
-    they like, read by the sentence model alone (all 0, so ranked by row, for a user who declares nothing)."""
+def declared_similarity(data: RecData, users: np.ndarray, profiles: torch.Tensor, split: int = 1,
+                        batch: int = 512) -> Ranking:
+    """Score of item j = cosine of its text embedding with the user's row of profiles (declared_profiles): what the
+    user says they like, read by the sentence model alone (all 0, so ranked by row, for a user who declares nothing)."""
     text = torch.nn.functional.normalize(torch.from_numpy(data.items.text).double(), dim=1)  # (N, 384)
-    profiles = declared_profiles(data)
     return _rank_batches(data, users, split, batch, lambda us, _: profiles[torch.from_numpy(us)] @ text.T)

@@ -8,7 +8,7 @@ import multiprocessing
 import os
 import platform
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -24,9 +24,10 @@ from andromeda_core.models.evaluate import (CUTOFFS, Ranking, bytes_per_ad, coun
                                             expected_metrics, per_user_metrics, rank_items, ranking_from_scores,
                                             recall_within)
 from andromeda_core.models.features import NAMES as FEATURE_NAMES
+from andromeda_core.models.heads import HEADS
 from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
-from andromeda_core.models.retrieval import RetrievalModel
+from andromeda_core.models.retrieval import UNLOADABLE, RetrievalModel
 from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
 from andromeda_core.models.train import CLICK_WEIGHTS, default_config, other_start, train, validation_score
 from andromeda_core.schema import load_schema
@@ -59,7 +60,8 @@ def load_data(name: str, world: Path | None = None) -> RecData:
         world = load_settings().cache_dir / "worlds" / name
         if not is_current(world):
             for stale in (load_settings().cache_dir / "models").glob(f"{name}-*.safetensors"):
-                stale.unlink()  # trained on the older world
+                if stale.name[len(name) + 1:].startswith(tuple(HEADS)):  # not synthetic-b's for synthetic
+                    stale.unlink()  # trained on the older world
             synthesize(WORLDS[name], world, load_schema())
     elif world_config(world) is None:
         synthesize(WORLDS[name], world, load_schema())
@@ -102,14 +104,19 @@ class Trained:
 
 def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None = None, distill: float = 0.0,
               init: tuple[RetrievalModel, Path] | None = None, seed: int = 0) -> tuple[RetrievalModel, Path, bool]:
-    """(model, its checkpoint, trained in this call). The checkpoint is loaded unless retrain, or it is missing,
-    or its metadata names another start than init's checkpoint (it was trained otherwise)."""
+    """(model, its checkpoint, trained in this call). The checkpoint is loaded unless retrain, or it is missing or
+    unusable (of an older model version, say), or its metadata names another start than init's checkpoint (it was
+    trained otherwise)."""
     start = other_start(kind, init[0] if init else None)
     path = checkpoint_path(data.name, kind, distill, start)
+    loaded = None
     if path.exists() and not retrain:
-        model, config = RetrievalModel.load(path)
-        if config.get("init") == (init[1].name if init else None):
-            return model, path, False
+        try:
+            loaded = RetrievalModel.load(path)
+        except UNLOADABLE:
+            pass  # trained again below
+    if loaded is not None and loaded[1].get("init") == (init[1].name if init else None):
+        return loaded[0], path, False
     cfg = default_config(kind, seed, distill, start)
     model = train(data, kind, cfg, teacher if distill else None, init[0] if init else None)
     model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill,
@@ -193,8 +200,9 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
     m = trained.models
     rows = [Row("most popular", "-", most_popular(data, users)), Row("item-kNN", "-", item_knn(data, users)),
             Row(CONTENT, "-", content_similarity(data, users))]
-    if declared_profiles(data).any():  # the synthetic worlds' users declare interests; MovieLens's declare nothing
-        rows.append(Row(DECLARED, "-", declared_similarity(data, users)))
+    profiles = declared_profiles(data)
+    if profiles.any():  # the synthetic worlds' users declare interests; MovieLens's declare nothing
+        rows.append(Row(DECLARED, "-", declared_similarity(data, users, profiles)))
     if data.truth:
         rows.insert(0, Row(ORACLE, "-", oracle_ranking(data, users)))
 
@@ -445,12 +453,22 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
 
 
 def side_by_side(fn: Callable, jobs: list[tuple], workers: int) -> list:
-    """[fn(*job) for job in jobs], in `workers` processes (started in job order) when more than 1. Spawned, not
-    forked: a forked child of a process whose OpenMP threads already ran can hang."""
+    """[fn(*job) for job in jobs], in `workers` processes (started in job order) when more than 1. The first error
+    of any job is raised as soon as it happens, and the other jobs are stopped. Spawned, not forked: a forked child
+    of a process whose OpenMP threads already ran can hang."""
     if workers <= 1:
         return [fn(*job) for job in jobs]
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(fn, *zip(*jobs)))
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(fn, *job) for job in jobs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for failed in (f for f in done if f.exception() is not None):
+            for process in list(pool._processes.values()):  # a running job would otherwise hold the exit for an hour
+                process.terminate()
+            raise failed.exception()
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, threads: int) -> str:
@@ -461,18 +479,20 @@ def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, th
 
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None,
                    workers: int | None = None) -> str:
-    """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per core,
-    at most one per data set), the cores shared out as torch threads: the models' small ops use a second thread
-    at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads than on 1), so two data
-    sets on one thread each finish sooner than one after the other on two. Results are bit-identical for a seed
-    on the same machine and the same number of threads per data set."""
+    """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per data set),
+    the cores shared out among them as torch threads (at least one each): the models' small ops use a second thread
+    at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads than on 1), so data sets on
+    one thread each finish sooner than one after the other on two, and three on two cores sooner than two (the last
+    one would run alone on one core). Results are bit-identical for a seed on the same machine and the same number
+    of threads per data set."""
     if world and world_config(world) is not None and not is_current(world):
         raise InvalidInput(f"{world} was drawn by an older generator (the report reads what version {GENERATOR} keeps); "
                            f"draw it again with `andromeda synth`", "--world")
     started = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
-    cores = len(os.sched_getaffinity(0))
-    workers = max(1, min(len(datasets), cores) if workers is None else workers)
+    datasets = tuple(dict.fromkeys(datasets))  # a data set twice would write its checkpoints from two processes
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = max(1, min(len(datasets), workers or len(datasets)))
     threads = max(1, cores // workers)
     jobs = [(name, world if name == "synthetic" else None, retrain, out.parent, threads) for name in datasets]
     sections = side_by_side(_section_of, jobs, workers)  # in order: the longest (MovieLens) starts first

@@ -14,18 +14,23 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from andromeda_core.models import find_sorted
 from andromeda_core.models.heads import HEADS
 from andromeda_core.models.recdata import Items, RecData
 from andromeda_core.models.segments import SEGMENTS
+from andromeda_core.models.text import TEXT_DIM
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
 MODEL_VERSION = "7"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
 # 5: the ranker reads pair features (head.cross and a wider first layer); 6: click prior in the bias, which
 # the user towers and the ranker's deep part no longer read; 7: the segment expert reads the text of described values
 CO_ITEMS = 8
+UNLOADABLE = (OSError, ValueError, KeyError, SafetensorError)  # what RetrievalModel.load raises for a checkpoint this
+# code cannot use: missing or corrupt, of another model version, lacking a tensor
 
 
 def served_name(kind: str) -> str:
@@ -50,8 +55,14 @@ class RetrievalModel(nn.Module):
         self.ad_tower = AdTower(dims, len(self.item_ids))
         self.user_towers = UserTowers(dims, 0 if described is None else len(described[0]))
         if described is not None:
-            self.user_towers.described_hashes.copy_(torch.as_tensor(np.asarray(described[0], np.int64)))
-            self.user_towers.described_text.copy_(torch.as_tensor(np.asarray(described[1], np.float16)))
+            hashes, text = (torch.as_tensor(x).cpu() for x in described)
+            if text.shape != (len(hashes), TEXT_DIM):
+                raise ValueError(f"{len(hashes)} described hashes but texts of shape {tuple(text.shape)}")
+            order = torch.argsort(hashes.long())
+            if len(hashes) and not (hashes[order].diff() > 0).all():
+                raise ValueError("described hashes must be distinct")
+            self.user_towers.described_hashes.copy_(hashes[order].long())
+            self.user_towers.described_text.copy_(text[order].half())
         self.head = HEADS[kind](dims)
         self.eval()  # dropout only where train() asks for it
 
@@ -62,11 +73,8 @@ class RetrievalModel(nn.Module):
 
     def id_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(n,) external ad ids -> (n,) rows of their learned identity, -1 for ads without one."""
-        ids = ids.to(self.item_ids.device)
-        if not len(self.item_ids):
-            return torch.full_like(ids, -1)
-        rows = torch.searchsorted(self.item_ids, ids).clamp(max=len(self.item_ids) - 1)
-        return torch.where(self.item_ids[rows] == ids, rows, -1)
+        rows, found = find_sorted(self.item_ids, ids)
+        return torch.where(found, rows, -1)
 
     @torch.no_grad()
     def set_click_prior(self, ids: np.ndarray | torch.Tensor, logodds: np.ndarray | torch.Tensor) -> None:
@@ -90,11 +98,8 @@ class RetrievalModel(nn.Module):
 
     def click_prior(self, ids: torch.Tensor) -> torch.Tensor:
         """(n,) external ad ids -> (n,) float32 click log-odds held for them, 0 for the others."""
-        ids = ids.to(self.click_ids.device)
-        if not len(self.click_ids):
-            return torch.zeros(ids.shape, device=ids.device)
-        rows = torch.searchsorted(self.click_ids, ids).clamp(max=len(self.click_ids) - 1)
-        return torch.where(self.click_ids[rows] == ids, self.click_logodds[rows], 0.0)
+        rows, found = find_sorted(self.click_ids, ids)
+        return torch.where(found, self.click_logodds[rows] if len(self.click_ids) else 0.0, 0.0)
 
     def embed_ads(self, text: torch.Tensor, category: torch.Tensor, advertiser: torch.Tensor, bid: torch.Tensor,
                   ids: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,8 +142,6 @@ class RetrievalModel(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> tuple["RetrievalModel", dict]:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             config = json.loads(f.metadata()["config"])
         if config.get("model_version") != MODEL_VERSION:

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from andromeda_core.models.text import encode_texts_cached
 from andromeda_core.schema import Schema
 
 SEGMENTS = 32  # at most this many per user: cohorts first, then attributes in schema order
@@ -46,7 +47,5 @@ def described_values(schema: Schema) -> tuple[np.ndarray, list[str]]:
 @lru_cache(maxsize=4)
 def described_table(schema: Schema) -> tuple[np.ndarray, np.ndarray]:
     """(hashes (V,) int64 ascending, texts (V, 384) float16 unit MiniLM embeddings) of described_values."""
-    from andromeda_core.models.text import encode_texts_cached
-
     hashes, texts = described_values(schema)
     return hashes, encode_texts_cached(texts, progress=False)

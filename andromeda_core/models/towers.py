@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from andromeda_core.models import find_sorted
 from andromeda_core.models.text import TEXT_DIM
 
 N_EVENTS = 6
@@ -237,14 +238,11 @@ class UserTowers(nn.Module):
     def described(self, segments: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """segments (B, C) hashed ids, mask (B, C) -> (B, D): the projection of the mean text of the described
         values among them; 0 for a user with none."""
-        V = len(self.described_hashes)
-        if not V or not segments.shape[1]:
+        if not len(self.described_hashes) or not segments.shape[1]:
             return self.described_text.new_zeros((len(segments), self.d.dim), dtype=torch.float32)
-        rows = torch.searchsorted(self.described_hashes, segments).clamp(max=V - 1)
-        found = mask & (self.described_hashes[rows] == segments)
-        b, c = found.nonzero(as_tuple=True)  # only the described values' rows are read
-        summed = torch.zeros((len(segments), TEXT_DIM), device=segments.device).index_add_(
-            0, b, self.described_text[rows[b, c]].float())
+        rows, found = find_sorted(self.described_hashes, segments)
+        found = found & mask
+        summed = torch.einsum("bc,bcf->bf", found.float(), self.described_text[rows].float())
         count = found.sum(1, keepdim=True)
         return self.described_out(summed / count.clamp(min=1)) * (count > 0)
 

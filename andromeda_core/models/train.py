@@ -67,11 +67,12 @@ class TrainConfig:
     patience: int = 2  # validations without improvement before stopping
     pair_users: int = 2000  # warm-started ranker: users whose validation engagement chooses the pair-feature weights
     prior_users: int = 1000  # users whose validation engagement chooses the click prior (the ranker validates its deep
-    # part on fewer, but chose w = 0 on them where 1,000 users chose w = 1 for the MoE it starts from)
+    # part on 200; on those it chose w = 0 for the synthetic world, where 1,000 chose w = 1 for the MoE it starts from)
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        for name in ("steps", "prior_users"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 STARTS_FROM = {"moe": ("moe", "sasrec")}  # kinds (of the same weights: neither head has any) a kind may go on
@@ -99,7 +100,8 @@ def default_config(kind: str, seed: int = 0, distill: float = 0.0, start: str = 
     softmax: its fresh experts then retrieve on their own instead of leaning on the trained sequence expert."""
     if kind == "ranker":  # warm-started from the MoE's towers: only its head learns
         return TrainConfig(steps=300, batch=128, negatives=512, lr=1e-3, seed=seed, validate_every=100,
-                           validation_users=200, patience=2)  # ranking the corpus with the ranker is slow
+                           validation_users=200, patience=1)  # ranking the corpus with the ranker is slow; its deep
+        # part goes on only while each validation gains (on MovieLens it never beat its silent start)
     if distill:  # goes on from the undistilled model, so it stays near the retriever the ranker was built on
         return TrainConfig(steps=300, lr=5e-4, seed=seed, distill=distill)
     return TrainConfig(seed=seed, expert_loss=1.0 if start == "sasrec" else 0.0)
@@ -321,7 +323,7 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     n_items = len(data.items.ids)
     model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1),
                            data.items.ids[data.train_items(cfg.min_id_engagements)],
-                           described=described_table(load_schema()))
+                           described=init.described if init is not None else described_table(load_schema()))
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
     frozen = init is not None and kind == "ranker"

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from andromeda_core.models.baselines import (content_similarity, declared_similarity, item_knn, most_popular,
-                                             training_matrix)
+from andromeda_core.models.baselines import (content_similarity, declared_profiles, declared_similarity, item_knn,
+                                             most_popular, training_matrix)
 from andromeda_core.models.evaluate import ranking_from_scores
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.segments import described_table, segment_ids
@@ -174,7 +174,7 @@ def test_declared_similarity_matches_cosines_by_hand(default_schema):
     users = data.eval_users()
     assert {len([h for h in data.users.segments[u] if h in row_of]) for u in users} >= {0, 1, 2}
     for split in (0, 1):
-        check(declared_similarity(data, users, split), data, split,
+        check(declared_similarity(data, users, declared_profiles(data), split), data, split,
               lambda u, seq, p: brute(u))
 
 

@@ -6,7 +6,9 @@ and mixed with the model's would raise, exactly as a CPU tensor would against a 
 from __future__ import annotations
 
 import pickle
+import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,8 +25,12 @@ CPU = torch.device("cpu")
 
 
 def model_scorer(schema, kind: str = "moe", device: str | torch.device = "cpu") -> ModelScorer:
+    """An untrained model whose segment expert reads the text of two described values (users_of declares one)."""
     torch.manual_seed(0)
-    return ModelScorer(RetrievalModel(kind, Dims(categories=4)), ["sports", "food", "travel"], schema, device)
+    described = (np.array(sorted(zlib.crc32(t.encode()) for t in ("interests=running", "interests=jazz"))),
+                 torch.randn((2, 384)).half())
+    return ModelScorer(RetrievalModel(kind, Dims(categories=4), described=described), ["sports", "food", "travel"],
+                       schema, device)
 
 
 def lookup(dim: int):
@@ -35,7 +41,9 @@ def lookup(dim: int):
 
 
 def users_of(scorer, batch: int = 2):
-    return scorer.encode_users([request()] * batch, lookup(scorer.dim), [3600 * 30] * batch)
+    declaring = request()
+    declaring.user.attributes["interests"] = ["running"]
+    return scorer.encode_users([declaring] * batch, lookup(scorer.dim), [3600 * 30] * batch)
 
 
 def state_tensors(users) -> list[torch.Tensor]:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,17 +81,23 @@ def test_a_second_run_reuses_the_checkpoints(tiny_report, monkeypatch):
     assert "Expected over" not in text and quality.ORACLE not in text and "Targets:" in text
 
 
-def power(x: int, y: int) -> int:
+def power(x: int, y: int, then: Path | None = None) -> int:
+    """x ** y; a negative y raises; with `then`, after 5 s the result is also written there."""
     if y < 0:
         raise ValueError(f"negative power {y}")
+    if then is not None:
+        time.sleep(5)
+        then.write_text(str(x ** y))
     return x ** y
 
 
-def test_side_by_side_keeps_the_job_order_and_raises_a_jobs_error():
+def test_side_by_side_keeps_the_job_order_and_stops_at_a_jobs_error(tmp_path):
     jobs = [(2, 10), (3, 2), (5, 1)]
     assert quality.side_by_side(power, jobs, 2) == quality.side_by_side(power, jobs, 1) == [1024, 9, 5]
-    with pytest.raises(ValueError, match="negative power -1"):
-        quality.side_by_side(power, [(2, 1), (2, -1)], 2)
+    with pytest.raises(ValueError, match="negative power -1"):  # raised while the first job still sleeps, which
+        quality.side_by_side(power, [(2, 1, tmp_path / "slow"), (2, -1)], 2)  # is stopped: it never writes
+    time.sleep(6)
+    assert not (tmp_path / "slow").exists()
 
 
 def test_a_world_of_an_older_generator_is_refused_and_left_alone(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
+import pytest
 import torch
 
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
@@ -58,29 +59,46 @@ def test_described_values_are_the_interest_and_behaviour_tokens_as_words(default
 
 
 def test_the_segment_expert_reads_the_text_of_described_values():
-    """A model holding texts for two values: a user declaring one of them has a segment expert that moves with that
-    value's text, and with nothing else's; the table travels in the checkpoint."""
+    """A model holding texts for two values, against the same weights holding none: a user declaring one of them
+    has a segment expert that moves with that value's text and with nothing else's; a value masked out, or not in
+    the table (past its last hash), reads no text."""
     running, jazz, cohort = (zlib.crc32(t.encode()) for t in ("interests=running", "interests=jazz", "cohort=1"))
     hashes = np.array(sorted([running, jazz]), np.int64)
     texts = np.random.default_rng(0).standard_normal((2, 384)).astype(np.float16)
     model = RetrievalModel("moe", DIMS, described=(hashes, texts)).eval()
+    bare = RetrievalModel("moe", DIMS).eval()
+    bare.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("user_towers.described_")}
+                         | {k: v for k, v in bare.state_dict().items() if k.startswith("user_towers.described_")})
     segment = 1 + DIMS.interests
 
-    def experts(m: RetrievalModel, held: list[int]) -> torch.Tensor:
-        stored = torch.zeros((1, DIMS.stored))
-        inputs = user_inputs(tiny_data(), stored.expand(40, -1), np.array([0]), np.array([0]), DIMS.history)
-        inputs.segments, inputs.segment_mask = torch.tensor([held]), torch.ones((1, len(held)), dtype=torch.bool)
+    def experts(m: RetrievalModel, held: list[int], mask: list[bool] | None = None) -> torch.Tensor:
+        stored = torch.zeros((40, DIMS.stored))
+        inputs = user_inputs(tiny_data(), stored, np.array([0]), np.array([0]), DIMS.history)
+        inputs.segments = torch.tensor([held])
+        inputs.segment_mask = torch.tensor([mask if mask is not None else [True] * len(held)])
         with torch.no_grad():
             return m.users(inputs).experts[0, segment]
 
-    before = experts(model, [cohort, running]), experts(model, [cohort])
+    declaring = experts(model, [cohort, running])
+    assert not torch.allclose(declaring, experts(bare, [cohort, running]))  # the text term
+    assert torch.allclose(experts(model, [cohort]), experts(bare, [cohort]), atol=1e-6)  # nothing described
+    assert torch.allclose(experts(model, [cohort, running, -1], [True, False, False]), experts(bare, [cohort]), atol=1e-6)
+    beyond = int(hashes[-1]) + 1
+    assert torch.allclose(experts(model, [cohort, beyond]), experts(bare, [cohort, beyond]), atol=1e-6)
     model.user_towers.described_text[int(np.searchsorted(hashes, jazz))] = 0  # another value's text
-    assert torch.equal(experts(model, [cohort, running]), before[0])
+    assert torch.equal(experts(model, [cohort, running]), declaring)
     model.user_towers.described_text[int(np.searchsorted(hashes, running))] = 0
-    assert not torch.allclose(experts(model, [cohort, running]), before[0])
-    assert torch.equal(experts(model, [cohort]), before[1])  # no described value: the text plays no part
-    assert not torch.allclose(experts(model, [cohort]), experts(model, [cohort, running]))
-    assert not torch.allclose(experts(RetrievalModel("moe", DIMS).eval(), [cohort, running]), before[0])
+    assert not torch.allclose(experts(model, [cohort, running]), declaring)
+
+
+def test_a_described_table_must_have_a_text_per_distinct_hash():
+    with pytest.raises(ValueError, match="2 described hashes but texts of shape"):
+        RetrievalModel("moe", DIMS, described=(np.array([3, 7]), np.ones((1, 384), np.float16)))
+    with pytest.raises(ValueError, match="distinct"):
+        RetrievalModel("moe", DIMS, described=(np.array([3, 3]), np.ones((2, 384), np.float16)))
+    unsorted = RetrievalModel("moe", DIMS, described=(np.array([7, 3]), np.stack([np.ones(384), np.zeros(384)])))
+    assert unsorted.user_towers.described_hashes.tolist() == [3, 7]  # sorted, each text kept with its hash
+    assert unsorted.user_towers.described_text[:, 0].tolist() == [0, 1]
 
 
 def test_the_described_table_travels_in_the_checkpoint(tmp_path):
