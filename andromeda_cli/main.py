@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -298,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("eval", help="quality report of every model and baseline on every data set; trains the missing "
-                                    "checkpoints (about an hour on 2 CPU cores) and rewrites docs/quality.md")
+                                    "checkpoints (about 40 minutes on 2 CPU cores) and rewrites docs/quality.md")
     s.add_argument("--data", nargs="+", choices=DATASETS, default=list(DATASETS),
                    help="data sets to evaluate (default: MovieLens and both synthetic worlds)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")
@@ -345,13 +344,17 @@ def message(exc: Exception) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `andromeda ... | head` ends quietly
     args = parser().parse_args(argv)
     from_env = args.schema is None and "ANDROMEDA_SCHEMA" in os.environ
     try:
         if args.schema is None:
             args.schema = load_settings().schema_path
         args.func(args)
+        sys.stdout.flush()  # here, not at exit, so a reader that went away is met by the handler below
+    except BrokenPipeError:  # `andromeda ... | head` ends quietly (not by SIGPIPE's default, which would also kill
+        # the process on any other broken pipe: a stopped eval worker's queue, a Redis socket)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout again at exit
+        return 141  # the status of a shell tool ended by a closed pipe
     except KeyboardInterrupt:  # Ctrl-C while starting: whatever was started is stopped by its finally
         return 130
     except USER_ERRORS as exc:

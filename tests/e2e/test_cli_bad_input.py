@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,13 +47,10 @@ def d(tmp_path_factory) -> Path:
 
 def andromeda(capsys, *argv: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `andromeda ARGV` run in process."""
-    sigpipe = signal.getsignal(signal.SIGPIPE)  # main() resets it for `| head`
     try:
         code = main([str(a) for a in argv])
     except SystemExit as exc:  # argparse's usage errors
         code = exc.code
-    finally:
-        signal.signal(signal.SIGPIPE, sigpipe)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -199,3 +198,14 @@ def test_serve_config_names_a_schema_of_the_machines_it_runs_on(capsys, monkeypa
     monkeypatch.setenv("ANDROMEDA_SCHEMA", "/srv/andromeda/schema.yaml")
     code, out, err = andromeda(capsys, "serve-config")
     assert code == 0 and "schema_path: /srv/andromeda/schema.yaml" in out, err
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly(capsys):
+    before = signal.getsignal(signal.SIGPIPE)
+    assert andromeda(capsys, "schema", "--json")[0] == 0
+    assert signal.getsignal(signal.SIGPIPE) == before  # SIGPIPE's default would kill the process at any broken
+    # pipe, not only stdout's: a stopped eval worker's queue, a Redis socket
+    cli = subprocess.Popen([sys.executable, "-m", "andromeda_cli", "schema", "--json"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    cli.stdout.close()  # `andromeda schema --json | head -c 0`
+    assert cli.wait(timeout=120) == 141 and cli.stderr.read() == b""
