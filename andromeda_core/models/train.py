@@ -51,7 +51,8 @@ class TrainConfig:
     steps: int = 1000  # at most; early stopping may end sooner
     batch: int = 256
     negatives: int = 512  # shared uniformly sampled negatives per step
-    lr: float = 2e-3
+    lr: float = 5e-3  # peak of the one-cycle schedule; 2e-3 left the MoE short of trained in 1,000 steps (validation
+    # on MovieLens 0.2166 -> 0.2282; expected HR@10 on synthetic-b 0.0208 -> 0.0260), 1e-2 overshoots (0.2209, 0.0143)
     seed: int = 0
     distill: float = 0.0  # weight of the distillation rows (used only with a teacher)
     teacher_rows: int = 128  # distillation rows per step (used only with a teacher)
