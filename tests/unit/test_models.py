@@ -262,6 +262,21 @@ def test_training_learns_at_the_configured_rate_for_any_step_count(steps):
     assert moved > cfg.lr / 2  # Adam's first step alone moves each parameter with a gradient by ~lr
 
 
+def test_weight_decay_shrinks_the_trained_weights():
+    data, norms = tiny_data(), {}
+    for decay in (0.0, 100.0):
+        cfg = TrainConfig(steps=4, batch=8, negatives=4, seed=2, lr=1e-2, weight_decay=decay, validate_every=0)
+        model = train(data, "moe", cfg, progress=False)
+        norms[decay] = sum(p.detach().square().sum().item() for p in model.parameters() if p.requires_grad) ** 0.5
+    assert norms[100.0] < 0.95 * norms[0.0]  # 4 steps of lr x decay >= 0.04 each; 0 decay moves them ~lr
+
+
+@pytest.mark.parametrize("decay", [-0.1, float("nan")])
+def test_weight_decay_must_not_be_negative(decay):
+    with pytest.raises(ValueError, match="weight_decay must be at least 0"):
+        TrainConfig(weight_decay=decay)
+
+
 def test_long_runs_keep_the_one_cycle_schedule():
     cfg = TrainConfig(steps=100, lr=1e-2)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
