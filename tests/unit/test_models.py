@@ -264,11 +264,12 @@ def test_training_learns_at_the_configured_rate_for_any_step_count(steps):
 
 def test_weight_decay_shrinks_the_trained_weights():
     data, norms = tiny_data(), {}
-    for decay in (0.0, 100.0):
+    for decay in (0.0, 10.0):
         cfg = TrainConfig(steps=4, batch=8, negatives=4, seed=2, lr=1e-2, weight_decay=decay, validate_every=0)
         model = train(data, "moe", cfg, progress=False)
         norms[decay] = sum(p.detach().square().sum().item() for p in model.parameters() if p.requires_grad) ** 0.5
-    assert norms[100.0] < 0.95 * norms[0.0]  # 4 steps of lr x decay >= 0.04 each; 0 decay moves them ~lr
+    assert norms[10.0] < 0.95 * norms[0.0]  # 4 steps at lr x decay = 0.1 scale every weight by 0.9^4 = 0.66;
+    # Adam's own moves are ~lr each
 
 
 @pytest.mark.parametrize("decay", [-0.1, float("nan")])
