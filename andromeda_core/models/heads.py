@@ -22,6 +22,7 @@ from andromeda_core.models import KernelHead, dot_head
 from andromeda_core.models import features
 from andromeda_core.models.text import TEXT_DIM
 from andromeda_core.models.towers import Dims, UserState
+from kernels.reference.fused import top_n_gates
 
 
 def expert_similarities(d: Dims, state: UserState, stored: torch.Tensor) -> torch.Tensor:
@@ -37,10 +38,7 @@ class MoEHead(nn.Module):
     def gates(self, state: UserState, q: torch.Tensor) -> torch.Tensor:
         """(B, E, n) gates: softmax over each candidate's top-n experts by key . query, zero elsewhere."""
         logits = torch.einsum("beg,ng->ben", state.keys, q.float()) / self.d.gate**0.5
-        logits = logits.masked_fill(~state.mask[:, :, None], float("-inf"))
-        top = torch.argsort(logits, dim=1, descending=True, stable=True)[:, : self.top_n]  # ties: the lower expert
-        chosen = torch.full_like(logits, float("-inf")).scatter(1, top, logits.gather(1, top))
-        return torch.nan_to_num(torch.softmax(chosen, dim=1))  # fewer than n usable experts: zero gates
+        return top_n_gates(logits.masked_fill(~state.mask[:, :, None], float("-inf")), self.top_n)
 
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
               cross: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,15 +45,31 @@ def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, r
     return time_status_match(status, start, end, now) & (held ^ negate).all(-1)
 
 
+def top_n_gates(logits: torch.Tensor, top_n: int) -> torch.Tensor:
+    """(B, E, n) gating logits (-inf: a masked expert) -> (B, E, n) gates: softmax over each candidate's top_n
+    experts (of equal logits, the lower expert; NaN above all), 0 for the others; all 0 when a chosen logit is
+    NaN or +inf, or none is usable. A NaN or +inf logit is always chosen (only NaN ranks above +inf), so such a
+    candidate's gates are all 0 whatever else it holds. Otherwise expert e is chosen when fewer than top_n
+    experts rank above it: a lower expert j < e with a logit >= e's, or a higher one with a logit > e's. Counted
+    pair by pair over the E experts (E is small): a sort along E costs several times more on CPU."""
+    E = logits.shape[1]
+    above = torch.zeros(logits.shape, dtype=torch.uint8, device=logits.device)
+    for j in range(E):
+        other = logits[:, j: j + 1]
+        above[:, :j] += other > logits[:, :j]
+        above[:, j + 1:] += other >= logits[:, j + 1:]
+    gates = torch.nan_to_num(torch.softmax(logits.masked_fill(above >= top_n, float("-inf")), dim=1))
+    unbounded = (logits.isnan() | (logits == float("inf"))).any(1, keepdim=True)
+    return gates.masked_fill(unbounded, 0.0)
+
+
 def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: torch.Tensor, keys: torch.Tensor,
                 mask: torch.Tensor, bias_col: int, top_n: int) -> torch.Tensor:
     """(B, n) float32 scores: vectors (n, S), experts (B, E, D), keys (B, E, G), mask (B, E) bool."""
     D, G = experts.shape[2], keys.shape[2]
     x = dequantize(vectors, scales)
     logits = torch.einsum("beg,ng->ben", keys.float(), x[:, D: D + G]).masked_fill(~mask[:, :, None], float("-inf"))
-    top = torch.argsort(logits, dim=1, descending=True, stable=True)[:, :top_n]  # equal logits: the lower expert
-    chosen = torch.full_like(logits, float("-inf")).scatter(1, top, logits.gather(1, top))
-    gates = torch.nan_to_num(torch.softmax(chosen, dim=1))  # no usable expert, or a NaN / +inf logit: all gates 0
+    gates = top_n_gates(logits, top_n)
     sims = torch.einsum("bed,nd->ben", experts.float(), x[:, :D])
     score = torch.where(gates > 0, gates * sims, 0.0).sum(1)  # a gate of 0 adds nothing, whatever its similarity
     return score + x[:, bias_col] if bias_col >= 0 else score

@@ -1,0 +1,44 @@
+"""The reference's top-n gating against a plain Python sort of each candidate's experts, with ties, masked
+experts (-inf), NaN and +inf logits."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.reference.fused import top_n_gates
+
+VALUES = [-1.0, 0.0, 0.5, 2.0, float("-inf"), float("inf"), float("nan")]  # few values: many ties
+
+
+def python_gates(column: list[float], top_n: int) -> list[float]:
+    """One candidate's logits over its experts -> gates, as the contract words them."""
+    order = sorted(range(len(column)), key=lambda e: (0 if math.isnan(column[e]) else 1, -column[e]
+                                                      if not math.isnan(column[e]) else 0, e))[:top_n]
+    chosen = [column[e] for e in order]
+    if any(math.isnan(x) or x == math.inf for x in chosen) or all(x == -math.inf for x in chosen):
+        return [0.0] * len(column)
+    top = max(chosen)
+    weights = {e: math.exp(column[e] - top) for e in order}
+    total = sum(weights.values())
+    return [weights[e] / total if e in weights else 0.0 for e in range(len(column))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7).flatmap(lambda E: st.tuples(
+    st.lists(st.lists(st.sampled_from(VALUES), min_size=E, max_size=E), min_size=1, max_size=9),
+    st.integers(1, E))))
+def test_gates_match_a_python_sort(case):
+    columns, top_n = case
+    logits = torch.tensor(columns).T[None]  # (1, E, n)
+    got = top_n_gates(logits, top_n)[0].T.tolist()
+    for column, gates in zip(columns, got):
+        assert gates == pytest.approx(python_gates(column, top_n), abs=1e-6), column
+
+
+def test_equal_logits_go_to_the_lower_expert():
+    logits = torch.tensor([[[1.0], [3.0], [3.0], [3.0]]])  # experts 1, 2 and 3 tie
+    assert top_n_gates(logits, 2)[0, :, 0].tolist() == [0.0, 0.5, 0.5, 0.0]
