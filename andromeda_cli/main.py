@@ -31,7 +31,7 @@ from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever
 from andromeda_core.schema import Schema, load_schema
 from andromeda_core.synth import WorldConfig, synthesize, world_config
-from andromeda_core.types import TIME_LIMIT
+from andromeda_core.types import K_MAX, TIME_LIMIT
 
 REQUEST_BATCH = 16  # requests sharing one pass over the table
 DEMO_ADS, DEMO_USERS = 50000, 100
@@ -261,7 +261,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("retrieve", help="build an index from events in process and answer requests")
     s.add_argument("--events", type=input_file, required=True, help="ad events JSONL")
     s.add_argument("--request", type=input_file, required=True, help="one request JSON object or a JSONL of them")
-    s.add_argument("--k", type=POSITIVE, default=None, help="override each request's k")
+    s.add_argument("--k", type=int_in(1, K_MAX), default=None, help="override each request's k")
     s.add_argument("--now", type=int_in(0, TIME_LIMIT - 1), default=None,
                    help="server time in seconds for requests without context.ts")
     s.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -15,6 +15,10 @@ TIME_LIMIT = 2**62  # times (seconds) are in [0, TIME_LIMIT); the match compares
 TIME = Annotated[int, Field(ge=0, lt=TIME_LIMIT)]
 
 
+K_MAX = 10_000  # the largest k a retrieval request may ask for
+HISTORY_MAX, COHORTS_MAX, CO_ENGAGEMENT_MAX = 1024, 256, 1024  # the most entries of each list in `user`
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -82,9 +86,9 @@ class CoEngagement(_Strict):
 class User(_Strict):
     user_id: INT64
     attributes: dict[str, Any] = Field(default_factory=dict)
-    history: list[HistoryEvent] = Field(default_factory=list, max_length=1024)
-    cohorts: list[INT64] = Field(default_factory=list, max_length=256)
-    co_engagement: list[CoEngagement] = Field(default_factory=list, max_length=1024)
+    history: list[HistoryEvent] = Field(default_factory=list, max_length=HISTORY_MAX)
+    cohorts: list[INT64] = Field(default_factory=list, max_length=COHORTS_MAX)
+    co_engagement: list[CoEngagement] = Field(default_factory=list, max_length=CO_ENGAGEMENT_MAX)
 
 
 class Context(BaseModel):
@@ -102,7 +106,7 @@ class Context(BaseModel):
 class RetrieveRequest(_Strict):
     user: User
     context: Context = Field(default_factory=Context)
-    k: int = Field(default=100, ge=1, le=10000)
+    k: int = Field(default=100, ge=1, le=K_MAX)
     allow_partial: bool = False
     """Service only: answer from the shards that respond instead of failing when one does not."""
 

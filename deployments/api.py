@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,7 +21,7 @@ from pydantic import BaseModel
 from andromeda_core.errors import (AndromedaError, DeadlineExceeded, ErrorCategory, InvalidInput, Overloaded,
                                    TooLarge, Unauthorized)
 from andromeda_core.types import RetrieveResponse, error_field
-from deployments.limits import LatencyShedder, retry_after
+from deployments.limits import LatencyShedder, past_wire_bound, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,21 @@ ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 429, 503, 5
 WRITE_ERRORS = {**ERRORS, 401: {"model": ErrorBody}, 403: {"model": ErrorBody}}
 
 
+ECHOED_CHARS = 512  # of a field path or message that echoes the client's input
+
+
+def sendable(text: str, limit: int | None = ECHOED_CHARS) -> str:
+    """text that encodes as UTF-8 (a lone surrogate from a JSON escape such as "\\ud800" becomes that escape
+    again), cut to `limit` characters (None: whole). A client's text goes back in errors and logs only this way:
+    encoding the raw text raised inside the error handler, which then answered a plain-text 500."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if limit is None or len(text) <= limit else text[:limit] + "..."
+
+
 def error_response(status: int, category: str, message: str, field: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    body = ErrorBody(error=ErrorDetail(category=category, field=field, message=message))
+    body = ErrorBody(error=ErrorDetail(category=category, field=None if field is None else sendable(field),
+                                       message=sendable(message)))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -255,8 +268,10 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
         loc = tuple(err.get("loc", ()))
         where = loc[1:] if loc[:1] in (("body",), ("path",), ("query",)) else loc
         field = "body" if err.get("type") == "json_invalid" else error_field(where, err.get("type", ""))
+        limits = getattr(request.app.state, "limits", None)
+        named = past_wire_bound(limits, field, err.get("type", ""), err.get("input")) if limits is not None else None
         on_error(ErrorCategory.INVALID_INPUT.value)
-        return error_response(422, ErrorCategory.INVALID_INPUT.value, err.get("msg", "invalid"), field)
+        return error_response(422, ErrorCategory.INVALID_INPUT.value, named or err.get("msg", "invalid"), field)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -276,8 +291,8 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path)
         on_error("internal")
+        log.error("internal error on %s %s\n%s", request.method, request.url.path, sendable(traceback.format_exc(), None))
         return error_response(500, "internal", f"{type(exc).__name__}: internal error")
 
     return app

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from andromeda_core.types import CO_ENGAGEMENT_MAX, COHORTS_MAX, HISTORY_MAX, K_MAX
+
 APP_NAME = "andromeda"
 ROUTER = "router"
 
@@ -72,21 +74,21 @@ class Limits(BaseModel):
     model_config = STRICT
     body_bytes: int = Field(8 << 20, ge=1024, le=1 << 30)
     """Largest request body (413 beyond it, before it is parsed)."""
-    k: int = Field(10000, ge=1, le=10000)
+    k: int = Field(K_MAX, ge=1, le=K_MAX)
     """Largest `k` of a retrieval request."""
     batch_requests: int = Field(256, ge=1, le=4096)
     """Requests in one `POST /v1/retrieve:batch`."""
-    history: int = Field(1024, ge=0, le=1024)
+    history: int = Field(HISTORY_MAX, ge=0, le=HISTORY_MAX)
     """Events in `user.history`."""
-    co_engagement: int = Field(1024, ge=0, le=1024)
+    co_engagement: int = Field(CO_ENGAGEMENT_MAX, ge=0, le=CO_ENGAGEMENT_MAX)
     """Entries in `user.co_engagement`."""
-    cohorts: int = Field(256, ge=0, le=256)
+    cohorts: int = Field(COHORTS_MAX, ge=0, le=COHORTS_MAX)
     """Entries in `user.cohorts`."""
     values_per_category: int = Field(64, ge=1, le=1 << 20)
     """Values a user may hold in one targeting category (`user.attributes.<category>`)."""
     string_chars: int = Field(256, ge=1, le=1 << 16)
-    """Longest string value in `user.attributes` and `user.co_engagement[].surface` (ad creatives have the
-    wire type's bounds)."""
+    """Longest string value in `user.attributes`, `context` and `user.co_engagement[].surface` (ad creatives have
+    the wire type's bounds)."""
 
 
 class RateLimit(BaseModel):

@@ -3,6 +3,7 @@ overload). Each refusal is an error naming the field (or header) and the limit."
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -19,26 +20,53 @@ def check_requests(limits: Limits, requests: Sequence[RetrieveRequest], where: s
     for i, r in enumerate(requests):
         at = where.format(i)
         if r.k > limits.k:
-            raise InvalidInput(f"at most {limits.k} (limits.k), got {r.k}", f"{at}k")
+            raise InvalidInput(over_limit(limits, "k", "", r.k), f"{at}k")
         user = r.user
         for name, items in (("history", user.history), ("co_engagement", user.co_engagement), ("cohorts", user.cohorts)):
-            cap = getattr(limits, name)
-            if len(items) > cap:
-                raise InvalidInput(f"at most {cap} entries (limits.{name}), got {len(items)}", f"{at}user.{name}")
-        for category, value in user.attributes.items():
-            values = value if isinstance(value, list) else [value]
-            if len(values) > limits.values_per_category:
-                raise InvalidInput(f"at most {limits.values_per_category} values (limits.values_per_category), "
-                                   f"got {len(values)}", f"{at}user.attributes.{category}")
-            for j, v in enumerate(values):
-                if isinstance(v, str) and len(v) > limits.string_chars:
-                    field = f"{at}user.attributes.{category}" + (f"[{j}]" if isinstance(value, list) else "")
-                    raise InvalidInput(f"at most {limits.string_chars} characters (limits.string_chars), got {len(v)}",
-                                       field)
+            if len(items) > getattr(limits, name):
+                raise InvalidInput(over_limit(limits, name, " entries", len(items)), f"{at}user.{name}")
+        check_values(limits, user.attributes, f"{at}user.attributes")
+        check_values(limits, r.context.targeting_values(), f"{at}context")
         for j, c in enumerate(user.co_engagement):
-            if len(c.surface) > limits.string_chars:
-                raise InvalidInput(f"at most {limits.string_chars} characters (limits.string_chars), got "
-                                   f"{len(c.surface)}", f"{at}user.co_engagement[{j}].surface")
+            check_chars(limits, c.surface, f"{at}user.co_engagement[{j}].surface")
+
+
+def check_values(limits: Limits, values: dict, field: str) -> None:
+    """Targeting values by category (`user.attributes`, or the request's `context`): string values of at most
+    limits.string_chars characters, at most limits.values_per_category values per category. (A category name is
+    checked against the schema, and an error echoes at most api.ECHOED_CHARS of it.)"""
+    for category, value in values.items():
+        held = value if isinstance(value, list) else [value]
+        if len(held) > limits.values_per_category:
+            raise InvalidInput(f"at most {limits.values_per_category} values (limits.values_per_category), "
+                               f"got {len(held)}", f"{field}.{category}")
+        for j, v in enumerate(held):
+            check_chars(limits, v, f"{field}.{category}" + (f"[{j}]" if isinstance(value, list) else ""))
+
+
+def check_chars(limits: Limits, value: object, field: str) -> None:
+    if isinstance(value, str) and len(value) > limits.string_chars:
+        raise InvalidInput(f"at most {limits.string_chars} characters (limits.string_chars), got {len(value)}", field)
+
+
+WIRE_BOUNDS = {("k", "less_than_equal"): ("k", ""), ("user.history", "too_long"): ("history", " entries"),
+               ("user.cohorts", "too_long"): ("cohorts", " entries"),
+               ("user.co_engagement", "too_long"): ("co_engagement", " entries")}
+"""(field path, pydantic error type) -> (limit, unit): where the wire type's own bound is the largest that limit may be
+set to, so a value past the bound is past the limit too."""
+
+
+def past_wire_bound(limits: Limits, field: str, error_type: str, value: object) -> str | None:
+    """The message naming the limit for a request field that failed its wire type's bound (`field` as error_field
+    gives it, "[i]." first in a batch), or None when that bound is no limit's."""
+    limit = WIRE_BOUNDS.get((re.sub(r"^\[\d+\]\.", "", field), error_type))
+    if limit is None:
+        return None
+    return over_limit(limits, *limit, len(value) if isinstance(value, (list, dict)) else value)
+
+
+def over_limit(limits: Limits, name: str, unit: str, got: object) -> str:
+    return f"at most {getattr(limits, name)}{unit} (limits.{name}), got {got}"
 
 
 class TokenBuckets:

@@ -138,6 +138,7 @@ class Router:
                                         cfg.overload.max_request_timeout_s, cfg.overload.retry_after_s,
                                         cfg.overload.latency_target_ms / 1000, cfg.overload.latency_interval_ms / 1000)
         app.state.retry_after_s = cfg.overload.retry_after_s
+        app.state.limits = cfg.limits
         app.state.tokens = TokenStore(load_settings().write_token, cfg.auth.token_file, cfg.auth.reload_s)
         app.state.read_auth = cfg.auth.read_auth
         app.state.buckets = rate_limiter(cfg)

@@ -69,6 +69,7 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/deep.json"), {}, ("deep.json:1", "nested too deeply")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/long_k.json"), {}, ("long_k.json:1", "thousands of digits")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json", "--k", "9" * 5000), {}, ("argument --k", "999...")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json", "--k", "10001"), {}, ("argument --k", "[1, 10000]")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/mixed.jsonl", "--k", "3"), {}, ("mixed.jsonl:2", "not JSON")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/list.json", "--k", "3"), {}, ("list.json:1", "JSON object")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/empty.json"), {}, ("empty.json", "no requests")),

@@ -159,12 +159,31 @@ def user(**fields) -> dict:
     ("/v1/retrieve", user(attributes={"country": "X" * 17}), "user.attributes.country", "limits.string_chars"),
     ("/v1/retrieve:batch", [user()] * 5, "body", "limits.batch_requests"),
     ("/v1/retrieve:batch", [user(), {**user(), "k": 99}], "[1].k", "limits.k"),
+    ("/v1/retrieve", {**user(), "k": 10_001}, "k", "limits.k"),  # past the wire type's own bound as well
+    ("/v1/retrieve", user(cohorts=list(range(257))), "user.cohorts", "limits.cohorts"),  # likewise
+    ("/v1/retrieve", {**user(), "context": {"ts": NOW, "placement": "p" * 17}}, "context.placement",
+     "limits.string_chars"),
 ])
 def test_each_limit_is_a_422_naming_the_field_and_the_limit(svc, path, body, field, limit):
     got = post(f"{svc.url}/auth{path}", body)
     assert refused(got, 422, field), got.text
     assert limit in got.json()["error"]["message"]
     assert post(f"{svc.url}/auth/v1/retrieve", {**user(), "k": 50}).status_code == 200  # at the limit
+
+
+def test_a_lone_surrogate_in_a_name_is_a_422_naming_it_on_every_path(svc):
+    """A JSON escape such as \\ud800 decodes to a string that UTF-8 cannot encode: echoed raw in the error, it broke
+    the error handler (a plain-text 500, uncounted). Nothing is published."""
+    bad = "\ud800"
+    lengths = stream_lengths(svc, "guard-auth", 2)
+    for path, body, token, field in (
+            ("/v1/retrieve", user(attributes={bad: "x"}), None, "user.attributes.\\ud800"),
+            ("/v1/retrieve:batch", [user(), user(attributes={bad: "x"})], None, "[1].user.attributes.\\ud800"),
+            ("/v1/ad-events", [upsert(700_900, 1, {bad: {"any_of": ["x"]}})], ADMIN, "[0].ad.targeting.\\ud800")):
+        got = post(f"{svc.url}/auth{path}", body, token)
+        assert refused(got, 422, field), got.text
+    assert stream_lengths(svc, "guard-auth", 2) == lengths
+    assert 'andromeda_errors_total{cause="internal"}' not in requests.get(f"{svc.url}/auth/metrics", timeout=10).text
 
 
 def test_too_many_events_is_a_422_naming_the_limit(svc):

@@ -11,7 +11,8 @@ from andromeda_core.errors import InvalidInput
 from andromeda_core.types import parse_request
 from deployments.auth import ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
 from deployments.config import Limits
-from deployments.limits import LatencyShedder, TokenBuckets, check_requests, retry_after
+from deployments.api import ECHOED_CHARS, error_response
+from deployments.limits import LatencyShedder, TokenBuckets, check_requests, past_wire_bound, retry_after
 
 
 def test_tokens_verify_by_role_and_the_file_holds_no_token(tmp_path):
@@ -108,14 +109,39 @@ def test_latency_shedder_admits_once_nothing_is_in_flight_and_is_off_at_target_0
     ({"attributes": {"interests": ["running", "x" * 9]}}, 1, "user.attributes.interests[1]"),
     ({"attributes": {"country": "x" * 9}}, 1, "user.attributes.country"),
     ({"co_engagement": [{"ad_id": 1, "surface": "s" * 9}]}, 1, "user.co_engagement[0].surface"),
+    ({"context": {"placement": "p" * 9}}, 1, "context.placement"),
+    ({"context": {"surface": "feed", "device_os": "x" * 9}}, 1, "context.device_os"),
+    ({"context": {"language": ["en", "x" * 9]}}, 1, "context.language[1]"),
 ])
 def test_each_request_limit_names_the_field_and_the_limit(user, k, field):
     limits = Limits(k=10, history=2, cohorts=2, values_per_category=2, string_chars=8)
-    request = parse_request({"user": {"user_id": 1, **user}, "k": k})
+    request = parse_request({"user": {"user_id": 1, **{k: v for k, v in user.items() if k != "context"}},
+                             "context": user.get("context", {}), "k": k})
     with pytest.raises(InvalidInput) as info:
         check_requests(limits, [parse_request({"user": {"user_id": 2}, "k": 1})] * 2 + [request], "[{}].")
     assert info.value.field == f"[2].{field}" and "limits." in info.value.message
     check_requests(Limits(), [request], "")  # within the defaults
+
+
+@pytest.mark.parametrize("field, error_type, value, message", [
+    ("k", "less_than_equal", 10001, "at most 50 (limits.k), got 10001"),
+    ("[3].user.history", "too_long", [{}] * 1025, "at most 1024 entries (limits.history), got 1025"),
+    ("user.cohorts", "too_long", list(range(257)), "at most 256 entries (limits.cohorts), got 257"),
+    ("user.co_engagement", "too_long", [{}] * 1025, "at most 1024 entries (limits.co_engagement), got 1025"),
+    ("user.history", "list_type", "x", None),  # not past a bound
+    ("context.k", "less_than_equal", 10001, None),  # no limit's field
+])
+def test_past_the_wire_types_bound_the_message_names_the_limit(field, error_type, value, message):
+    """The wire types' bounds are the largest the limits may be set to: pydantic refuses first, named as a limit."""
+    assert past_wire_bound(Limits(k=50), field, error_type, value) == message
+
+
+def test_error_bodies_carry_lone_surrogates_as_escapes_and_long_echoes_cut():
+    body = json.loads(error_response(422, "invalid_input", "unknown category '\ud800'", "user.attributes.\ud800").body)
+    assert body["error"] == {"category": "invalid_input", "field": "user.attributes.\\ud800",
+                             "message": "unknown category '\\ud800'"}
+    long = json.loads(error_response(422, "invalid_input", "m", "x" * 100_000).body)["error"]["field"]
+    assert long == "x" * ECHOED_CHARS + "..."
 
 
 def test_credentials_are_redacted_in_messages_and_logs(caplog):
