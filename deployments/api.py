@@ -97,7 +97,8 @@ def remaining_s() -> float | None:
 
 
 ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 429, 503, 504)}
-WRITE_ERRORS = {**ERRORS, 401: {"model": ErrorBody}, 403: {"model": ErrorBody}}
+BODY_ERRORS = {**ERRORS, 415: {"model": ErrorBody}}  # a POST whose body is not JSON
+WRITE_ERRORS = {**BODY_ERRORS, 401: {"model": ErrorBody}, 403: {"model": ErrorBody}}
 
 
 ECHOED_CHARS = 512  # of a field path or message that echoes the client's input
@@ -292,7 +293,8 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         on_error("internal")
-        log.error("internal error on %s %s\n%s", request.method, request.url.path, sendable(traceback.format_exc(), None))
+        log.error("internal error on %s %s\n%s", request.method, request.url.path,
+                  sendable(traceback.format_exc(), None))
         return error_response(500, "internal", f"{type(exc).__name__}: internal error")
 
     return app

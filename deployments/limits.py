@@ -22,7 +22,8 @@ def check_requests(limits: Limits, requests: Sequence[RetrieveRequest], where: s
         if r.k > limits.k:
             raise InvalidInput(over_limit(limits, "k", "", r.k), f"{at}k")
         user = r.user
-        for name, items in (("history", user.history), ("co_engagement", user.co_engagement), ("cohorts", user.cohorts)):
+        for name, items in (("history", user.history), ("co_engagement", user.co_engagement),
+                            ("cohorts", user.cohorts)):
             if len(items) > getattr(limits, name):
                 raise InvalidInput(over_limit(limits, name, " entries", len(items)), f"{at}user.{name}")
         check_values(limits, user.attributes, f"{at}user.attributes")

@@ -25,13 +25,13 @@ from andromeda_core.errors import (AndromedaError, DeadlineExceeded, Forbidden, 
                                    RateLimited, Unauthorized)
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.models import EmbeddingLookup
-from andromeda_core.models.serving import load_scorer
+from andromeda_core.models.serving import ModelScorer, load_scorer
 from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests, merge_topks
 from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse, UpsertEvent
-from deployments.api import (ERRORS, WRITE_ERRORS, AdState, BatchResponse, GuardSettings, Health, PublishResponse,
-                             bearer_token, create_app, current_deadline, remaining_s)
+from deployments.api import (BODY_ERRORS, ERRORS, WRITE_ERRORS, AdState, BatchResponse, GuardSettings, Health,
+                             PublishResponse, bearer_token, create_app, current_deadline, remaining_s)
 from deployments.auth import Principal, TokenStore
 from deployments.config import ServiceConfig, by_reference
 from deployments.limits import TokenBuckets, check_requests
@@ -144,18 +144,20 @@ class Router:
         app.state.buckets = rate_limiter(cfg)
         self.schema = load_schema(self.config.schema_path)
         self.scorer = load_scorer(self.config.model, self.schema)
+        if isinstance(self.scorer, ModelScorer):  # it embeds the ads of every write: load its sentence model now
+            self.scorer.warm_up()
         self.publisher = Publisher(redis.Redis.from_url(self.config.resolved_redis_url()), self.schema, self.scorer,
                                    shards=self.config.shards, stream=self.config.stream, attempts=5)
         self.metrics = metrics
 
     # -- retrieval -------------------------------------------------------------------------------
 
-    @app.post("/v1/retrieve", response_model=RetrieveResponse, responses=ERRORS)
+    @app.post("/v1/retrieve", response_model=RetrieveResponse, responses=BODY_ERRORS)
     async def retrieve(self, request: RetrieveRequest, _: Principal | None = Depends(reader)) -> RetrieveResponse:
         """Top-k eligible ads for one request."""
         return (await self.answer([request], "retrieve", ""))[0]
 
-    @app.post("/v1/retrieve:batch", response_model=BatchResponse, responses=ERRORS)
+    @app.post("/v1/retrieve:batch", response_model=BatchResponse, responses=BODY_ERRORS)
     async def retrieve_batch(self, requests: Annotated[list[RetrieveRequest], Field(min_length=1, max_length=4096)],
                              _: Principal | None = Depends(reader)) -> BatchResponse:
         """Several requests in one call; they share one pass over each shard."""

@@ -52,6 +52,11 @@ class ModelScorer:
         self.model.to(self.device)
         return self
 
+    def warm_up(self) -> None:
+        """Load the sentence model now (seconds on a CPU): the first write would otherwise pay for it inside its
+        request's deadline."""
+        encode_texts(["warm up"])
+
     @torch.no_grad()
     def encode_ads(self, ads: Sequence[Ad]) -> torch.Tensor:
         """-> (n, S) float32 stored vectors on the CPU; the ad tower runs on the device."""

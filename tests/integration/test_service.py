@@ -283,6 +283,8 @@ def test_openapi_is_served(service):
     spec = requests.get(f"{service.url}/two/openapi.json", timeout=10).json()
     assert {"/v1/retrieve", "/v1/retrieve:batch", "/v1/ad-events", "/v1/ads/{ad_id}", "/healthz", "/readyz",
             "/metrics"} <= set(spec["paths"])
+    assert all("415" in spec["paths"][path]["post"]["responses"] for path in ("/v1/retrieve", "/v1/retrieve:batch",
+                                                                              "/v1/ad-events"))
     assert serve.status().applications["two"].status == "RUNNING"
 
 

@@ -122,3 +122,12 @@ def test_a_ranker_is_not_served(default_schema):
     with pytest.raises(InvalidInput, match="ranker checkpoint is not served") as caught:
         ModelScorer(RetrievalModel("ranker", Dims(categories=4)), ["sports"], default_schema)
     assert caught.value.field == "model"
+
+
+def test_warm_up_loads_the_sentence_model(scorer):
+    """The router warms its scorer up at start, so the first write does not load the sentence model in its deadline."""
+    from andromeda_core.models import text
+
+    text._model.cache_clear()
+    scorer.warm_up()
+    assert text._model.cache_info().currsize == 1
