@@ -144,9 +144,18 @@ class RankerHead(nn.Module):
         """(B, n) output of the MLP."""
         return self.mlp[1:](self.first_layer(state, stored, text, cross)).squeeze(-1)
 
+    @property
+    def silent(self) -> bool:
+        """Whether the deep part outputs exactly 0: its output layer is zero, as at the warm start, which validation
+        keeps where training found nothing better (on MovieLens it did)."""
+        out = self.mlp[-1]
+        return not out.weight.any() and not out.bias.any()
+
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
               cross: torch.Tensor | None = None) -> torch.Tensor:
         wide = self._cross(state, stored, cross) @ self.cross
+        if not torch.is_grad_enabled() and self.silent:  # 0 + x is x: the same scores, without the deep part's FLOPs
+            return self.wide.score(state, stored) + wide
         return self.deep(state, stored, text, cross) + self.wide.score(state, stored) + wide
 
     def flops_per_pair(self) -> int:

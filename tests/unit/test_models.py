@@ -368,6 +368,29 @@ def test_ranker_factored_first_layer_equals_the_plain_mlp():
                                                        atol=1e-5)
 
 
+def test_a_silent_deep_part_is_skipped_only_where_it_adds_exactly_0():
+    """Scoring without gradients skips a deep part whose output layer is zero: the same scores to the bit. With
+    gradients (training) it runs, so the zero layer still learns."""
+    torch.manual_seed(4)
+    data, model = tiny_data(), RetrievalModel("ranker", DIMS)
+    stored, text = model.item_vectors(data.items).detach(), torch.from_numpy(data.items.text).float()
+    state = model.users(user_inputs(data, stored, np.array([0, 1]), np.array([3, 5]), DIMS.history))
+    state = UserState(state.experts.detach(), state.keys.detach(), state.mask)
+    cross = torch.randn(2, len(stored), N_FEATURES)
+    model.head.cross.data.normal_()
+    assert model.head.silent
+    with torch.no_grad():
+        full = model.head.deep(state, stored, text, cross) + model.head.wide.score(state, stored) + cross @ model.head.cross
+        assert torch.equal(model.score(state, stored, text, cross), full)
+    model.score(state, stored, text, cross).sum().backward()
+    assert model.head.mlp[-1].weight.grad.abs().sum() > 0
+    torch.nn.init.normal_(model.head.mlp[-1].weight)
+    assert not model.head.silent
+    with torch.no_grad():
+        assert not torch.equal(model.score(state, stored, text, cross),
+                               model.head.wide.score(state, stored) + cross @ model.head.cross)
+
+
 def test_a_warm_started_ranker_starts_as_the_moe_and_learns_only_its_head():
     data = tiny_data()
     moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
