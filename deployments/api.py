@@ -294,7 +294,7 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         on_error("internal")
         log.error("internal error on %s %s\n%s", request.method, request.url.path,
-                  sendable(traceback.format_exc(), None))
+                  sendable("".join(traceback.format_exception(exc)), None))
         return error_response(500, "internal", f"{type(exc).__name__}: internal error")
 
     return app

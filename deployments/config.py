@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from andromeda_core.types import CO_ENGAGEMENT_MAX, COHORTS_MAX, HISTORY_MAX, K_MAX
 
+BATCH_MAX = 4096  # the most requests of one POST /v1/retrieve:batch, whatever limits.batch_requests says
+
 APP_NAME = "andromeda"
 ROUTER = "router"
 
@@ -76,7 +78,7 @@ class Limits(BaseModel):
     """Largest request body (413 beyond it, before it is parsed)."""
     k: int = Field(K_MAX, ge=1, le=K_MAX)
     """Largest `k` of a retrieval request."""
-    batch_requests: int = Field(256, ge=1, le=4096)
+    batch_requests: int = Field(256, ge=1, le=BATCH_MAX)
     """Requests in one `POST /v1/retrieve:batch`."""
     history: int = Field(HISTORY_MAX, ge=0, le=HISTORY_MAX)
     """Events in `user.history`."""

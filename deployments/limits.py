@@ -52,7 +52,8 @@ def check_chars(limits: Limits, value: object, field: str) -> None:
 
 WIRE_BOUNDS = {("k", "less_than_equal"): ("k", ""), ("user.history", "too_long"): ("history", " entries"),
                ("user.cohorts", "too_long"): ("cohorts", " entries"),
-               ("user.co_engagement", "too_long"): ("co_engagement", " entries")}
+               ("user.co_engagement", "too_long"): ("co_engagement", " entries"),
+               ("body", "too_long"): ("batch_requests", " requests")}  # the only body with a bounded length
 """(field path, pydantic error type) -> (limit, unit): where the wire type's own bound is the largest that limit may be
 set to, so a value past the bound is past the limit too."""
 

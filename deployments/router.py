@@ -33,8 +33,8 @@ from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse, Ups
 from deployments.api import (BODY_ERRORS, ERRORS, WRITE_ERRORS, AdState, BatchResponse, GuardSettings, Health,
                              PublishResponse, bearer_token, create_app, current_deadline, remaining_s)
 from deployments.auth import Principal, TokenStore
-from deployments.config import ServiceConfig, by_reference
-from deployments.limits import TokenBuckets, check_requests
+from deployments.config import BATCH_MAX, ServiceConfig, by_reference
+from deployments.limits import TokenBuckets, check_requests, over_limit
 from deployments.metrics import ServiceMetrics
 from deployments.shared_limits import SharedTokenBuckets, limiter_client
 from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
@@ -158,12 +158,11 @@ class Router:
         return (await self.answer([request], "retrieve", ""))[0]
 
     @app.post("/v1/retrieve:batch", response_model=BatchResponse, responses=BODY_ERRORS)
-    async def retrieve_batch(self, requests: Annotated[list[RetrieveRequest], Field(min_length=1, max_length=4096)],
+    async def retrieve_batch(self, requests: Annotated[list[RetrieveRequest], Field(min_length=1, max_length=BATCH_MAX)],
                              _: Principal | None = Depends(reader)) -> BatchResponse:
         """Several requests in one call; they share one pass over each shard."""
         if len(requests) > self.config.limits.batch_requests:
-            raise InvalidInput(f"at most {self.config.limits.batch_requests} requests (limits.batch_requests), got "
-                               f"{len(requests)}", "body")
+            raise InvalidInput(over_limit(self.config.limits, "batch_requests", " requests", len(requests)), "body")
         return BatchResponse(responses=await self.answer(requests, "retrieve_batch", "[{}]."))
 
     async def answer(self, requests: Sequence[RetrieveRequest], endpoint: str, where: str) -> list[RetrieveResponse]:

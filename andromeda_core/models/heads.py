@@ -154,7 +154,8 @@ class RankerHead(nn.Module):
     def score(self, state: UserState, stored: torch.Tensor, text: torch.Tensor | None = None,
               cross: torch.Tensor | None = None) -> torch.Tensor:
         wide = self._cross(state, stored, cross) @ self.cross
-        if not torch.is_grad_enabled() and self.silent:  # 0 + x is x: the same scores, without the deep part's FLOPs
+        if not torch.is_grad_enabled() and self.silent:  # a zero layer adds 0 (its finite inputs times 0), and 0 + x
+            # is x: the same scores, without the deep part's FLOPs
             return self.wide.score(state, stored) + wide
         return self.deep(state, stored, text, cross) + self.wide.score(state, stored) + wide
 

@@ -48,19 +48,17 @@ def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, r
 def top_n_gates(logits: torch.Tensor, top_n: int) -> torch.Tensor:
     """(B, E, n) gating logits (-inf: a masked expert) -> (B, E, n) gates: softmax over each candidate's top_n
     experts (of equal logits, the lower expert; NaN above all), 0 for the others; all 0 when a chosen logit is
-    NaN or +inf, or none is usable. A NaN or +inf logit is always chosen (only NaN ranks above +inf), so such a
-    candidate's gates are all 0 whatever else it holds. Otherwise expert e is chosen when fewer than top_n
-    experts rank above it: a lower expert j < e with a logit >= e's, or a higher one with a logit > e's. Counted
-    pair by pair over the E experts (E is small): a sort along E costs several times more on CPU."""
+    NaN or +inf, or none is usable. Expert e is chosen when fewer than top_n experts rank above it: a lower
+    expert j < e with a logit >= e's, or a higher one with a logit > e's (comparisons with NaN are false, so a
+    NaN, and the first +inf, always is; the softmax of a NaN or +inf is NaN throughout, which nan_to_num makes
+    0). Counted pair by pair over the E experts (E is small): a sort along E costs several times more on CPU."""
     E = logits.shape[1]
-    above = torch.zeros(logits.shape, dtype=torch.uint8, device=logits.device)
+    above = torch.zeros(logits.shape, dtype=torch.int16, device=logits.device)
     for j in range(E):
         other = logits[:, j: j + 1]
         above[:, :j] += other > logits[:, :j]
         above[:, j + 1:] += other >= logits[:, j + 1:]
-    gates = torch.nan_to_num(torch.softmax(logits.masked_fill(above >= top_n, float("-inf")), dim=1))
-    unbounded = (logits.isnan() | (logits == float("inf"))).any(1, keepdim=True)
-    return gates.masked_fill(unbounded, 0.0)
+    return torch.nan_to_num(torch.softmax(logits.masked_fill(above >= top_n, float("-inf")), dim=1))
 
 
 def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: torch.Tensor, keys: torch.Tensor,

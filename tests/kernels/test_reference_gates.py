@@ -39,6 +39,19 @@ def test_gates_match_a_python_sort(case):
         assert gates == pytest.approx(python_gates(column, top_n), abs=1e-6), column
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7).flatmap(lambda E: st.tuples(
+    st.lists(st.lists(st.sampled_from(VALUES), min_size=E, max_size=E), min_size=1, max_size=9),
+    st.integers(1, E))))
+def test_gates_equal_a_stable_sorts_to_the_bit(case):
+    """The same gates as choosing by a stable descending argsort along E (what the kernels were written against)."""
+    columns, top_n = case
+    logits = torch.tensor(columns).T[None]  # (1, E, n)
+    top = torch.argsort(logits, dim=1, descending=True, stable=True)[:, :top_n]
+    chosen = torch.full_like(logits, float("-inf")).scatter(1, top, logits.gather(1, top))
+    assert torch.equal(top_n_gates(logits, top_n), torch.nan_to_num(torch.softmax(chosen, dim=1)))
+
+
 def test_equal_logits_go_to_the_lower_expert():
     logits = torch.tensor([[[1.0], [3.0], [3.0], [3.0]]])  # experts 1, 2 and 3 tie
     assert top_n_gates(logits, 2)[0, :, 0].tolist() == [0.0, 0.5, 0.5, 0.0]

@@ -115,8 +115,8 @@ def test_latency_shedder_admits_once_nothing_is_in_flight_and_is_off_at_target_0
 ])
 def test_each_request_limit_names_the_field_and_the_limit(user, k, field):
     limits = Limits(k=10, history=2, cohorts=2, values_per_category=2, string_chars=8)
-    request = parse_request({"user": {"user_id": 1, **{k: v for k, v in user.items() if k != "context"}},
-                             "context": user.get("context", {}), "k": k})
+    fields = {name: value for name, value in user.items() if name != "context"}  # the rest goes in `context`
+    request = parse_request({"user": {"user_id": 1, **fields}, "context": user.get("context", {}), "k": k})
     with pytest.raises(InvalidInput) as info:
         check_requests(limits, [parse_request({"user": {"user_id": 2}, "k": 1})] * 2 + [request], "[{}].")
     assert info.value.field == f"[2].{field}" and "limits." in info.value.message
@@ -130,6 +130,7 @@ def test_each_request_limit_names_the_field_and_the_limit(user, k, field):
     ("user.co_engagement", "too_long", [{}] * 1025, "at most 1024 entries (limits.co_engagement), got 1025"),
     ("user.history", "list_type", "x", None),  # not past a bound
     ("context.k", "less_than_equal", 10001, None),  # no limit's field
+    ("body", "too_long", [{}] * 4097, "at most 256 requests (limits.batch_requests), got 4097"),
 ])
 def test_past_the_wire_types_bound_the_message_names_the_limit(field, error_type, value, message):
     """The wire types' bounds are the largest the limits may be set to: pydantic refuses first, named as a limit."""

@@ -128,6 +128,6 @@ def test_warm_up_loads_the_sentence_model(scorer):
     """The router warms its scorer up at start, so the first write does not load the sentence model in its deadline."""
     from andromeda_core.models import text
 
-    text._model.cache_clear()
+    text._model.cache_clear()  # the next test to embed loads it again (seconds): the price of a test that can fail
     scorer.warm_up()
     assert text._model.cache_info().currsize == 1
