@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from kernels.reference.fused import top_n_gates
 
 VALUES = [-1.0, 0.0, 0.5, 2.0, float("-inf"), float("inf"), float("nan")]  # few values: many ties
+CASES = st.integers(1, 7).flatmap(lambda E: st.tuples(  # (columns: n candidates' logits over E experts, top_n)
+    st.lists(st.lists(st.sampled_from(VALUES), min_size=E, max_size=E), min_size=1, max_size=9), st.integers(1, E)))
 
 
 def python_gates(column: list[float], top_n: int) -> list[float]:
@@ -28,9 +30,7 @@ def python_gates(column: list[float], top_n: int) -> list[float]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 7).flatmap(lambda E: st.tuples(
-    st.lists(st.lists(st.sampled_from(VALUES), min_size=E, max_size=E), min_size=1, max_size=9),
-    st.integers(1, E))))
+@given(CASES)
 def test_gates_match_a_python_sort(case):
     columns, top_n = case
     logits = torch.tensor(columns).T[None]  # (1, E, n)
@@ -40,9 +40,7 @@ def test_gates_match_a_python_sort(case):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 7).flatmap(lambda E: st.tuples(
-    st.lists(st.lists(st.sampled_from(VALUES), min_size=E, max_size=E), min_size=1, max_size=9),
-    st.integers(1, E))))
+@given(CASES)
 def test_gates_equal_a_stable_sorts_to_the_bit(case):
     """The same gates as choosing by a stable descending argsort along E (what the kernels were written against)."""
     columns, top_n = case
