@@ -101,7 +101,7 @@ BODY_ERRORS = {**ERRORS, 415: {"model": ErrorBody}}  # a POST whose body is not 
 WRITE_ERRORS = {**BODY_ERRORS, 401: {"model": ErrorBody}, 403: {"model": ErrorBody}}
 
 
-ECHOED_CHARS = 512  # of a field path or message that echoes the client's input
+ECHOED_CHARS = 512  # the most characters of an error's field or message (either may echo the client's input)
 
 
 def sendable(text: str, limit: int | None = ECHOED_CHARS) -> str:

@@ -39,15 +39,14 @@ def check_values(limits: Limits, values: dict, field: str) -> None:
     for category, value in values.items():
         held = value if isinstance(value, list) else [value]
         if len(held) > limits.values_per_category:
-            raise InvalidInput(f"at most {limits.values_per_category} values (limits.values_per_category), "
-                               f"got {len(held)}", f"{field}.{category}")
+            raise InvalidInput(over_limit(limits, "values_per_category", " values", len(held)), f"{field}.{category}")
         for j, v in enumerate(held):
             check_chars(limits, v, f"{field}.{category}" + (f"[{j}]" if isinstance(value, list) else ""))
 
 
 def check_chars(limits: Limits, value: object, field: str) -> None:
     if isinstance(value, str) and len(value) > limits.string_chars:
-        raise InvalidInput(f"at most {limits.string_chars} characters (limits.string_chars), got {len(value)}", field)
+        raise InvalidInput(over_limit(limits, "string_chars", " characters", len(value)), field)
 
 
 WIRE_BOUNDS = {("k", "less_than_equal"): ("k", ""), ("user.history", "too_long"): ("history", " entries"),
@@ -68,6 +67,7 @@ def past_wire_bound(limits: Limits, field: str, error_type: str, value: object) 
 
 
 def over_limit(limits: Limits, name: str, unit: str, got: object) -> str:
+    """The message of a value past limits.<name>, e.g. "at most 256 characters (limits.string_chars), got 300"."""
     return f"at most {getattr(limits, name)}{unit} (limits.{name}), got {got}"
 
 

@@ -44,7 +44,8 @@ def svc(tmp_path_factory):
                                       limits=Limits(body_bytes=4096, k=50, batch_requests=4, history=4, values_per_category=3,
                                                     string_chars=16), **common),
                 "tight": ServiceConfig(stream="guard-tight", snapshot_dir=str(tmp / "t"),
-                                       router_replicas=2, rate_limit=RateLimit(requests_per_s=0.2, burst=3, shared=True, store_timeout_s=5),
+                                       router_replicas=2, rate_limit=RateLimit(requests_per_s=0.2, burst=3, shared=True,
+                                                                               store_timeout_s=5),  # not a timeout test
                                        **{**common, "auth": Auth(token_file=str(tokens), reload_s=0.2, read_auth=True)}),
                 "over": ServiceConfig(stream="guard-over", snapshot_dir=str(tmp / "o"), overload=Overload(router_inflight=1),
                                       **common),

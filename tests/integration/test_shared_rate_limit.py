@@ -129,7 +129,8 @@ def test_the_documented_acl_user_may_keep_the_buckets(tmp_path):
     try:
         limits = rate_limiter(ServiceConfig(redis_url=f"redis://andromeda:pw@127.0.0.1:{server.port}/0",
                                             rate_limit=RateLimit(requests_per_s=1, burst=1, shared=True,
-                                                                 store_timeout_s=5)))  # not a timeout test: a slow fsync must not fall back
+                                                                 store_timeout_s=5)))  # not a timeout test: a slow
+        # fsync must not make it fall back
         fallbacks = []
         limits.on_fallback = lambda: fallbacks.append(1)
         assert limits.take("acme", 1.0) == 0 and limits.take("acme", 1.0) == pytest.approx(1.0) and not fallbacks
