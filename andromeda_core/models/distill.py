@@ -29,11 +29,13 @@ class Teacher:
     top: np.ndarray
 
 
-def ask_teacher(ranker: RetrievalModel, data: RecData, k: int = TEACHER_TOP, progress: bool = True) -> Teacher:
-    """The ranker's top-k over the full corpus (history excluded) for every user with a validation engagement."""
+def ask_teacher(ranker: RetrievalModel, data: RecData, users: int | None = None, k: int = TEACHER_TOP,
+                progress: bool = True) -> Teacher:
+    """The ranker's top-k over the full corpus (history excluded) for the first `users` (every one when None) of
+    the users with a validation engagement."""
     if ranker.kind != "ranker":
         raise ValueError(f"the teacher must be a ranker checkpoint, got a {ranker.kind!r} model")
-    users = data.eval_users()
+    users = data.eval_users()[:users]
     with ranker.without_click_prior():
         ranking = rank_items(ranker, data, users, split=0, progress=progress)
     return Teacher(users, np.array([data.split(u)[0] for u in users]), ranking.top[:, :k])

@@ -42,6 +42,9 @@ DATASETS = ("movielens", *WORLDS)
 EVAL_USERS = 2000  # per data set (MovieLens has 610)
 TRUE_RECALL_TARGET = {"synthetic": 0.28}  # twice the 0.14 every model had on this world before learned ids
 DISTILL_GRID = (0.0, 0.5)  # distillation weights tried for the students; validation picks one
+TEACHER_USERS = 1000  # users (the first with a validation engagement) whose top-100 the ranker is asked for: it
+# ranks the corpus in about 66 ms per user on one thread, so all 3,972 of the synthetic world's took 4 minutes, for
+# 300 distillation steps that draw 128 of them each
 SHORT_HISTORY = 5
 ORACLE = "oracle (true affinity)"
 CEILING = "ceiling (engagement probability)"
@@ -85,19 +88,13 @@ def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, disti
     return {**meta, "teacher": teacher.name, "distill": distill} if teacher else meta
 
 
-MOE_STARTS = ("moe", "moe (from sasrec)")  # the undistilled MoE trained from scratch and going on from the SASRec
-# two-tower's weights (its ad tower and sequence expert); validation picks one
-
-
 @dataclass
 class Trained:
-    """The models of one data set: by name, which were trained in this run, the undistilled MoE's validation score
-    at each start tried and the start chosen, the MoE's at each distillation weight tried and the weight chosen."""
+    """The models of one data set: by name, which were trained in this run and in how many seconds, the MoE's
+    validation score at each distillation weight tried and the weight chosen."""
 
     models: dict[str, RetrievalModel] = field(default_factory=dict)
-    trained: list[str] = field(default_factory=list)
-    starts: dict[str, float] = field(default_factory=dict)
-    start: str = MOE_STARTS[0]
+    seconds: dict[str, float] = field(default_factory=dict)  # of the models trained in this run, in training order
     validation: dict[float, float] = field(default_factory=dict)
     chosen: float = 0.0
 
@@ -125,36 +122,33 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
 
 
 def train_all(data: RecData, retrain: bool) -> Trained:
-    """The two-tower baselines; the MoE undistilled, from scratch and going on from the SASRec-style two-tower,
-    the one with the better validation score kept (each user's second-to-last engagement, never the test one);
-    the ranker on that MoE's frozen towers; then the MoE distilled from the ranker at each other weight of
-    DISTILL_GRID, going on from the undistilled one. The MoE kept is the weight with the best validation score."""
+    """The two-tower baselines; the MoE undistilled; the ranker on its frozen towers; then the MoE distilled from
+    the ranker at each other weight of DISTILL_GRID, going on from the undistilled one. The MoE kept is the weight
+    with the best validation score (each user's second-to-last engagement, never the test one)."""
     out, runs = Trained(), {}
     val_users = data.eval_users()[:EVAL_USERS]
 
     def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None):
-        again = retrain or init in out.trained  # a model going on from one trained now is trained again too
+        again = retrain or init in out.seconds  # a model going on from one trained now is trained again too
+        started = time.time()
         model, path, fresh = get_model(data, kind, again, teacher, distill, runs[init] if init else None)
         runs[name] = model, path
-        out.trained += [name] if fresh else []
+        if fresh:
+            out.seconds[name] = time.time() - started
         return model
 
-    for kind in ("sasrec", "two_tower"):
+    for kind in ("sasrec", "two_tower", "moe"):
         out.models[kind] = fit(kind, kind)
-    for name in MOE_STARTS:
-        out.starts[name] = validation_score(fit(name, "moe", init="sasrec" if name != "moe" else None), data, val_users)
-    out.start = max(MOE_STARTS, key=out.starts.get)  # max keeps the first of equals
-    out.models["ranker"] = fit("ranker", "ranker", init=out.start)
-    teacher = ask_teacher(out.models["ranker"], data) if any(DISTILL_GRID) else None
-    distilled = {w: f"moe (distill {w:g})" if w else out.start for w in DISTILL_GRID}
+    out.models["ranker"] = fit("ranker", "ranker", init="moe")
+    teacher = ask_teacher(out.models["ranker"], data, TEACHER_USERS) if any(DISTILL_GRID) else None
+    distilled = {w: f"moe (distill {w:g})" if w else "moe" for w in DISTILL_GRID}
     for weight in filter(None, DISTILL_GRID):
-        fit(distilled[weight], "moe", weight, teacher, init=out.start)
-    out.validation = {w: out.starts[name] if name in out.starts else validation_score(runs[name][0], data, val_users)
-                      for w, name in distilled.items()}
+        fit(distilled[weight], "moe", weight, teacher, init="moe")
+    out.validation = {w: validation_score(runs[name][0], data, val_users) for w, name in distilled.items()}
     out.chosen = max(DISTILL_GRID, key=out.validation.get)
     out.models["moe"] = runs[distilled[out.chosen]][0]
     if out.chosen:  # the retriever the ranker was built on and is held to beat
-        out.models[UNDISTILLED] = runs[out.start][0]
+        out.models[UNDISTILLED] = runs["moe"][0]
     return out
 
 
@@ -220,6 +214,15 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
     short += [learned(kind, keep=SHORT_HISTORY) for kind in ("sasrec", "two_tower", "moe", "ranker")]
     every_ad_new = [learned(kind, content_only=True) for kind in ("sasrec", "two_tower", "moe", "ranker")]
     return rows, {"short": short, "content_only": every_ad_new}
+
+
+def timing(trained: Trained, started: float) -> str:
+    """The sentence on where this data set's time went after its data was loaded: each model trained in this run,
+    then the rest (ranking and measuring) up to the end of the report's section."""
+    models = ", ".join(f"{name} {s:,.0f} s" for name, s in trained.seconds.items())
+    rest = time.time() - started - sum(trained.seconds.values())
+    return (f"Time: training {models or 'none (every model from its checkpoint)'}; ranking and measuring "
+            f"{rest:,.0f} s.")
 
 
 def click_weights(trained: Trained) -> str:
@@ -401,6 +404,7 @@ def click_prior_tradeoff(model: RetrievalModel, ranked: Ranking, data: RecData, 
 
 
 def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
+    started = time.time()
     trained = train_all(data, retrain)
     users = data.eval_users()[:EVAL_USERS]
     rows, subsets = rankings(data, trained, users)
@@ -419,20 +423,8 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
          for r in by_name.values()], plot_dir / f"quality-{data.name}.png",
         f"{data.name}: {'expected ' if expected else ''}HR@10 against FLOPs per pair")
     tuning = ", ".join(f"{w:g}: {s:.4f}" for w, s in trained.validation.items())
-    starts = ", ".join(f"{name}: {s:.4f}" for name, s in trained.starts.items())
     pair = ", ".join(f"{name} {w:g}" for name, w in zip(FEATURE_NAMES, trained.models["ranker"].head.cross.tolist()))
-    return (f"## {data.name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, {len(users)} evaluated "
-            f"(last engagement held out, full corpus ranked, history excluded). Models trained in this run: "
-            f"{', '.join(trained.trained) or 'none (all from checkpoints of the same defaults)'}. "
-            f"The undistilled MoE's start, chosen on the validation split (mean of the four metrics at each user's "
-            f"second-to-last engagement): {starts}; chosen: {trained.start}. "
-            f"Its weight of distillation from the ranker's top-{TEACHER_TOP}, chosen on that validation "
-            f"split: {tuning}; chosen: "
-            f"{trained.chosen:g} (the teacher is asked at those same states, which favours distillation a little). "
-            f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "
-            f"part trains: {pair}. {click_weights(trained)}"
-            f"Cells: mean [95% bootstrap interval over users].\n\n"
-            f"{main_table(rows, ranker_top, truth)}\n\n![quality against FLOPs]({plot.name})\n\n"
+    body = (f"{main_table(rows, ranker_top, truth)}\n\n![quality against FLOPs]({plot.name})\n\n"
             f"### The MoE against every other row: paired bootstrap over the same users\n\n"
             f"Difference of means [95% interval]; significant where the interval excludes 0. With "
             f"{len(others) * len(METRICS)} comparisons, about one may look significant by chance.\n\n"
@@ -450,6 +442,15 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"(item-kNN and content sum over their last {SHORT_HISTORY}; segments and co-engagements stay; the whole "
             f"history is still excluded from the ranking).\n\n{subset_table(subsets['short'])}\n\n"
             f"Targets:\n" + "\n".join(targets(rows, ranker_top, TRUE_RECALL_TARGET.get(data.name), truth, expected)))
+    return (f"## {data.name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, {len(users)} evaluated "
+            f"(last engagement held out, full corpus ranked, history excluded). {timing(trained, started)} "
+            f"The MoE's weight of distillation from the ranker's top-{TEACHER_TOP} (asked for the first "
+            f"{TEACHER_USERS:,} users), chosen on the validation split (mean of the four metrics at each user's "
+            f"second-to-last engagement): {tuning}; chosen: "
+            f"{trained.chosen:g} (the teacher is asked at those same states, which favours distillation a little). "
+            f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "
+            f"part trains: {pair}. {click_weights(trained)}"
+            f"Cells: mean [95% bootstrap interval over users].\n\n" + body)
 
 
 def side_by_side(fn: Callable, jobs: list[tuple], workers: int) -> list:
@@ -505,10 +506,7 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
             f"the ad's MiniLM text embedding, the ad tower's input, with the mean of the user's last 50), declared "
             f"interests (the same cosine with the mean MiniLM text of the interests and behaviours the user declares; "
             f"synthetic worlds only: MovieLens users declare nothing), and a "
-            f"SASRec-style two-tower (the MoE's sequence expert alone, dot product). The MoE trains from scratch and, "
-            f"apart, goes on from the SASRec-style two-tower's weights (its ad tower and sequence expert come "
-            f"trained; the other experts and the gating start fresh); validation keeps one. Going on from SASRec, every "
-            f"expert of the MoE also learns a sampled softmax of its own. The oracle ranks by the "
+            f"SASRec-style two-tower (the MoE's sequence expert alone, dot product). The oracle ranks by the "
             f"synthetic world's own true affinity. The ranker (the MoE's frozen towers, a deep part and a wide "
             f"part) also reads pair features no two-tower can compute: the item-kNN score of the candidate "
             f"against the user's last 1, 5 and 50 engagements (mean cosine over co-engagement) and its log "
