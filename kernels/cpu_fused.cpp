@@ -7,7 +7,7 @@
 // one pass over its refs gives the word of every request it matches at once (a load and an and per ref,
 // whatever the group's size), and a shared test of the window against the group's earliest and latest
 // `now`. Matched rows are prefetched a few blocks of ads ahead of their scoring. Only an ad some
-// request matched is decoded (int8 with block scales, fp16 or fp32; AVX-512 where the CPU has it), once,
+// request matched is decoded (int8 with block scales, fp16 or fp32; AVX-512 or AVX2 where the CPU has it), once,
 // then scored for each request it matched: the request's experts and gating keys are one (D + G, 16)
 // matrix, so the similarities of every expert and the gating logits of every expert are 16-lane
 // multiply-adds over the ad's dims (no horizontal sums); then the top-n logits, their softmax and the
@@ -105,6 +105,9 @@ inline float decode(const Table& t, int64_t i, int64_t width, int64_t bias_col, 
 #if defined(__AVX512F__)
         for (; first + 16 <= width; first += 16)
             _mm512_storeu_ps(x + first, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + first))));
+#elif defined(__F16C__) && defined(__AVX__)
+        for (; first + 8 <= width; first += 8)
+            _mm256_storeu_ps(x + first, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + first))));
 #endif
         for (int64_t d = first; d < width; ++d) x[d] = half_to_float(v[d]);
         return bias_col >= 0 ? half_to_float(v[bias_col]) : 0.0f;
@@ -121,6 +124,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
     __m512 lanes = _mm512_setzero_ps();
     for (; d + 16 <= n; d += 16) lanes = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), lanes);
     acc = _mm512_reduce_add_ps(lanes);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; d + 16 <= n; d += 16)
+        for (int j = 0; j < 2; ++j) lanes[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8 * j), _mm256_loadu_ps(b + d + 8 * j), lanes[j]);
+    for (; d + 8 <= n; d += 8) lanes[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lanes[0]);
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, _mm256_add_ps(lanes[0], lanes[1]));
+    for (const float sum : sums) acc += sum;
 #endif
     for (; d < n; ++d) acc += a[d] * b[d];
     return acc;
@@ -228,6 +239,83 @@ inline float packed_mixture(const Requests& r, const float* w, const float* x, c
         return -std::numeric_limits<float>::infinity();
     return mixture(sims, products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G), usable, r.top_n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX-512 path above with the 16 lanes in two 8-lane halves (lo: lanes 0-7, hi: 8-15), then the portable mixture.
+struct Lanes {
+    __m256 lo, hi;
+};
+
+// P consecutive floats from x repeated over 8 lanes.
+template <int P>
+inline __m256 repeated(const float* x) {
+    if constexpr (P == 1) return _mm256_broadcast_ss(x);
+    if constexpr (P == 2) {
+        double pair;
+        std::memcpy(&pair, x, sizeof pair);
+        return _mm256_castpd_ps(_mm256_set1_pd(pair));
+    }
+    if constexpr (P == 4) return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x));
+}
+
+// All ones in the lanes whose bit of `bits` (8 of them) is set.
+inline __m256 lane_mask(unsigned bits) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), bit), bit));
+}
+
+// As the AVX-512 products: sum_r x[r P : r P + P] (repeated) * w[r], each expert's P lanes summed into lane e * P.
+template <int P>
+inline Lanes products(const float* w, const float* x, int64_t dims) {
+    __m256 lo[4], hi[4];  // eight independent chains of multiply-adds
+    for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    const int64_t full = dims / P;
+    int64_t r = 0;
+    for (; r + 4 <= full; r += 4)
+        for (int j = 0; j < 4; ++j) {
+            const __m256 v = repeated<P>(x + (r + j) * P);
+            lo[j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + (r + j) * LANES), lo[j]);
+            hi[j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + (r + j) * LANES + 8), hi[j]);
+        }
+    for (; r < full; ++r) {
+        const __m256 v = repeated<P>(x + r * P);
+        lo[0] = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + r * LANES), lo[0]);
+        hi[0] = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + r * LANES + 8), hi[0]);
+    }
+    if (dims % P) {  // lanes e * P + h with h < dims % P
+        const unsigned lanes = (P == 2 ? 0x5555u : 0x1111u) * ((1u << (dims % P)) - 1u);
+        const __m256 v = repeated<P>(x + r * P);
+        lo[1] = _mm256_blendv_ps(lo[1], _mm256_fmadd_ps(v, _mm256_loadu_ps(w + r * LANES), lo[1]), lane_mask(lanes & 0xffu));
+        hi[1] = _mm256_blendv_ps(hi[1], _mm256_fmadd_ps(v, _mm256_loadu_ps(w + r * LANES + 8), hi[1]), lane_mask(lanes >> 8));
+    }
+    Lanes sum{_mm256_add_ps(_mm256_add_ps(lo[0], lo[1]), _mm256_add_ps(lo[2], lo[3])),
+              _mm256_add_ps(_mm256_add_ps(hi[0], hi[1]), _mm256_add_ps(hi[2], hi[3]))};
+    for (__m256* half : {&sum.lo, &sum.hi}) {
+        if constexpr (P >= 2) *half = _mm256_add_ps(*half, _mm256_permute_ps(*half, 0xB1));  // lanes 2k + 1 into 2k
+        if constexpr (P == 4) *half = _mm256_add_ps(*half, _mm256_permute_ps(*half, 0x4E));  // lanes 4k + 2 into 4k
+    }
+    return sum;
+}
+
+// As the AVX-512 packed_mixture: -inf, without the gating logits, when no usable similarity reaches bar.
+template <int P>
+inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float bar) {
+    const Lanes sims = products<P>(w, x, r.D);
+    if (bar > 0.0f) {
+        const __m256 level = _mm256_set1_ps(bar);  // ordered: a NaN similarity never reaches it
+        const unsigned reached = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(sims.lo, level, _CMP_GE_OQ))) |
+                                 static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(sims.hi, level, _CMP_GE_OQ))) << 8;
+        const unsigned usable_bits = ~static_cast<unsigned>(_mm_movemask_epi8(
+            _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128())));
+        if (!(reached & usable_bits & 0xffffu)) return -std::numeric_limits<float>::infinity();
+    }
+    const Lanes logits = products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G);
+    alignas(32) float s[LANES], l[LANES];
+    _mm256_store_ps(s, sims.lo);
+    _mm256_store_ps(s + 8, sims.hi);
+    _mm256_store_ps(l, logits.lo);
+    _mm256_store_ps(l + 8, logits.hi);
+    return mixture(s, l, usable, r.top_n);
+}
 #else
 inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float) {
     float sims[LANES] = {}, logits[LANES] = {};
@@ -242,12 +330,12 @@ inline float packed_mixture(const Requests& r, const float* w, const float* x, c
 
 // The mixture-of-logits score of the decoded ad x for request b (without its bias): every expert's similarity
 // <expert e, x[:D]> and gating logit <key e, x[D:D + G]> as 16-lane multiply-adds over x's dims, then mixture.
-// -inf when (with AVX-512) its similarities show it below bar, a score it could not enter the heap with.
+// -inf when (with AVX-512 or AVX2) its similarities show it below bar, a score it could not enter the heap with.
 inline float gated(const Requests& r, int64_t b, const float* x, float bar) {
     const uint8_t* usable = r.mask + b * LANES;
     if (r.E == 1 && r.G == 0) return usable[0] ? dot(r.weights + b * r.D, x, r.D) : 0.0f;  // a dot product
     const float* w = r.weights + b * r.rows() * LANES;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (r.P == 4) return packed_mixture<4>(r, w, x, usable, bar);
     if (r.P == 2) return packed_mixture<2>(r, w, x, usable, bar);
     return packed_mixture<1>(r, w, x, usable, bar);
