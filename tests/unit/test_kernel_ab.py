@@ -75,9 +75,20 @@ def test_builds_of_one_source_agree_and_a_changed_result_is_flagged():
     source = cpu.SOURCE.read_bytes()
     assert score in source
     wrong = ctypes.CDLL(str(cpu.build(source.replace(score, score.replace(b"+ biases", b"- biases")))))
-    assert kernel_ab.alternate(tiny_scan(), {"a": cpu.library(), "b": cpu.library()}, calls=1)["same"]
+    same = kernel_ab.alternate(tiny_scan(), {"a": cpu.library(), "b": cpu.library()}, calls=1)
+    assert same["same"] and same["same_slots"] and same["score_gap"] == 0
     result = kernel_ab.alternate(tiny_scan(), {"right": cpu.library(), "wrong": wrong}, calls=1)
-    assert not result["same"] and result["ratio"] > 0
+    assert not result["same"] and not result["same_slots"] and result["score_gap"] > 0 and result["ratio"] > 0
+
+
+def test_rounding_alone_keeps_the_slots_and_gives_the_gap():
+    """A build whose scores move by a rounding step (the bias times 1 + 2^-20) keeps every slot: told apart
+    from a changed top."""
+    score = b"gated(r, g.first + b, xs.data() + k * stride, bar) + biases[k]"
+    source = cpu.SOURCE.read_bytes()
+    nudged = ctypes.CDLL(str(cpu.build(source.replace(score, score.replace(b"biases[k]", b"biases[k] * (1.0f + 0x1p-20f)")))))
+    result = kernel_ab.alternate(tiny_scan(), {"right": cpu.library(), "nudged": nudged}, calls=1)
+    assert not result["same"] and result["same_slots"] and 0 < result["score_gap"] < 1e-4
 
 
 @needs_git
