@@ -162,7 +162,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if not fits:  # a model of other data: its learned ids are not the ads trained on here
         raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
     model = train(data, args.model, cfg, teacher, init)
-    model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill, args.init))
+    model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill, args.init,
+                                    len(teacher.users) if teacher is not None else 0))
     print(f"wrote {out}")
 
 
@@ -284,12 +285,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=POSITIVE, default=None, help="override the default number of steps")
     s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed of the initialisation and batches")
     s.add_argument("--teacher", type=input_file, default=None,
-                   help="ranker checkpoint to distil (its top-100 per user); `andromeda eval` uses DATA-ranker")
+                   help="ranker checkpoint to distil (its top-100 for the first 1,000 users with a validation "
+                        "engagement); `andromeda eval` uses DATA-ranker")
     s.add_argument("--distill", type=non_negative_float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
     s.add_argument("--init", type=input_file, default=None,
                    help="checkpoint to start from: a model of the same kind goes on training from all its weights "
-                        "(distillation does), so does a moe from a sasrec (`andromeda eval` does); a ranker starts "
-                        "from a MoE's towers, frozen")
+                        "(distillation does), so does a moe from a sasrec; a ranker starts from a MoE's towers, "
+                        "frozen")
     s.add_argument("--world", type=output_dir, default=None,
                    help="synthetic world directory (default: in the cache; a world is generated there when it holds none)")
     s.add_argument("--out", type=output_file, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors; a moe "

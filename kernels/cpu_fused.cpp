@@ -254,7 +254,10 @@ inline __m256 repeated(const float* x) {
         std::memcpy(&pair, x, sizeof pair);
         return _mm256_castpd_ps(_mm256_set1_pd(pair));
     }
-    if constexpr (P == 4) return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x));
+    if constexpr (P == 4) {
+        const __m128 four = _mm_loadu_ps(x);  // x + D need not be 16-byte aligned
+        return _mm256_set_m128(four, four);
+    }
 }
 
 // All ones in the lanes whose bit of `bits` (8 of them) is set.

@@ -18,6 +18,9 @@ from andromeda_core.models.recdata import RecData
 from andromeda_core.models.retrieval import RetrievalModel
 
 TEACHER_TOP = 100
+TEACHER_USERS = 1000  # users (the first with a validation engagement) whose top-k the ranker is asked for: it
+# ranks the corpus in about 66 ms per user on one thread, so all 3,972 of the synthetic world's took 4 minutes, for
+# 300 distillation steps that draw 128 of them each
 
 
 @dataclass
@@ -29,13 +32,13 @@ class Teacher:
     top: np.ndarray
 
 
-def ask_teacher(ranker: RetrievalModel, data: RecData, users: int | None = None, k: int = TEACHER_TOP,
+def ask_teacher(ranker: RetrievalModel, data: RecData, users: int | None = TEACHER_USERS, k: int = TEACHER_TOP,
                 progress: bool = True) -> Teacher:
     """The ranker's top-k over the full corpus (history excluded) for the first `users` (every one when None) of
     the users with a validation engagement."""
     if ranker.kind != "ranker":
         raise ValueError(f"the teacher must be a ranker checkpoint, got a {ranker.kind!r} model")
-    users = data.eval_users()[:users]
+    asked = data.eval_users()[:users]
     with ranker.without_click_prior():
-        ranking = rank_items(ranker, data, users, split=0, progress=progress)
-    return Teacher(users, np.array([data.split(u)[0] for u in users]), ranking.top[:, :k])
+        ranking = rank_items(ranker, data, asked, split=0, progress=progress)
+    return Teacher(asked, np.array([data.split(u)[0] for u in asked]), ranking.top[:, :k])

@@ -19,7 +19,7 @@ import torch
 from andromeda_core.config import IndexConfig, load_settings
 from andromeda_core.errors import InvalidInput
 from andromeda_core.models.baselines import content_similarity, declared_profiles, declared_similarity, item_knn, most_popular
-from andromeda_core.models.distill import TEACHER_TOP, Teacher, ask_teacher
+from andromeda_core.models.distill import TEACHER_TOP, TEACHER_USERS, Teacher, ask_teacher
 from andromeda_core.models.evaluate import (CUTOFFS, Ranking, bytes_per_ad, counted_flops_per_pair, crossings,
                                             expected_metrics, per_user_metrics, rank_items, ranking_from_scores,
                                             recall_within)
@@ -42,9 +42,6 @@ DATASETS = ("movielens", *WORLDS)
 EVAL_USERS = 2000  # per data set (MovieLens has 610)
 TRUE_RECALL_TARGET = {"synthetic": 0.28}  # twice the 0.14 every model had on this world before learned ids
 DISTILL_GRID = (0.0, 0.5)  # distillation weights tried for the students; validation picks one
-TEACHER_USERS = 1000  # users (the first with a validation engagement) whose top-100 the ranker is asked for: it
-# ranks the corpus in about 66 ms per user on one thread, so all 3,972 of the synthetic world's took 4 minutes, for
-# 300 distillation steps that draw 128 of them each
 SHORT_HISTORY = 5
 ORACLE = "oracle (true affinity)"
 CEILING = "ceiling (engagement probability)"
@@ -80,12 +77,13 @@ def checkpoint_path(data: str, kind: str, distill: float = 0.0, start: str = "")
 
 
 def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, distill: float = 0.0,
-                    init: Path | None = None) -> dict:
+                    init: Path | None = None, taught: int = 0) -> dict:
+    """taught: the users the teacher was asked for."""
     schema = load_schema()
     meta = {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": seed,
             "categories": data.items.categories}
     meta = {**meta, "init": init.name} if init else meta
-    return {**meta, "teacher": teacher.name, "distill": distill} if teacher else meta
+    return {**meta, "teacher": teacher.name, "distill": distill, "teacher_users": taught} if teacher else meta
 
 
 @dataclass
@@ -102,8 +100,8 @@ class Trained:
 def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None = None, distill: float = 0.0,
               init: tuple[RetrievalModel, Path] | None = None, seed: int = 0) -> tuple[RetrievalModel, Path, bool]:
     """(model, its checkpoint, trained in this call). The checkpoint is loaded unless retrain, or it is missing or
-    unusable (of an older model version, say), or its metadata names another start than init's checkpoint (it was
-    trained otherwise)."""
+    unusable (of an older model version, say), or its metadata names another start than init's checkpoint or, when
+    distilled, another number of users asked of the teacher (it was trained otherwise)."""
     start = other_start(kind, init[0] if init else None)
     path = checkpoint_path(data.name, kind, distill, start)
     loaded = None
@@ -112,12 +110,14 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
             loaded = RetrievalModel.load(path)
         except UNLOADABLE:
             pass  # trained again below
-    if loaded is not None and loaded[1].get("init") == (init[1].name if init else None):
+    taught = len(teacher.users) if teacher is not None and distill else 0
+    if (loaded is not None and loaded[1].get("init") == (init[1].name if init else None)
+            and loaded[1].get("teacher_users", 0) == taught):
         return loaded[0], path, False
     cfg = default_config(kind, seed, distill, start)
     model = train(data, kind, cfg, teacher if distill else None, init[0] if init else None)
     model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill,
-                                     init[1] if init else None))
+                                     init[1] if init else None, taught))
     return model, path, True
 
 
@@ -129,7 +129,8 @@ def train_all(data: RecData, retrain: bool) -> Trained:
     val_users = data.eval_users()[:EVAL_USERS]
 
     def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None):
-        again = retrain or init in out.seconds  # a model going on from one trained now is trained again too
+        # a model going on from one trained now is trained again too, and a student of a ranker trained now
+        again = retrain or init in out.seconds or (teacher is not None and "ranker" in out.seconds)
         started = time.time()
         model, path, fresh = get_model(data, kind, again, teacher, distill, runs[init] if init else None)
         runs[name] = model, path
@@ -140,7 +141,7 @@ def train_all(data: RecData, retrain: bool) -> Trained:
     for kind in ("sasrec", "two_tower", "moe"):
         out.models[kind] = fit(kind, kind)
     out.models["ranker"] = fit("ranker", "ranker", init="moe")
-    teacher = ask_teacher(out.models["ranker"], data, TEACHER_USERS) if any(DISTILL_GRID) else None
+    teacher = ask_teacher(out.models["ranker"], data) if any(DISTILL_GRID) else None
     distilled = {w: f"moe (distill {w:g})" if w else "moe" for w in DISTILL_GRID}
     for weight in filter(None, DISTILL_GRID):
         fit(distilled[weight], "moe", weight, teacher, init="moe")
@@ -216,13 +217,20 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
     return rows, {"short": short, "content_only": every_ad_new}
 
 
+def asked(data: RecData) -> str:
+    """Whom ask_teacher asks on this data set."""
+    n = len(data.eval_users())
+    return f"the first {TEACHER_USERS:,} users" if n > TEACHER_USERS else f"all {n:,} users"
+
+
 def timing(trained: Trained, started: float) -> str:
     """The sentence on where this data set's time went after its data was loaded: each model trained in this run,
-    then the rest (ranking and measuring) up to the end of the report's section."""
+    then the rest (the teacher's rankings, validations, ranking and measuring) up to the end of the report's
+    section."""
     models = ", ".join(f"{name} {s:,.0f} s" for name, s in trained.seconds.items())
     rest = time.time() - started - sum(trained.seconds.values())
-    return (f"Time: training {models or 'none (every model from its checkpoint)'}; ranking and measuring "
-            f"{rest:,.0f} s.")
+    return (f"Time: training {models or 'none (every model from its checkpoint)'}; the rest (the teacher's "
+            f"rankings, validations, ranking and measuring) {rest:,.0f} s.")
 
 
 def click_weights(trained: Trained) -> str:
@@ -444,8 +452,8 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"Targets:\n" + "\n".join(targets(rows, ranker_top, TRUE_RECALL_TARGET.get(data.name), truth, expected)))
     return (f"## {data.name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, {len(users)} evaluated "
             f"(last engagement held out, full corpus ranked, history excluded). {timing(trained, started)} "
-            f"The MoE's weight of distillation from the ranker's top-{TEACHER_TOP} (asked for the first "
-            f"{TEACHER_USERS:,} users), chosen on the validation split (mean of the four metrics at each user's "
+            f"The MoE's weight of distillation from the ranker's top-{TEACHER_TOP} (asked for "
+            f"{asked(data)}), chosen on the validation split (mean of the four metrics at each user's "
             f"second-to-last engagement): {tuning}; chosen: "
             f"{trained.chosen:g} (the teacher is asked at those same states, which favours distillation a little). "
             f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "

@@ -15,8 +15,8 @@ warm-started from a MoE's frozen towers first takes the wide weights of its pair
 scored on that split (choose_pair_weights); they stay fixed while its deep part trains. Any other model
 may go on from one of its own kind (the distilled MoE goes on from the undistilled one), and a MoE from a
 SASRec-style two-tower (STARTS_FROM: the same weights, its ad tower and sequence expert trained); the
-caller compares the result with where it started (quality.train_all chooses the MoE's start and its
-distillation weight, 0 included, on validation).
+caller compares the result with where it started (quality.train_all chooses the MoE's distillation weight, 0
+included, on validation).
 Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
 takes the data's prior, its smoothing and weight chosen on the validation split (choose_click_prior).
 """

@@ -76,6 +76,7 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
         assert result.returncode == 0, result.stderr
     config = RetrievalModel.load(checkpoint)[1]
     assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 0.25
+    assert 0 < config["teacher_users"] <= 1000
     assert config["init"] == base.name and RetrievalModel.load(base)[1]["init"] == "sasrec.safetensors"
     other = tmp_path / "other-world"  # enough users for a few ads to earn learned ids (5 users give none)
     andromeda("synth", "--ads", "2000", "--users", "1000", "--seed", "2", "--out", str(other))

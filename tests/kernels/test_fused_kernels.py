@@ -220,7 +220,7 @@ def test_cpu_scan_of_wide_batches_and_many_experts(B, E, D, G, top_n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 def test_cpu_scan_skips_only_ads_that_cannot_enter_the_top(dtype):
     """Once a request's heap is full, an ad whose largest usable similarity plus its bias is below the heap's worst
-    is not mixed (AVX-512): with 3,000 ads whose scores crowd around a few values (six rows, half of the ads an
+    is not mixed (AVX-512 and AVX2 builds): with 3,000 ads whose scores crowd around a few values (six rows, half of the ads an
     exact copy, biases included, half a copy moved by about 1e-3) and a top of 7, the top is still the
     reference's exactly."""
     gen = torch.Generator().manual_seed(5)
@@ -277,7 +277,8 @@ def test_cpu_scan_merges_the_heaps_of_many_slot_ranges(monkeypatch, tasks_per_th
 
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
 def test_cpu_kernels_without_avx512_or_avx2(flags):
-    """The portable paths of cpu_fused.cpp (what a CPU without AVX-512, or without AVX2 and F16C, runs)."""
+    """The other paths of cpu_fused.cpp: the AVX2 one (a CPU without AVX-512) and the portable loops (without AVX2,
+    FMA or F16C)."""
     env = {**os.environ, "ANDROMEDA_CXXFLAGS": flags}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "cpu and (equals_reference or wide_batches or every_rule or ties or nan or zero_scores or skips)"],

@@ -37,6 +37,13 @@ def test_the_teacher_ranks_without_its_click_prior():
     assert ranker.click_logodds.abs().sum() > 0  # held again after
 
 
+def test_the_teacher_is_asked_for_the_first_users_with_a_validation_engagement():
+    data, ranker = tiny_data(), RetrievalModel("ranker", DIMS)
+    first = ask_teacher(ranker, data, users=5, k=7, progress=False)
+    assert first.users.tolist() == data.eval_users()[:5].tolist()
+    assert first.top.tolist() == ask_teacher(ranker, data, k=7, progress=False).top[:5].tolist()
+
+
 def test_only_a_ranker_can_teach():
     with pytest.raises(ValueError, match="ranker"):
         ask_teacher(RetrievalModel("moe", DIMS), tiny_data(), progress=False)

@@ -69,26 +69,34 @@ def test_the_ratio_is_the_second_build_over_the_first():
     assert result["ms"]["slow"] > result["ms"]["fast"] and result["ratio"] < 1
 
 
+SCORE = b"gated(r, g.first + b, xs.data() + k * stride, bar) + biases[k]"  # the kernel's score of an ad
+
+
+def build_with_score(score: bytes) -> ctypes.CDLL:
+    """A build of the working tree's kernel that scores an ad by `score` instead of SCORE."""
+    source = cpu.SOURCE.read_bytes()
+    assert SCORE in source
+    return ctypes.CDLL(str(cpu.build(source.replace(SCORE, score))))
+
+
 def test_builds_of_one_source_agree_and_a_changed_result_is_flagged():
     """A build that subtracts the ad's bias instead of adding it gives another top: flagged, and still timed."""
-    score = b"gated(r, g.first + b, xs.data() + k * stride, bar) + biases[k]"
-    source = cpu.SOURCE.read_bytes()
-    assert score in source
-    wrong = ctypes.CDLL(str(cpu.build(source.replace(score, score.replace(b"+ biases", b"- biases")))))
     same = kernel_ab.alternate(tiny_scan(), {"a": cpu.library(), "b": cpu.library()}, calls=1)
-    assert same["same"] and same["same_slots"] and same["score_gap"] == 0
+    assert same["same"] and same["rounding"] and same["score_gap"] == 0
+    wrong = build_with_score(SCORE.replace(b"+ biases", b"- biases"))
     result = kernel_ab.alternate(tiny_scan(), {"right": cpu.library(), "wrong": wrong}, calls=1)
-    assert not result["same"] and not result["same_slots"] and result["score_gap"] > 0 and result["ratio"] > 0
+    assert not result["same"] and not result["rounding"] and result["score_gap"] > 0 and result["ratio"] > 0
 
 
-def test_rounding_alone_keeps_the_slots_and_gives_the_gap():
-    """A build whose scores move by a rounding step (the bias times 1 + 2^-20) keeps every slot: told apart
-    from a changed top."""
-    score = b"gated(r, g.first + b, xs.data() + k * stride, bar) + biases[k]"
-    source = cpu.SOURCE.read_bytes()
-    nudged = ctypes.CDLL(str(cpu.build(source.replace(score, score.replace(b"biases[k]", b"biases[k] * (1.0f + 0x1p-20f)")))))
-    result = kernel_ab.alternate(tiny_scan(), {"right": cpu.library(), "nudged": nudged}, calls=1)
-    assert not result["same"] and result["same_slots"] and 0 < result["score_gap"] < 1e-4
+@pytest.mark.parametrize("score, rounding", [(SCORE.replace(b"biases[k]", b"biases[k] * (1.0f + 0x1p-20f)"), True),
+                                             (b"(" + SCORE + b") - 1.0f", False)])
+def test_rounding_is_told_apart_from_scores_that_moved_in_the_same_order(score, rounding):
+    """The bias times 1 + 2^-20 moves scores by a rounding step; every score less 1 keeps every slot (and
+    the heap's bar only lower) but is another result."""
+    changed = build_with_score(score)
+    assert torch.equal(cpu.fused_scan(*tiny_scan())[0], cpu.fused_scan(*tiny_scan(), lib=changed)[0])
+    result = kernel_ab.alternate(tiny_scan(), {"right": cpu.library(), "changed": changed}, calls=1)
+    assert not result["same"] and result["rounding"] == rounding and result["score_gap"] > 0
 
 
 @needs_git

@@ -12,6 +12,7 @@ import pytest
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.models import quality
+from andromeda_core.models.distill import ask_teacher
 from andromeda_core.models.evaluate import expected_metrics, per_user_metrics
 from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.train import TrainConfig
@@ -73,7 +74,7 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
 
 def trained_now(report: str) -> list[str]:
     """The models a report says were trained in its run, in training order."""
-    listed = report.split("Time: training ")[1].split("; ranking and measuring ")[0]
+    listed = report.split("Time: training ")[1].split("; the rest (")[0]
     return re.findall(r"(?:^|, )(.+?) [\d,]+ s", listed)
 
 
@@ -82,7 +83,7 @@ def test_a_second_run_reuses_the_checkpoints(tiny_report, monkeypatch):
     monkeypatch.setattr(quality, "train", lambda *a, **k: pytest.fail("trained again"))
     monkeypatch.setattr(quality, "load_data", lambda name, world=None: tiny_data(n_items=60, n_users=30))  # no truth
     text = quality.quality_report(("tiny",), out)
-    assert "Time: training none (every model from its checkpoint); ranking and measuring " in text
+    assert "Time: training none (every model from its checkpoint); the rest (" in text
     assert "Expected over" not in text and quality.ORACLE not in text and "Targets:" in text
 
 
@@ -128,6 +129,19 @@ def test_a_model_going_on_from_one_trained_again_is_trained_again(tiny_report):
     _, out = tiny_report
     quality.checkpoint_path("tiny", "moe").unlink()
     assert trained_now(quality.quality_report(("tiny",), out)) == ["moe", "ranker", "moe (distill 0.5)"]
+
+
+def test_a_student_is_trained_again_after_its_teacher_or_when_it_was_taught_by_other_users(tiny_report, monkeypatch):
+    _, out = tiny_report
+    quality.checkpoint_path("tiny", "ranker").unlink()
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0.5)"]
+    path = quality.checkpoint_path("tiny", "moe", 0.5)
+    model, config = RetrievalModel.load(path)
+    assert config["teacher_users"] == len(quality.load_data("tiny").eval_users())  # fewer than TEACHER_USERS
+    monkeypatch.setattr(quality, "ask_teacher", lambda ranker, data: ask_teacher(ranker, data, users=5))
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0.5)"]
+    assert RetrievalModel.load(path)[1]["teacher_users"] == 5
+    assert trained_now(quality.quality_report(("tiny",), out)) == []
 
 
 def test_the_oracle_ranks_by_the_worlds_true_affinity():
