@@ -14,10 +14,20 @@ import torch
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 
+def vector_isa(flags: set[str]) -> str:
+    """The widest vector instructions the CPU kernels use that a CPU with these /proc/cpuinfo flags has."""
+    if "avx512f" in flags:
+        return "AVX-512"
+    return "AVX2 + FMA, no AVX-512" if {"avx2", "fma"} <= flags else "no AVX2: portable loops"
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:
-        cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1)
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = re.search(r"model name\s*:\s*(.*)", info).group(1)
+        flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
+        cpu += f" ({vector_isa(flags)})"
     except (OSError, AttributeError):
         pass
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
