@@ -285,8 +285,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=POSITIVE, default=None, help="override the default number of steps")
     s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed of the initialisation and batches")
     s.add_argument("--teacher", type=input_file, default=None,
-                   help="ranker checkpoint to distil (its top-100 for the first 1,000 users with a validation "
-                        "engagement); `andromeda eval` uses DATA-ranker")
+                   help="ranker checkpoint to distil (its top-100 for the first users with a validation "
+                        "engagement, as many as `andromeda eval` asks); `andromeda eval` uses DATA-ranker")
     s.add_argument("--distill", type=non_negative_float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
     s.add_argument("--init", type=input_file, default=None,
                    help="checkpoint to start from: a model of the same kind goes on training from all its weights "
