@@ -1,18 +1,18 @@
 // The fused pass on the CPU: same inputs and result as kernels/reference/fused.py (see kernels/cpu.py,
 // which compiles this file once per machine and calls it through ctypes).
 //
-// Requests are taken in groups of up to 64. For a group, the request side of the match is turned around
-// first: held[ref] is a word with bit b set when request b's user satisfies the ref (clause c or "not c";
-// from the bit-packed `truth`). The slots are then cut into `tasks` ranges run on OpenMP threads. Per ad,
-// one pass over its refs gives the word of every request it matches at once (a load and an and per ref,
-// whatever the group's size), and a shared test of the window against the group's earliest and latest
-// `now`. Matched rows are prefetched a few blocks of ads ahead of their scoring. Only an ad some
-// request matched is decoded (int8 with block scales, fp16 or fp32; AVX-512 or AVX2 where the CPU has it), once,
-// then scored for each request it matched: the request's experts and gating keys are one (D + G, 16)
-// matrix, so the similarities of every expert and the gating logits of every expert are 16-lane
-// multiply-adds over the ad's dims (no horizontal sums); then the top-n logits, their softmax and the
-// gated sum. Each task keeps a bounded heap of its m best (score, slot) per request; the tasks' heaps are
-// merged at the end. Nothing of the table's size is allocated.
+// Requests are taken in groups of up to 64. For a group, the request side of the match is turned around first:
+// held[ref] is a word with bit b set when request b's user satisfies the ref (clause c or "not c"; from the
+// bit-packed `truth`; a lone request gets a bit per ref, which stays in L2). The slots are then cut into `tasks`
+// ranges run on OpenMP threads. Per ad, one pass over its refs gives the word of every request it matches at once
+// (a load and an and per ref, whatever the group's size), and a shared test of the window against the group's
+// earliest and latest `now`. Matched rows are prefetched a few blocks of ads ahead of their scoring. Only an ad
+// some request matched is decoded (int8 with block scales, fp16 or fp32; AVX-512 or AVX2 where the CPU has it),
+// once, then scored for each request it matched: the request's experts and gating keys are one (D + G, 16) matrix,
+// so the similarities of every expert and the gating logits of every expert are 16-lane multiply-adds over the ad's
+// dims (no horizontal sums); then the top-n logits, their softmax and the gated sum. Each task keeps a bounded heap
+// of its m best (score, slot) per request; the tasks' heaps are merged at the end. Nothing of the table's size is
+// allocated.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -70,7 +70,7 @@ struct Requests {
     const float* weights;  // (B, ceil(D / P) + ceil(G / P), LANES): the experts' rows, then the gating keys'; with
                            // E = 1 and G = 0, (B, D) the one expert (a dot product, no gating)
     const uint8_t* mask;   // (B, LANES): lane e * P set when expert e is usable
-    int64_t rows() const { return (D + P - 1) / P + (G + P - 1) / P; }
+    int64_t stride;        // floats of weights per request: ceil(D / P) + ceil(G / P) rows of LANES (or D)
 };
 
 // 16 int8 values times their block's scale into 16 floats (compilers do not vectorise the widening well).
@@ -336,8 +336,8 @@ inline float packed_mixture(const Requests& r, const float* w, const float* x, c
 // -inf when (with AVX-512 or AVX2) its similarities show it below bar, a score it could not enter the heap with.
 inline float gated(const Requests& r, int64_t b, const float* x, float bar) {
     const uint8_t* usable = r.mask + b * LANES;
-    if (r.E == 1 && r.G == 0) return usable[0] ? dot(r.weights + b * r.D, x, r.D) : 0.0f;  // a dot product
-    const float* w = r.weights + b * r.rows() * LANES;
+    if (r.E == 1 && r.G == 0) return usable[0] ? dot(r.weights + b * r.stride, x, r.D) : 0.0f;  // a dot product
+    const float* w = r.weights + b * r.stride;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (r.P == 4) return packed_mixture<4>(r, w, x, usable, bar);
     if (r.P == 2) return packed_mixture<2>(r, w, x, usable, bar);
@@ -392,28 +392,51 @@ inline int64_t push(float* score, int64_t* slot, int64_t size, int64_t m, float 
 
 namespace {
 
-// held (W * 64,) words, two per clause, so that a ref indexes its own: bit b of held[2 c] set when request first + b
-// of the group holds clause c, and of held[2 c + 1] when it does not (the ref of "not c").
+// What each request of a group holds, as the match reads it: held[ref] is a Word with bit b set when request
+// first + b holds the ref (ref 2 c: clause c; 2 c + 1: "not c"), from the bit-packed truth (W words per request).
+// HeldWords keeps a Word per ref; HeldBits, for a group of one, a bit per ref: an eighth of the bytes (84 KB for
+// the 1M-ad world's 335k clauses, within a core's L2, where the byte per ref is not).
 template <typename Word>
-std::vector<Word> transpose_truth(const int32_t* truth, int64_t W, int64_t first, int64_t count) {
-    std::vector<Word> held(W * 64, 0);
-    for (int64_t c = 0; c < W * 32; ++c) held[2 * c + 1] = static_cast<Word>(~Word(0));
-    for (int64_t b = 0; b < count; ++b) {
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(truth) + (first + b) * W;
-        for (int64_t w = 0; w < W; ++w)
-            for (uint32_t bits = words[w]; bits; bits &= bits - 1) {
-                const int64_t c = w * 32 + __builtin_ctz(bits);
-                held[2 * c] |= static_cast<Word>(Word(1) << b);
-                held[2 * c + 1] &= static_cast<Word>(~(Word(1) << b));
-            }
+struct HeldWords {
+    std::vector<Word> words;  // (W * 64,)
+    HeldWords(const int32_t* truth, int64_t W, int64_t first, int64_t count) : words(W * 64, 0) {
+        for (int64_t c = 0; c < W * 32; ++c) words[2 * c + 1] = static_cast<Word>(~Word(0));
+        for (int64_t b = 0; b < count; ++b) {
+            const uint32_t* truth_words = reinterpret_cast<const uint32_t*>(truth) + (first + b) * W;
+            for (int64_t w = 0; w < W; ++w)
+                for (uint32_t bits = truth_words[w]; bits; bits &= bits - 1) {
+                    const int64_t c = w * 32 + __builtin_ctz(bits);
+                    words[2 * c] |= static_cast<Word>(Word(1) << b);
+                    words[2 * c + 1] &= static_cast<Word>(~(Word(1) << b));
+                }
+        }
     }
-    return held;
-}
+    struct View {
+        const Word* words;
+        Word operator[](int32_t ref) const { return words[ref]; }
+    };
+    View view() const { return {words.data()}; }
+};
+
+struct HeldBits {
+    std::vector<uint64_t> bits;  // (W,): bit ref % 64 of bits[ref / 64]; "not c" (odd refs) set but where c holds
+    HeldBits(const int32_t* truth, int64_t W, int64_t first, int64_t) : bits(W, 0xAAAAAAAAAAAAAAAAull) {
+        const uint32_t* truth_words = reinterpret_cast<const uint32_t*>(truth) + first * W;
+        for (int64_t w = 0; w < W; ++w)
+            for (uint32_t held = truth_words[w]; held; held &= held - 1)
+                bits[w] ^= 3ull << (2 * __builtin_ctz(held));  // clause c of the word: ref 2 c set, 2 c + 1 cleared
+    }
+    struct View {
+        const uint64_t* bits;
+        uint8_t operator[](int32_t ref) const { return static_cast<uint8_t>((bits[ref >> 6] >> (ref & 63)) & 1); }
+    };
+    View view() const { return {bits.data()}; }
+};
 
 // The requests of the group (now: theirs, count of them) that may be served ad i, one bit each. COLUMNS: the
 // table's refs per row when known at compile time, else 0.
-template <typename Word, int COLUMNS>
-inline Word matches(const Table& t, const Word* held, Word all, const int64_t* now, int64_t count, int64_t earliest,
+template <typename Word, int COLUMNS, typename View>
+inline Word matches(const Table& t, View held, Word all, const int64_t* now, int64_t count, int64_t earliest,
                     int64_t latest, int64_t i) {
     const int64_t start = t.start[i], end = t.end[i];
     Word ok = (start <= earliest) & (latest < end) ? all : Word(0);  // the window holds for the whole group
@@ -427,29 +450,30 @@ inline Word matches(const Table& t, const Word* held, Word all, const int64_t* n
 }
 
 // matches() of the `size` ads from `first` into out.
-template <typename Word, int COLUMNS>
-void match_run(const Table& t, const Word* held, Word all, const int64_t* now, int64_t count, int64_t earliest,
+template <typename Word, int COLUMNS, typename View>
+void match_run(const Table& t, View held, Word all, const int64_t* now, int64_t count, int64_t earliest,
                int64_t latest, int64_t first, int64_t size, Word* out) {
-    for (int64_t k = 0; k < size; ++k) out[k] = matches<Word, COLUMNS>(t, held, all, now, count, earliest, latest, first + k);
+    for (int64_t k = 0; k < size; ++k)
+        out[k] = matches<Word, COLUMNS, View>(t, held, all, now, count, earliest, latest, first + k);
 }
 
-template <typename Word>
-using MatchRun = void (*)(const Table&, const Word*, Word, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, Word*);
+template <typename Word, typename View>
+using MatchRun = void (*)(const Table&, View, Word, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, Word*);
 
 // match_run for a table of C refs per row: the loop over them unrolled for the usual widths (at B = 1, 4-7% faster
 // than a loop to t.C; chosen once, so the scan itself is compiled once per Word).
-template <typename Word>
-MatchRun<Word> match_run_for(int64_t C) {
+template <typename Word, typename View>
+MatchRun<Word, View> match_run_for(int64_t C) {
     switch (C) {
-        case 1: return match_run<Word, 1>;
-        case 2: return match_run<Word, 2>;
-        case 3: return match_run<Word, 3>;
-        case 4: return match_run<Word, 4>;
-        case 5: return match_run<Word, 5>;
-        case 6: return match_run<Word, 6>;
-        case 7: return match_run<Word, 7>;
-        case 8: return match_run<Word, 8>;
-        default: return match_run<Word, 0>;
+        case 1: return match_run<Word, 1, View>;
+        case 2: return match_run<Word, 2, View>;
+        case 3: return match_run<Word, 3, View>;
+        case 4: return match_run<Word, 4, View>;
+        case 5: return match_run<Word, 5, View>;
+        case 6: return match_run<Word, 6, View>;
+        case 7: return match_run<Word, 7, View>;
+        case 8: return match_run<Word, 8, View>;
+        default: return match_run<Word, 0, View>;
     }
 }
 
@@ -484,14 +508,14 @@ Group group_of(const int64_t* now, int64_t first, int64_t count) {
     return g;
 }
 
-template <typename Word>
+template <typename Word, typename Held>
 void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t W, const Group& g, int64_t m,
                 int64_t tasks, int threads, float* out_score, int64_t* out_slot, int64_t* counts) {
-    const std::vector<Word> held = transpose_truth<Word>(truth, W, g.first, g.count);
+    const Held held(truth, W, g.first, g.count);
     const Word all = static_cast<Word>(g.count == 8 * int64_t(sizeof(Word)) ? ~Word(0) : (Word(1) << g.count) - 1);
     const int64_t* now = r.now + g.first;
     const int64_t per = (t.n + tasks - 1) / tasks;
-    const MatchRun<Word> match = match_run_for<Word>(t.C);
+    const MatchRun<Word, typename Held::View> match = match_run_for<Word, typename Held::View>(t.C);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; ++task) {
         // A decoded row per ad of a block (a multiple of 16 floats), with LANES floats past the dims (packed rows
@@ -507,7 +531,7 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
         int64_t matched[AHEAD + 1][BLOCK], n_matched[AHEAD + 1] = {};
         auto match_block = [&](int64_t block, int j) {
             const int64_t count = last - block < BLOCK ? last - block : BLOCK;
-            match(t, held.data(), all, now, g.count, g.earliest, g.latest, block, count, words[j]);
+            match(t, held.view(), all, now, g.count, g.earliest, g.latest, block, count, words[j]);
             int64_t n = 0;
             for (int64_t k = 0; k < count; ++k) {  // the ads some request matched, without a branch on the data
                 matched[j][n] = block + k;
@@ -541,16 +565,18 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
     }
 }
 
-// Calls fn.template operator()<Word>(group) for each group of up to 64 requests, with the narrowest word that
-// holds a bit per request of the group (the transposed truth table then stays small: cache-resident).
+// Calls fn.template operator()<Word, Held>(group) for each group of up to 64 requests, with the narrowest word that
+// holds a bit per request of the group (the transposed truth table then stays small: cache-resident), and for a
+// group of one request a bit per ref (HeldBits).
 template <typename Fn>
 void for_each_group(const int64_t* now, int64_t B, Fn&& fn) {
     for (int64_t first = 0; first < B; first += 64) {
         const Group g = group_of(now, first, B - first < 64 ? B - first : 64);
-        if (g.count <= 8) fn.template operator()<uint8_t>(g);
-        else if (g.count <= 16) fn.template operator()<uint16_t>(g);
-        else if (g.count <= 32) fn.template operator()<uint32_t>(g);
-        else fn.template operator()<uint64_t>(g);
+        if (g.count == 1) fn.template operator()<uint8_t, HeldBits>(g);
+        else if (g.count <= 8) fn.template operator()<uint8_t, HeldWords<uint8_t>>(g);
+        else if (g.count <= 16) fn.template operator()<uint16_t, HeldWords<uint16_t>>(g);
+        else if (g.count <= 32) fn.template operator()<uint32_t, HeldWords<uint32_t>>(g);
+        else fn.template operator()<uint64_t, HeldWords<uint64_t>>(g);
     }
 }
 
@@ -588,13 +614,14 @@ extern "C" int fused_scan(int64_t n, int64_t C, int64_t S, int64_t n_scales, con
                           int64_t bias_col, int64_t top_n, int64_t m, int64_t tasks, int threads, float* out_score,
                           int64_t* out_slot, int64_t* counts) {
     const Table t{n, C, S, n_scales, status, start, end, refs, vectors, kind, scales};
-    const Requests r{B, E, D, G, P, bias_col, top_n < E ? top_n : E, now, weights, mask};
+    const int64_t stride = E == 1 && G == 0 ? D : ((D + P - 1) / P + (G + P - 1) / P) * LANES;
+    const Requests r{B, E, D, G, P, bias_col, top_n < E ? top_n : E, now, weights, mask, stride};
     const int64_t per = (n + tasks - 1) / tasks, h = per < m ? per : m;  // a task keeps no more than it scans
     try {
         std::vector<float> heap_score(tasks * B * h, -std::numeric_limits<float>::infinity());
         std::vector<int64_t> heap_slot(tasks * B * h, -1), heap_counts(tasks * B, 0);
-        for_each_group(now, B, [&]<typename Word>(const Group& g) {
-            scan_group<Word>(t, r, truth, W, g, h, tasks, threads, heap_score.data(), heap_slot.data(), heap_counts.data());
+        for_each_group(now, B, [&]<typename Word, typename Held>(const Group& g) {
+            scan_group<Word, Held>(t, r, truth, W, g, h, tasks, threads, heap_score.data(), heap_slot.data(), heap_counts.data());
         });
         for (int64_t b = 0; b < B; ++b) {
             merge_heaps(heap_score.data(), heap_slot.data(), tasks, B, h, m, b, out_score + b * m, out_slot + b * m);
@@ -612,17 +639,18 @@ extern "C" void clause_match(int64_t n, int64_t C, const int8_t* status, const i
                              const int32_t* refs, int64_t B, int64_t W, const int64_t* now, const int32_t* truth,
                              int threads, uint8_t* out) {
     const Table t{n, C, 0, 0, status, start, end, refs, nullptr, F32, nullptr};
-    for_each_group(now, B, [&]<typename Word>(const Group& g) {
-        const std::vector<Word> held = transpose_truth<Word>(truth, W, g.first, g.count);
+    for_each_group(now, B, [&]<typename Word, typename Held>(const Group& g) {
+        const Held held(truth, W, g.first, g.count);
         const Word all = static_cast<Word>(g.count == 8 * int64_t(sizeof(Word)) ? ~Word(0) : (Word(1) << g.count) - 1);
-        const MatchRun<Word> match = match_run_for<Word>(C);
+        const MatchRun<Word, typename Held::View> match = match_run_for<Word, typename Held::View>(C);
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t block = 0; block < n; block += BLOCK) {
             Word words[BLOCK];
             const int64_t size = n - block < BLOCK ? n - block : BLOCK;
-            match(t, held.data(), all, now + g.first, g.count, g.earliest, g.latest, block, size, words);
+            match(t, held.view(), all, now + g.first, g.count, g.earliest, g.latest, block, size, words);
             for (int64_t b = 0; b < g.count; ++b)
                 for (int64_t k = 0; k < size; ++k) out[(g.first + b) * n + block + k] = (words[k] >> b) & 1;
         }
     });
 }
+

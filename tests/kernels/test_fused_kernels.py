@@ -128,7 +128,7 @@ def both(kernel, *args):
     return kernel[0](*args), reference.fused_scan(*args)
 
 
-@pytest.mark.parametrize("n, B, C", [(1, 1, 1), (37, 3, 3), (301, 5, 4), (1000, 2, 6),
+@pytest.mark.parametrize("n, B, C", [(1, 1, 1), (37, 3, 3), (301, 5, 4), (1000, 2, 6), (1000, 1, 6),  # B = 1: a bit per ref
                                      *[(203, 2, C) for C in (1, 2, 5, 7, 8, 9)]])  # every unrolled width, and 9: the loop
 def test_match_equals_reference(kernel, n, B, C):
     gen = torch.Generator().manual_seed(n)
