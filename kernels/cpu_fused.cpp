@@ -653,4 +653,3 @@ extern "C" void clause_match(int64_t n, int64_t C, const int8_t* status, const i
         }
     });
 }
-
