@@ -92,6 +92,13 @@ def test_request_unknown_category_is_an_error_unknown_value_a_warning(small_sche
                         "user.attributes.interests[1]: unknown value 'nope' matches nothing"]
 
 
+def test_a_multi_valued_category_takes_one_value_alone_as_a_list_of_one(small_schema):
+    assert compile_user(small_schema, {"interests": "i1"}, {}) == compile_user(small_schema, {"interests": ["i1"]}, {})
+    assert compile_user(small_schema, {"interests": "i1"}, {})[0] == {"interests": (1,)}
+    values, warnings = compile_user(small_schema, {"interests": "nope"}, {})
+    assert values == {} and warnings == ["user.attributes.interests: unknown value 'nope' matches nothing"]
+
+
 @pytest.mark.parametrize("attributes, context, field, words", [
     ({"country": ["US", "CA"]}, {}, "user.attributes.country", "one value"),
     ({"surface": "feed"}, {}, "user.attributes.surface", "context"),
