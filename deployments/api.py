@@ -259,8 +259,23 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
                   description="Ads retrieval: targeting match, MoE scoring and top-k over sharded, live-updated indexes.")
     app.add_middleware(Guard, on_error=on_error)
 
+    async def auth_refusal(request: Request) -> JSONResponse | None:
+        """For a body FastAPI could not read, before which no dependency ran: the refusal (401, 403, 429) of
+        the route's auth, run by app.state.authorize(request), which a caller gets before any word about its
+        body; None when it passes or the app has no such check."""
+        authorize = getattr(request.app.state, "authorize", None)
+        try:
+            if authorize is not None:
+                await authorize(request)
+        except AndromedaError as exc:
+            on_error(exc.category.value)
+            return http_error(exc, getattr(request.app.state, "retry_after_s", 1))
+        return None
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if exc.errors() and exc.errors()[0].get("type") == "json_invalid" and (refusal := await auth_refusal(request)):
+            return refusal
         if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             on_error("unsupported_media_type")
             return error_response(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json",
@@ -278,6 +293,8 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
     async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Unknown paths, wrong methods, unreadable bodies: the same error shape as everything else."""
         if exc.status_code == 400:  # FastAPI could not decode the body: not UTF-8, or nested past the parser's depth
+            if refusal := await auth_refusal(request):
+                return refusal
             on_error(ErrorCategory.INVALID_INPUT.value)
             return error_response(422, ErrorCategory.INVALID_INPUT.value, "the body is not JSON this service can read "
                                   "(it must be UTF-8 and nest at most a few hundred levels)", "body")

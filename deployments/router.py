@@ -65,8 +65,8 @@ def take_rate(request: Request, principal: Principal | None) -> None:
 
 def writer(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal:
     """Dependency of the write endpoints: the caller's principal (401 without a valid token, 403 for a
-    reader token, 429 past its rate). Runs before the body is validated, so a caller without a token
-    learns nothing from the validation (a body that is not JSON at all is still a 422)."""
+    reader token, 429 past its rate). Runs before the body is validated (for a body that is not JSON, through
+    authorize), so a caller without a token learns nothing from the validation."""
     tokens: TokenStore = request.app.state.tokens
     if not tokens.writes_enabled:
         raise Unauthorized("writes are disabled: the service has neither ANDROMEDA_WRITE_TOKEN nor auth.token_file",
@@ -90,6 +90,18 @@ def reader(request: Request, credentials: HTTPAuthorizationCredentials | None = 
             raise Unauthorized("invalid token", "Authorization")
     take_rate(request, principal)
     return principal
+
+
+async def authorize(request: Request) -> None:
+    """Runs the auth dependencies (writer, reader) of the request's route: for a body that is not JSON, which
+    FastAPI refuses before any dependency runs (create_app's handlers call this first)."""
+    route = request.scope.get("route")
+    for dependency in getattr(getattr(route, "dependant", None), "dependencies", ()):
+        if dependency.call in (writer, reader):
+            dependency.call(request, await bearer(request))
+
+
+app.state.authorize = authorize
 
 
 def rate_limiter(cfg: ServiceConfig) -> TokenBuckets | SharedTokenBuckets | None:

@@ -94,6 +94,13 @@ def test_a_write_needs_a_valid_writer_token(svc):
     assert refused(post(url, events, "nobody.c2VjcmV0"), 401, "Authorization")
     assert refused(post(url, events, svc.issued["acme"] + "x"), 401, "Authorization")
     assert refused(post(url, events, svc.issued["viewer"]), 403, "Authorization")
+    for body in (b"{", b"\xff\xfe"):  # not JSON: refused before any dependency runs, the auth checked first
+        sent = {"Content-Type": "application/json"}
+        assert refused(requests.post(url, data=body, headers=sent, timeout=10), 401, "Authorization")
+        as_viewer = {**sent, "Authorization": f"Bearer {svc.issued['viewer']}"}
+        assert refused(requests.post(url, data=body, headers=as_viewer, timeout=10), 403, "Authorization")
+        as_writer = {**sent, "Authorization": f"Bearer {svc.issued['acme']}"}
+        assert refused(requests.post(url, data=body, headers=as_writer, timeout=10), 422, "body")
     assert stream_lengths(svc, "guard-auth", 2) == before
 
 
@@ -212,6 +219,8 @@ def test_read_auth_and_one_token_bucket_per_caller_shared_by_the_routers(svc):
     url = f"{svc.url}/tight/v1/retrieve"
     assert refused(post(url, user()), 401, "Authorization")
     assert refused(post(url, user(), "viewer.wrong"), 401, "Authorization")
+    assert refused(requests.post(url, data=b"{", headers={"Content-Type": "application/json"}, timeout=10), 401,
+                   "Authorization")
     # burst 3, refill one per 5 s, for the service: per-router buckets would let two routers admit 6
     statuses = [post(url, user(), svc.issued["viewer"]) for _ in range(4)]
     assert [r.status_code for r in statuses[:3]] == [200, 200, 200]
