@@ -14,6 +14,7 @@ import grpc
 import redis
 import torch
 from fastapi import Depends, Path, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 from ray import serve
@@ -97,8 +98,8 @@ async def authorize(request: Request) -> None:
     FastAPI refuses before any dependency runs (create_app's handlers call this first)."""
     route = request.scope.get("route")
     for dependency in getattr(getattr(route, "dependant", None), "dependencies", ()):
-        if dependency.call in (writer, reader):
-            dependency.call(request, await bearer(request))
+        if dependency.call in (writer, reader):  # sync, as FastAPI runs them: off the event loop (token file, Redis)
+            await run_in_threadpool(dependency.call, request, await bearer(request))
 
 
 app.state.authorize = authorize

@@ -195,7 +195,8 @@ def test_fused_scan_equals_reference(kernel, n, B, dtype, E, D, G, top_n, bias, 
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("B", [8, 9, 16, 17, 32, 40, 64, 70])  # groups of 8, 16, 32, 64 (full and not), two groups
+@pytest.mark.parametrize("B", [8, 9, 16, 17, 32, 40, 64, 65, 70])  # groups of 8, 16, 32, 64 (full and not), two
+# groups (65: the second a lone request, whose bit per ref starts past the first group's truth)
 def test_cpu_match_of_wide_batches(B):
     gen = torch.Generator().manual_seed(B)
     status, start, end, refs, _, _ = make_table(gen, 301, 4, 1, torch.float32)
@@ -206,6 +207,7 @@ def test_cpu_match_of_wide_batches(B):
 
 @pytest.mark.parametrize("B, E, D, G, top_n", [
     (9, 6, 64, 16, 2), (17, 2, 13, 5, 1), (33, 3, 7, 3, 3), (70, 6, 9, 7, 2),  # every word width, two groups
+    (65, 6, 9, 7, 2),  # a lone request after a full group
     (8, 6, 8, 4, 2), (16, 6, 8, 4, 2), (32, 4, 8, 4, 2), (64, 6, 8, 4, 2),  # groups whose every bit is a request
     (3, 9, 11, 6, 2), (2, 16, 64, 16, 3),  # more than 8 experts: one dim per row
 ])
