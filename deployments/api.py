@@ -282,6 +282,10 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
                                   "Content-Type")
         err = exc.errors()[0]
         loc = tuple(err.get("loc", ()))
+        if loc == ("body",) and err.get("type") == "missing":  # FastAPI's word for a body of no bytes
+            on_error(ErrorCategory.INVALID_INPUT.value)
+            return error_response(422, ErrorCategory.INVALID_INPUT.value, "the body is empty: send the request as JSON",
+                                  "body")
         where = loc[1:] if loc[:1] in (("body",), ("path",), ("query",)) else loc
         field = "body" if err.get("type") == "json_invalid" else error_field(where, err.get("type", ""))
         limits = getattr(request.app.state, "limits", None)

@@ -235,6 +235,11 @@ def test_raw_garbage_is_a_422_not_a_500(service):
         got = requests.post(f"{service.url}/two/v1/retrieve", data=body, headers={"Content-Type": "application/json"},
                             timeout=10)
         assert got.status_code == 422 and got.json()["error"]["field"] == "body", (body[:40], got.status_code, got.text)
+    for path in ("/v1/retrieve", "/v1/retrieve:batch"):
+        empty = requests.post(f"{service.url}/two{path}", data=b"", headers={"Content-Type": "application/json"},
+                              timeout=10)
+        assert empty.status_code == 422 and empty.json()["error"]["field"] == "body"
+        assert "the body is empty" in empty.json()["error"]["message"]
     bad_id = requests.get(f"{service.url}/two/v1/ads/abc", timeout=10)
     assert bad_id.status_code == 422 and bad_id.json()["error"]["field"] == "ad_id"
     assert requests.get(f"{service.url}/two/v1/ads/-5", timeout=10).status_code == 422
