@@ -274,13 +274,13 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if exc.errors() and exc.errors()[0].get("type") == "json_invalid" and (refusal := await auth_refusal(request)):
+        err = exc.errors()[0]
+        if err.get("type") == "json_invalid" and (refusal := await auth_refusal(request)):
             return refusal
         if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             on_error("unsupported_media_type")
             return error_response(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json",
                                   "Content-Type")
-        err = exc.errors()[0]
         loc = tuple(err.get("loc", ()))
         if loc == ("body",) and err.get("type") == "missing":  # FastAPI's word for a body of no bytes
             on_error(ErrorCategory.INVALID_INPUT.value)
