@@ -145,7 +145,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise InvalidInput(f"{args.init} is a {init.kind} model: {exc}", "--init") from None
     distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
     start = other_start(args.model, init)
-    out = args.out or checkpoint_path(args.data, args.model, distill, start)
+    going_on = init is not None and init.kind == args.model != "ranker"  # the steps distillation takes, taught or not
+    out = args.out or checkpoint_path(args.data, args.model, distill, start, going_on)
     if args.init is not None and out.resolve() == args.init.resolve():
         raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
     try:  # before the data and the training, not after
@@ -153,7 +154,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     except OSError as exc:
         raise InvalidInput(f"{out}: cannot create its folder {out.parent} ({exc.strerror})", "--out") from None
     data = load_data(args.data, args.world)
-    cfg = default_config(args.model, args.seed, distill, start)
+    cfg = default_config(args.model, args.seed, distill, start, going_on)
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
     teacher = ask_teacher(ranker, data) if ranker is not None else None
@@ -289,13 +290,14 @@ def parser() -> argparse.ArgumentParser:
                         "engagement, as many as `andromeda eval` asks); `andromeda eval` uses DATA-ranker")
     s.add_argument("--distill", type=non_negative_float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
     s.add_argument("--init", type=input_file, default=None,
-                   help="checkpoint to start from: a model of the same kind goes on training from all its weights "
-                        "(distillation does), so does a moe from a sasrec; a ranker starts from a MoE's towers, "
-                        "frozen")
+                   help="checkpoint to start from: a model of the same kind goes on from all its weights for the "
+                        "steps distillation takes (300 at LR 5e-4, with or without --teacher), a moe from a sasrec "
+                        "trains in full from its weights; a ranker starts from a MoE's towers, frozen")
     s.add_argument("--world", type=output_dir, default=None,
                    help="synthetic world directory (default: in the cache; a world is generated there when it holds none)")
     s.add_argument("--out", type=output_file, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors; a moe "
-                   "from a sasrec: DATA-moe-from-sasrec, distilled: DATA-moe-distillW)")
+                   "from a sasrec: DATA-moe-from-sasrec; going on from its own kind: DATA-MODEL-distillW, W = 0 "
+                   "without --teacher)")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("eval", help="quality report of every model and baseline on every data set; trains the missing "

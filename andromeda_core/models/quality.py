@@ -41,13 +41,14 @@ WORLDS = {"synthetic": WorldConfig(ads=10000, users=4000, seed=5),
 DATASETS = ("movielens", *WORLDS)
 EVAL_USERS = 2000  # per data set (MovieLens has 610)
 TRUE_RECALL_TARGET = {"synthetic": 0.28}  # twice the 0.14 every model had on this world before learned ids
-DISTILL_GRID = (0.0, 0.5)  # distillation weights tried for the students; validation picks one
+DISTILL_GRID = (0.0, 0.5)  # distillation weights of the steps going on from the undistilled MoE (0: the same steps
+# without a teacher); validation picks among those students and the MoE they start from
 SHORT_HISTORY = 5
 ORACLE = "oracle (true affinity)"
 CEILING = "ceiling (engagement probability)"
 CONTENT = "content (MiniLM cosine)"
 DECLARED = "declared interests (MiniLM cosine)"
-UNDISTILLED = "moe, not distilled"  # the MoE the ranker starts from, where the one kept is distilled
+UNDISTILLED = "moe, the ranker's start"  # the undistilled MoE the ranker starts from, where the one kept went on from it
 STORAGE_ROWS = (("fp16", 0), ("int8", 0), ("fp16", RESCORE), ("int8", RESCORE))  # the MoE as stored and served
 
 
@@ -70,9 +71,10 @@ def load_data(name: str, world: Path | None = None) -> RecData:
     return data
 
 
-def checkpoint_path(data: str, kind: str, distill: float = 0.0, start: str = "") -> Path:
-    """start: the other kind it went on from (a MoE from a sasrec), "" for none or its own kind."""
-    suffix = (f"-from-{start}" if start else "") + (f"-distill{distill:g}" if distill else "")
+def checkpoint_path(data: str, kind: str, distill: float = 0.0, start: str = "", going_on: bool = False) -> Path:
+    """start: the other kind it went on from (a MoE from a sasrec), "" for none or its own kind; going_on: the steps
+    going on from the undistilled MoE (default_config), named by their distillation weight, 0 included."""
+    suffix = (f"-from-{start}" if start else "") + (f"-distill{distill:g}" if distill or going_on else "")
     return load_settings().cache_dir / "models" / f"{data}-{kind}{suffix}.safetensors"
 
 
@@ -89,21 +91,23 @@ def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, disti
 @dataclass
 class Trained:
     """The models of one data set: by name, which were trained in this run and in how many seconds, the MoE's
-    validation score at each distillation weight tried and the weight chosen."""
+    validation score at its start (None) and at each distillation weight of the steps going on from it, and which
+    of those was kept."""
 
     models: dict[str, RetrievalModel] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # of the models trained in this run, in training order
-    validation: dict[float, float] = field(default_factory=dict)
-    chosen: float = 0.0
+    validation: dict[float | None, float] = field(default_factory=dict)
+    chosen: float | None = None
 
 
 def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None = None, distill: float = 0.0,
-              init: tuple[RetrievalModel, Path] | None = None, seed: int = 0) -> tuple[RetrievalModel, Path, bool]:
+              init: tuple[RetrievalModel, Path] | None = None, seed: int = 0,
+              going_on: bool = False) -> tuple[RetrievalModel, Path, bool]:
     """(model, its checkpoint, trained in this call). The checkpoint is loaded unless retrain, or it is missing or
     unusable (of an older model version, say), or its metadata names another start than init's checkpoint or, when
     distilled, another number of users asked of the teacher (it was trained otherwise)."""
     start = other_start(kind, init[0] if init else None)
-    path = checkpoint_path(data.name, kind, distill, start)
+    path = checkpoint_path(data.name, kind, distill, start, going_on)
     loaded = None
     if path.exists() and not retrain:
         try:
@@ -114,7 +118,7 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
     if (loaded is not None and loaded[1].get("init") == (init[1].name if init else None)
             and loaded[1].get("teacher_users", 0) == taught):
         return loaded[0], path, False
-    cfg = default_config(kind, seed, distill, start)
+    cfg = default_config(kind, seed, distill, start, going_on)
     model = train(data, kind, cfg, teacher if distill else None, init[0] if init else None)
     model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill,
                                      init[1] if init else None, taught))
@@ -122,17 +126,20 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
 
 
 def train_all(data: RecData, retrain: bool) -> Trained:
-    """The two-tower baselines; the MoE undistilled; the ranker on its frozen towers; then the MoE distilled from
-    the ranker at each other weight of DISTILL_GRID, going on from the undistilled one. The MoE kept is the weight
-    with the best validation score (each user's second-to-last engagement, never the test one)."""
+    """The two-tower baselines; the MoE undistilled; the ranker on its frozen towers; then the same steps going on
+    from the undistilled MoE at each weight of DISTILL_GRID (0: without the teacher, so that the teacher is judged
+    against as many more steps, not against none). The MoE kept is the one of those and their start with the best
+    validation score (each user's second-to-last engagement, never the test one; of equals, the start)."""
     out, runs = Trained(), {}
     val_users = data.eval_users()[:EVAL_USERS]
 
-    def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None):
+    def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None,
+            going_on: bool = False):
         # a model going on from one trained now is trained again too, and a student of a ranker trained now
         again = retrain or init in out.seconds or (teacher is not None and "ranker" in out.seconds)
         started = time.time()
-        model, path, fresh = get_model(data, kind, again, teacher, distill, runs[init] if init else None)
+        model, path, fresh = get_model(data, kind, again, teacher, distill, runs[init] if init else None,
+                                       going_on=going_on)
         runs[name] = model, path
         if fresh:
             out.seconds[name] = time.time() - started
@@ -142,13 +149,13 @@ def train_all(data: RecData, retrain: bool) -> Trained:
         out.models[kind] = fit(kind, kind)
     out.models["ranker"] = fit("ranker", "ranker", init="moe")
     teacher = ask_teacher(out.models["ranker"], data) if any(DISTILL_GRID) else None
-    distilled = {w: f"moe (distill {w:g})" if w else "moe" for w in DISTILL_GRID}
-    for weight in filter(None, DISTILL_GRID):
-        fit(distilled[weight], "moe", weight, teacher, init="moe")
-    out.validation = {w: validation_score(runs[name][0], data, val_users) for w, name in distilled.items()}
-    out.chosen = max(DISTILL_GRID, key=out.validation.get)
-    out.models["moe"] = runs[distilled[out.chosen]][0]
-    if out.chosen:  # the retriever the ranker was built on and is held to beat
+    candidates = {None: "moe", **{w: f"moe (distill {w:g})" for w in DISTILL_GRID}}
+    for weight in DISTILL_GRID:
+        fit(candidates[weight], "moe", weight, teacher if weight else None, init="moe", going_on=True)
+    out.validation = {w: validation_score(runs[name][0], data, val_users) for w, name in candidates.items()}
+    out.chosen = max(candidates, key=out.validation.get)  # max keeps the first of equals: the start
+    out.models["moe"] = runs[candidates[out.chosen]][0]
+    if out.chosen is not None:  # the retriever the ranker was built on and is held to beat
         out.models[UNDISTILLED] = runs["moe"][0]
     return out
 
@@ -242,6 +249,11 @@ def click_weights(trained: Trained) -> str:
             "smoothed toward the overall rate by s impressions and added w times to its bias after training; s and w "
             "chosen on the validation split (the mean of the four metrics, full corpus ranked): "
             + ", ".join(f"{kind} s = {d.click_smoothing:g}, w = {d.click_weight:g}" for kind, d in held.items()) + ". ")
+
+
+def distill_label(weight: float | None) -> str:
+    """How the report names a MoE kept (Trained.chosen): "start" for the undistilled one, else its weight."""
+    return "start" if weight is None else f"{weight:g}"
 
 
 def storage_label(dtype: str, rescore: int) -> str:
@@ -430,7 +442,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
         [{"name": r.name, "flops": r.flops, **dict(zip(("mean", "low", "high"), bootstrap_ci(plotted(r.ranking)["HR@10"])))}
          for r in by_name.values()], plot_dir / f"quality-{data.name}.png",
         f"{data.name}: {'expected ' if expected else ''}HR@10 against FLOPs per pair")
-    tuning = ", ".join(f"{w:g}: {s:.4f}" for w, s in trained.validation.items())
+    tuning = ", ".join(f"{distill_label(w)}: {s:.4f}" for w, s in trained.validation.items())
     pair = ", ".join(f"{name} {w:g}" for name, w in zip(FEATURE_NAMES, trained.models["ranker"].head.cross.tolist()))
     body = (f"{main_table(rows, ranker_top, truth)}\n\n![quality against FLOPs]({plot.name})\n\n"
             f"### The MoE against every other row: paired bootstrap over the same users\n\n"
@@ -452,10 +464,11 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"Targets:\n" + "\n".join(targets(rows, ranker_top, TRUE_RECALL_TARGET.get(data.name), truth, expected)))
     return (f"## {data.name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, {len(users)} evaluated "
             f"(last engagement held out, full corpus ranked, history excluded). {timing(trained, started)} "
-            f"The MoE's weight of distillation from the ranker's top-{TEACHER_TOP} (asked for "
-            f"{asked(data)}), chosen on the validation split (mean of the four metrics at each user's "
-            f"second-to-last engagement): {tuning}; chosen: "
-            f"{trained.chosen:g} (the teacher is asked at those same states, which favours distillation a little). "
+            f"The MoE kept, chosen on the validation split (mean of the four metrics at each user's second-to-last "
+            f"engagement) among the MoE the ranker starts from and the same more steps from it at each weight of "
+            f"distillation from the ranker's top-{TEACHER_TOP} (asked for {asked(data)}; weight 0: no teacher): "
+            f"{tuning}; chosen: {distill_label(trained.chosen)} (the teacher is asked at those same states, which "
+            f"favours distillation a little). "
             f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "
             f"part trains: {pair}. {click_weights(trained)}"
             f"Cells: mean [95% bootstrap interval over users].\n\n" + body)

@@ -99,15 +99,17 @@ def other_start(kind: str, init: RetrievalModel | None) -> str:
     return init.kind if init is not None and init.kind != kind and init.kind in STARTS_FROM.get(kind, ()) else ""
 
 
-def default_config(kind: str, seed: int = 0, distill: float = 0.0, start: str = "") -> TrainConfig:
+def default_config(kind: str, seed: int = 0, distill: float = 0.0, start: str = "", going_on: bool = False) -> TrainConfig:
     """Sizes that train on 2 CPU cores in minutes; the pairwise heads score B x C pairs per step. start: the
     other kind it goes on from (other_start). A MoE going on from a sasrec also learns each expert's own
-    softmax: its fresh experts then retrieve on their own instead of leaning on the trained sequence expert."""
+    softmax: its fresh experts then retrieve on their own instead of leaning on the trained sequence expert.
+    going_on: the steps that go on from the undistilled MoE, as distillation's do, at weight distill (0: the same
+    steps without a teacher, which tells what the teacher adds from what more steps add)."""
     if kind == "ranker":  # warm-started from the MoE's towers: only its head learns
         return TrainConfig(steps=300, batch=128, negatives=512, lr=1e-3, seed=seed, validate_every=100,
                            validation_users=200, patience=1)  # ranking the corpus with the ranker is slow; its deep
         # part goes on only while each validation gains (on MovieLens it never beat its silent start)
-    if distill:  # goes on from the undistilled model, so it stays near the retriever the ranker was built on
+    if distill or going_on:  # goes on from the undistilled model, so it stays near the retriever the ranker was built on
         return TrainConfig(steps=300, lr=5e-4, seed=seed, distill=distill)
     return TrainConfig(seed=seed, expert_loss=1.0 if start == "sasrec" else 0.0)
 

@@ -69,7 +69,8 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
                  ["--model", "moe", "--init", str(sasrec)],
                  ["--model", "ranker", "--init", str(base), "--out", str(ranker)],
                  ["--model", "moe", "--init", str(base), "--teacher", str(ranker), "--distill", "0.25",
-                  "--out", str(checkpoint)]):
+                  "--out", str(checkpoint)],
+                 ["--model", "moe", "--init", str(base)]):  # the same steps without a teacher
         result = subprocess.run([sys.executable, "-m", "andromeda_cli", "train", "--data", "synthetic",
                                  "--world", str(world), "--steps", "3", *args],
                                 capture_output=True, text=True, timeout=600, env=env)
@@ -78,6 +79,8 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
     assert config["model"] == "moe" and config["teacher"] == "ranker.safetensors" and config["distill"] == 0.25
     assert 0 < config["teacher_users"] <= 1000
     assert config["init"] == base.name and RetrievalModel.load(base)[1]["init"] == "sasrec.safetensors"
+    untaught = RetrievalModel.load(base.parent / "synthetic-moe-distill0.safetensors")[1]
+    assert untaught["init"] == "synthetic-moe-from-sasrec.safetensors" and "teacher" not in untaught
     other = tmp_path / "other-world"  # enough users for a few ads to earn learned ids (5 users give none)
     andromeda("synth", "--ads", "2000", "--users", "1000", "--seed", "2", "--out", str(other))
     for args, words in ((["--model", "sasrec", "--init", str(ranker)], "is a ranker model: a sasrec goes on only"),

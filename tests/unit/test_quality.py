@@ -1,6 +1,7 @@
 """The quality report end to end on a tiny data set: every section, interval and plot is written."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -15,7 +16,7 @@ from andromeda_core.models import quality
 from andromeda_core.models.distill import ask_teacher
 from andromeda_core.models.evaluate import expected_metrics, per_user_metrics
 from andromeda_core.models.retrieval import RetrievalModel
-from andromeda_core.models.train import TrainConfig
+from andromeda_core.models.train import TrainConfig, default_config
 from andromeda_core.synth import WorldConfig, engagement_probability
 from tests.unit.test_models import tiny_data
 
@@ -35,7 +36,7 @@ def with_truth(data, seed=0):
 def tiny_report(tmp_path, monkeypatch):
     monkeypatch.setenv("ANDROMEDA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(quality, "load_data", lambda name, world=None: with_truth(tiny_data(n_items=60, n_users=30)))
-    monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0, start="": TrainConfig(
+    monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0, start="", going_on=False: TrainConfig(
         steps=12, batch=16, negatives=16, seed=seed, distill=distill, teacher_rows=8, validate_every=6))
     out = tmp_path / "docs" / "quality.md"
     return quality.quality_report(("tiny",), out), out
@@ -63,12 +64,12 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
     assert len(re.findall(rf"^\| {others} \| [-+]", expected, re.M)) == 6
     assert "ranker beats the MoE (expected over the world's engagements): higher on" in text
     assert "ranker beats every retrieval model before distillation (sasrec, two_tower, moe" in text
-    distilled = "; chosen: 0.5 (" in text
-    assert bool(re.search(rf"^\| {quality.UNDISTILLED} \| fp32 \|", text, re.M)) == distilled
+    went_on = "; chosen: start (" not in text
+    assert bool(re.search(rf"^\| {re.escape(quality.UNDISTILLED)} \| fp32 \|", text, re.M)) == went_on
     tradeoff = text.split("### The click prior")[1].split("###")[0]
     assert len(re.findall(r"^\| \d+(\.\d+)?( \(chosen\))? \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{3} \|$", tradeoff, re.M)) == 5
-    assert re.search(r"0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (0|0\.5) \(", text)
-    assert trained_now(text) == ["sasrec", "two_tower", "moe", "ranker", "moe (distill 0.5)"]
+    assert re.search(r"start: \d\.\d{4}, 0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (start|0|0\.5) \(", text)
+    assert trained_now(text) == ["sasrec", "two_tower", "moe", "ranker", "moe (distill 0)", "moe (distill 0.5)"]
     assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
 
 
@@ -128,7 +129,17 @@ def test_a_distilled_checkpoint_that_names_no_start_is_trained_again(tiny_report
 def test_a_model_going_on_from_one_trained_again_is_trained_again(tiny_report):
     _, out = tiny_report
     quality.checkpoint_path("tiny", "moe").unlink()
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe", "ranker", "moe (distill 0.5)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe", "ranker", "moe (distill 0)", "moe (distill 0.5)"]
+
+
+def test_the_steps_without_a_teacher_are_the_students_steps_in_their_own_checkpoint(tiny_report):
+    text, _ = tiny_report
+    assert quality.checkpoint_path("tiny", "moe", 0.0, going_on=True).name == "tiny-moe-distill0.safetensors"
+    assert quality.checkpoint_path("tiny", "moe").name == "tiny-moe.safetensors"
+    _, config = RetrievalModel.load(quality.checkpoint_path("tiny", "moe", 0.0, going_on=True))
+    assert config["init"] == "tiny-moe.safetensors" and "teacher" not in config
+    more, taught = default_config("moe", going_on=True), default_config("moe", distill=0.5)
+    assert more == dataclasses.replace(taught, distill=0.0) and more.steps < default_config("moe").steps
 
 
 def test_a_student_is_trained_again_after_its_teacher_or_when_it_was_taught_by_other_users(tiny_report, monkeypatch):
