@@ -25,6 +25,7 @@ from andromeda_core.models import KernelHead, Scorer, score_each
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import UserValues, compile_user
 from andromeda_core.types import FLOAT32_MAX, RetrieveRequest, RetrieveResponse, ScoredAd
+from andromeda_core.wire import NumpyPickled
 from kernels import dispatch
 from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
@@ -39,7 +40,7 @@ class CompiledRequest:
 
 
 @dataclass(frozen=True)
-class UserQuery:
+class UserQuery(NumpyPickled):
     """What a shard needs to answer B requests: the user towers' output (scorer state for B rows),
     each request's compiled targeting values, time (seconds) and k. Small: no raw features, no candidates."""
 
@@ -53,7 +54,7 @@ class UserQuery:
 
 
 @dataclass(frozen=True)
-class TopK:
+class TopK(NumpyPickled):
     """Per-request results: ids (B, K) int64 (-1 = none), scores (B, K) float32 (-inf = none), sorted by
     score desc then id asc; only the first k[b] entries of row b count (K may be less than k[b] when the
     table holds fewer slots); eligible (B,) int64."""

@@ -42,7 +42,7 @@ from benchmarks import load_cpu
 from benchmarks.common import DOCS, machine, write_section
 from benchmarks.load_client import bodies, run_step
 from deployments.config import APP_NAME, ServiceConfig, apply_serve_env
-from deployments.shard import ShardAnswer
+from deployments.shard import HistoryVectors, ShardAnswer
 from index_updater.local_redis import LocalRedis, free_port
 from index_updater.publisher import Publisher
 
@@ -113,7 +113,8 @@ def wire_bytes(retriever: Retriever, requests: list[RetrieveRequest], shards: in
         rows.append({"query": len(pickle.dumps(query)), "answer": len(pickle.dumps(answer)),
                      "eligible": int(topk.eligible[0]), "history_ads": len(history),
                      "history_out": sum(len(pickle.dumps(ids)) for ids in by_shard.values()),
-                     "history_back": sum(len(pickle.dumps(index.embeddings_of(ids))) for ids in by_shard.values())})
+                     "history_back": sum(len(pickle.dumps(HistoryVectors(*index.embeddings_of(ids))))
+                                        for ids in by_shard.values())})
     mean = {key: float(np.mean([row[key] for row in rows])) for key in rows[0]}
     eligible = np.array([row["eligible"] for row in rows])
     return {**mean, "shards": shards, "dim": scorer.dim, "eligible_p50": float(np.percentile(eligible, 50)),

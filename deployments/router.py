@@ -227,7 +227,7 @@ class Router:
         found: dict[int, torch.Tensor] = {}
         for ids, reply in zip(by_shard.values(), replies):
             if reply is not None:
-                found.update((i, v) for i, v, hit in zip(ids, reply[0], reply[1].tolist()) if hit)
+                found.update((i, v) for i, v, hit in zip(ids, reply.vectors, reply.found.tolist()) if hit)
         zero = torch.zeros(self.scorer.dim)
 
         def lookup(ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,11 +23,21 @@ from andromeda_core.models.serving import load_scorer
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries, split_topk
 from andromeda_core.schema import load_schema
+from andromeda_core.wire import NumpyPickled
 from deployments.config import ServiceConfig
 from index_updater.consumer import ShardConsumer
 from index_updater.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HistoryVectors(NumpyPickled):
+    """A shard's answer to the router's history lookup: stored vectors (n, D) float32 on the CPU (zeros where not
+    indexed) and found (n,) bool."""
+
+    vectors: torch.Tensor
+    found: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -119,11 +129,10 @@ class ShardReplica:
                 out.append(None)
         return out
 
-    def vectors(self, ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored vectors (n, D) float32 on the CPU (zeros where not indexed) and found (n,) bool: the
-        router's user towers read the history ads that live on this shard."""
+    def vectors(self, ad_ids: Sequence[int]) -> HistoryVectors:
+        """The stored vectors of ad_ids: the router's user towers read the history ads that live on this shard."""
         with self.retriever.index.reading():
-            return self.retriever.index.embeddings_of(ad_ids)
+            return HistoryVectors(*self.retriever.index.embeddings_of(ad_ids))
 
     def get_ad(self, ad_id: int, now: int) -> dict | None:
         """Indexed state of one ad and whether a request at `now` could be served it; None when not indexed."""

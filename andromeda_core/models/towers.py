@@ -33,6 +33,7 @@ from torch import nn
 
 from andromeda_core.models import find_sorted
 from andromeda_core.models.text import TEXT_DIM
+from andromeda_core.wire import NumpyPickled
 
 N_EVENTS = 6
 GAP_BUCKETS = 24  # log2-spaced buckets of hours between engagements (and since the last one)
@@ -74,8 +75,9 @@ class Dims:
         return stored[..., :-1]
 
 
-class Tensors:
-    """Base of the dataclasses of tensors below: moved to a device as one."""
+class Tensors(NumpyPickled):
+    """Base of the dataclasses of tensors below: moved to a device as one; pickled as numpy arrays (a user state
+    travels from the router to the shards)."""
 
     def to(self, device: str | torch.device):
         """The same fields on `device` (no copy of those already there)."""
