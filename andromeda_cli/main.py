@@ -132,6 +132,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise InvalidInput("--distill needs --teacher (the ranker checkpoint to distil)", "--distill")
     if args.teacher is not None and args.init is None:
         raise InvalidInput("--teacher needs --init (the trained model distillation continues from)", "--teacher")
+    if args.teacher is not None and args.distill == 0:
+        raise InvalidInput("--distill 0 takes no teacher: leave out --teacher for the same steps without one", "--distill")
     with checkpoint("--teacher", args.teacher):  # a bad --teacher or --init fails before the data is loaded
         ranker = RetrievalModel.load(args.teacher)[0] if args.teacher else None
     if ranker is not None and ranker.kind != "ranker":
@@ -145,7 +147,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise InvalidInput(f"{args.init} is a {init.kind} model: {exc}", "--init") from None
     distill = (0.5 if args.distill is None else args.distill) if ranker is not None else 0.0
     start = other_start(args.model, init)
-    going_on = init is not None and init.kind == args.model != "ranker"  # the steps distillation takes, taught or not
+    going_on = init is not None and init.kind == args.model == "moe"  # the steps distillation takes, taught or not
     out = args.out or checkpoint_path(args.data, args.model, distill, start, going_on)
     if args.init is not None and out.resolve() == args.init.resolve():
         raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
@@ -164,7 +166,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
     model = train(data, args.model, cfg, teacher, init)
     model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill, args.init,
-                                    len(teacher.users) if teacher is not None else 0))
+                                    len(teacher.users) if teacher is not None else 0, cfg))
     print(f"wrote {out}")
 
 
@@ -290,13 +292,14 @@ def parser() -> argparse.ArgumentParser:
                         "engagement, as many as `andromeda eval` asks); `andromeda eval` uses DATA-ranker")
     s.add_argument("--distill", type=non_negative_float, default=None, help="weight of the distillation rows (default 0.5 with --teacher)")
     s.add_argument("--init", type=input_file, default=None,
-                   help="checkpoint to start from: a model of the same kind goes on from all its weights for the "
-                        "steps distillation takes (300 at LR 5e-4, with or without --teacher), a moe from a sasrec "
-                        "trains in full from its weights; a ranker starts from a MoE's towers, frozen")
+                   help="checkpoint to start from: a moe goes on from a moe's weights for the steps distillation "
+                        "takes (300 at LR 5e-4, with or without --teacher), any other model trains in full from the "
+                        "weights of its own kind (a moe also from a sasrec's); a ranker starts from a MoE's towers, "
+                        "frozen")
     s.add_argument("--world", type=output_dir, default=None,
                    help="synthetic world directory (default: in the cache; a world is generated there when it holds none)")
     s.add_argument("--out", type=output_file, default=None, help="checkpoint path (default: .cache/models/DATA-MODEL.safetensors; a moe "
-                   "from a sasrec: DATA-moe-from-sasrec; going on from its own kind: DATA-MODEL-distillW, W = 0 "
+                   "from a sasrec: DATA-moe-from-sasrec; a moe going on from a moe: DATA-moe-distillW, W = 0 "
                    "without --teacher)")
     s.set_defaults(func=cmd_train)
 

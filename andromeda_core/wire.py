@@ -6,6 +6,7 @@ microseconds and only its own elements. A request's messages carry eight small t
 top-k, its history vectors)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import fields
 from typing import Any
 
@@ -14,7 +15,9 @@ import torch
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array)
+    """A tensor on the CPU from an unpickled array; one read-only (Ray may hand arrays out of its object store
+    in place) is copied, so that the tensor may be written to."""
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 class _TensorOnWire:
@@ -30,13 +33,26 @@ class _TensorOnWire:
 
 
 def on_wire(value: Any) -> Any:
-    """A tensor numpy can hold as _TensorOnWire; anything else as it is (pickled its own way)."""
-    return _TensorOnWire(value) if isinstance(value, torch.Tensor) and value.dtype != torch.bfloat16 else value
+    """A tensor as _TensorOnWire; one numpy cannot hold (bfloat16, sparse, conjugate views) and anything else as
+    it is, pickled its own way."""
+    if isinstance(value, torch.Tensor):
+        try:
+            return _TensorOnWire(value)
+        except (TypeError, RuntimeError):
+            return value
+    return value
 
 
 class NumpyPickled:
     """Base of a dataclass whose tensor fields pickle as numpy arrays; unpickled, each field is what it was (a
-    tensor on the CPU; nested messages pickle their own way)."""
+    tensor on the CPU; nested messages pickle their own way). copy.copy and copy.deepcopy keep their usual
+    meaning (the same tensors; copies of them, on their device)."""
 
     def __reduce__(self):
         return type(self), tuple(on_wire(getattr(self, f.name)) for f in fields(self))
+
+    def __copy__(self):
+        return type(self)(*(getattr(self, f.name) for f in fields(self)))
+
+    def __deepcopy__(self, memo: dict):
+        return type(self)(*(copy.deepcopy(getattr(self, f.name), memo) for f in fields(self)))

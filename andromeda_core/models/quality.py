@@ -4,6 +4,7 @@ tests, cold-start rows and a plot of quality against FLOPs per pair."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import multiprocessing
 import os
 import platform
@@ -29,7 +30,7 @@ from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
 from andromeda_core.models.retrieval import UNLOADABLE, RetrievalModel
 from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
-from andromeda_core.models.train import CLICK_WEIGHTS, default_config, other_start, train, validation_score
+from andromeda_core.models.train import CLICK_WEIGHTS, TrainConfig, default_config, other_start, train, validation_score
 from andromeda_core.schema import load_schema
 from andromeda_core.synth import (GENERATOR, WorldConfig, engagement_probability, is_current, synthesize, truth_scores,
                                   world_config)
@@ -78,13 +79,20 @@ def checkpoint_path(data: str, kind: str, distill: float = 0.0, start: str = "",
     return load_settings().cache_dir / "models" / f"{data}-{kind}{suffix}.safetensors"
 
 
+def file_digest(path: Path) -> str:
+    """The first 16 hex digits of the file's SHA-256: which checkpoint, not just which name, a model started from."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, distill: float = 0.0,
-                    init: Path | None = None, taught: int = 0) -> dict:
-    """taught: the users the teacher was asked for."""
+                    init: Path | None = None, taught: int = 0, cfg: TrainConfig | None = None) -> dict:
+    """taught: the users the teacher was asked for; cfg: the training run's steps and learning rate are recorded
+    (get_model trains again where they are not the ones asked)."""
     schema = load_schema()
     meta = {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": seed,
             "categories": data.items.categories}
-    meta = {**meta, "init": init.name} if init else meta
+    meta = {**meta, "steps": cfg.steps, "lr": cfg.lr} if cfg else meta
+    meta = {**meta, "init": init.name, "init_digest": file_digest(init)} if init else meta
     return {**meta, "teacher": teacher.name, "distill": distill, "teacher_users": taught} if teacher else meta
 
 
@@ -104,10 +112,12 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
               init: tuple[RetrievalModel, Path] | None = None, seed: int = 0,
               going_on: bool = False) -> tuple[RetrievalModel, Path, bool]:
     """(model, its checkpoint, trained in this call). The checkpoint is loaded unless retrain, or it is missing or
-    unusable (of an older model version, say), or its metadata names another start than init's checkpoint or, when
-    distilled, another number of users asked of the teacher (it was trained otherwise)."""
+    unusable (of an older model version, say), or its metadata names another seed, number of steps, learning rate or
+    start than asked (init's checkpoint, by name and contents) or, when distilled, another number of users asked of
+    the teacher: it was trained otherwise (by `andromeda train --steps 3`, say, which writes the same names)."""
     start = other_start(kind, init[0] if init else None)
     path = checkpoint_path(data.name, kind, distill, start, going_on)
+    cfg = default_config(kind, seed, distill, start, going_on)
     loaded = None
     if path.exists() and not retrain:
         try:
@@ -115,13 +125,14 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
         except UNLOADABLE:
             pass  # trained again below
     taught = len(teacher.users) if teacher is not None and distill else 0
-    if (loaded is not None and loaded[1].get("init") == (init[1].name if init else None)
-            and loaded[1].get("teacher_users", 0) == taught):
+    asked = {"seed": seed, "steps": cfg.steps, "lr": cfg.lr, "init": init[1].name if init else None,
+             "init_digest": file_digest(init[1]) if init else None, "teacher_users": taught}
+    if loaded is not None and all(loaded[1].get(key, 0 if key == "teacher_users" else None) == value
+                                  for key, value in asked.items()):
         return loaded[0], path, False
-    cfg = default_config(kind, seed, distill, start, going_on)
     model = train(data, kind, cfg, teacher if distill else None, init[0] if init else None)
     model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill,
-                                     init[1] if init else None, taught))
+                                     init[1] if init else None, taught, cfg))
     return model, path, True
 
 

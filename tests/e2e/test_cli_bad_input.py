@@ -131,6 +131,8 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "0"), {}, ("argument --steps",)),
     (("train", "--data", "synthetic", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors",
       "--init", "{d}/not_a_checkpoint.safetensors"), {}, ("--teacher", "is not a checkpoint")),
+    (("train", "--data", "synthetic", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors",
+      "--init", "{d}/not_a_checkpoint.safetensors", "--distill", "0"), {}, ("--distill", "leave out --teacher")),
 ]
 
 

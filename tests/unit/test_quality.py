@@ -126,6 +126,18 @@ def test_a_distilled_checkpoint_that_names_no_start_is_trained_again(tiny_report
     assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0.5)"]
 
 
+def test_a_checkpoint_trained_otherwise_under_the_same_name_is_trained_again(tiny_report):
+    _, out = tiny_report
+    untaught = quality.checkpoint_path("tiny", "moe", 0.0, going_on=True)
+    model, config = RetrievalModel.load(untaught)
+    model.save(untaught, {**config, "steps": 3})  # as `andromeda train --init tiny-moe --steps 3` writes it
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0)"]
+    start = quality.checkpoint_path("tiny", "moe")
+    model, config = RetrievalModel.load(start)
+    model.save(start, {**config, "note": "trained again elsewhere"})  # the same name and settings, other bytes
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0)", "moe (distill 0.5)"]
+
+
 def test_a_model_going_on_from_one_trained_again_is_trained_again(tiny_report):
     _, out = tiny_report
     quality.checkpoint_path("tiny", "moe").unlink()

@@ -1,7 +1,9 @@
 """The router <-> shard messages pickle their tensors as numpy arrays and come back equal."""
 from __future__ import annotations
 
+import copy
 import pickle
+import warnings
 
 import torch
 from ray import cloudpickle
@@ -44,6 +46,28 @@ def test_a_requests_rows_of_a_batch_result_travel_without_the_other_rows():
 
 
 def test_a_tensor_numpy_cannot_hold_and_a_plain_tensor_state_pickle_as_tensors():
-    bf16 = UserQuery(torch.randn(2, 8).bfloat16(), [{}, {}], [0, 0], [1, 1])
-    back = pickle.loads(cloudpickle.dumps(bf16))
-    assert same(back.users, bf16.users)
+    for users in (torch.randn(2, 8).bfloat16(), torch.randn(2, 8, dtype=torch.complex64).conj(),
+                  torch.eye(2, 8).to_sparse()):
+        query = UserQuery(users, [{}, {}], [0, 0], [1, 1])
+        back = pickle.loads(cloudpickle.dumps(query)).users
+        assert back.dtype == users.dtype and torch.equal(back.to_dense().resolve_conj(), users.to_dense().resolve_conj())
+
+
+def test_arrays_handed_out_read_only_come_back_as_writable_tensors():
+    buffers = []
+    sent = pickle.dumps(HistoryVectors(torch.randn(3, 4), torch.ones(3, dtype=torch.bool)), protocol=5,
+                        buffer_callback=buffers.append)  # out of band, as Ray's object store hands them back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns of a tensor over a read-only array
+        back = pickle.loads(sent, buffers=[memoryview(b.raw()).toreadonly() for b in buffers])
+    back.vectors[0, 0] = 7.0  # would be undefined behaviour on a read-only array's memory
+    assert back.vectors[0, 0] == 7.0 and back.found.all()
+
+
+def test_copies_keep_their_meaning():
+    shared = torch.randn(2, 6, 4, requires_grad=True)
+    state = UserState(shared, shared, torch.ones(2, 6, dtype=torch.bool))
+    shallow, deep = copy.copy(state), copy.deepcopy(state)
+    assert shallow.experts is shared and shallow.keys is shared
+    assert deep.experts is deep.keys and deep.experts is not shared and deep.experts.requires_grad
+    assert torch.equal(deep.experts, shared)
