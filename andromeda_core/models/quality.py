@@ -96,6 +96,10 @@ def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, disti
     return {**meta, "teacher": teacher.name, "distill": distill, "teacher_users": taught} if teacher else meta
 
 
+TRAINED_AS = ("seed", "steps", "lr", "init", "init_digest", "teacher_users")  # the metadata a reused checkpoint must
+# share with the one get_model would write
+
+
 @dataclass
 class Trained:
     """The models of one data set: by name, which were trained in this run and in how many seconds, the MoE's
@@ -125,14 +129,12 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
         except UNLOADABLE:
             pass  # trained again below
     taught = len(teacher.users) if teacher is not None and distill else 0
-    asked = {"seed": seed, "steps": cfg.steps, "lr": cfg.lr, "init": init[1].name if init else None,
-             "init_digest": file_digest(init[1]) if init else None, "teacher_users": taught}
-    if loaded is not None and all(loaded[1].get(key, 0 if key == "teacher_users" else None) == value
-                                  for key, value in asked.items()):
+    meta = checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill,
+                           init[1] if init else None, taught, cfg)
+    if loaded is not None and all(loaded[1].get(key) == meta.get(key) for key in TRAINED_AS):
         return loaded[0], path, False
     model = train(data, kind, cfg, teacher if distill else None, init[0] if init else None)
-    model.save(path, checkpoint_meta(data, seed, checkpoint_path(data.name, "ranker") if distill else None, distill,
-                                     init[1] if init else None, taught, cfg))
+    model.save(path, meta)
     return model, path, True
 
 
