@@ -42,6 +42,9 @@ MIN_CANDIDATES = 8192
 KEEP_TOP, KEEP_MAX, KEEP_ABOVE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what a block keeps: its top WIDTH keys, its best key, the keys >= tau
 SKIP_BELOW_TAU = True  # the threshold scan skips the gating of blocks that cannot reach tau (False: for A/B runs)
 MERGE_TILE = 2048  # keys a merge program selects from (more when m needs it)
+MERGE_MAX_K = 2048  # the most keys a merge program keeps; a larger m merges with torch.topk (compiled for sm_90, a
+# program keeping 8,192 spilled registers and one keeping 32,768, what k = 10,000 with rescoring asks, did not
+# finish compiling in 500 s)
 NO_KEY = -2**63
 
 _NO_KEY = tl.constexpr(NO_KEY)
@@ -274,12 +277,26 @@ def dot_size(k: int) -> int:
     return max(triton.next_power_of_2(k), 16)
 
 
+def unpacked(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """unpack_keys in torch: keys (B, m) int64 -> slots (B, m) int64 and scores (B, m) float32; -1 and -inf for
+    NO_KEY."""
+    high = (keys >> 32).to(torch.int32)
+    bits = high ^ ((high >> 31) & 0x7FFFFFFF)
+    found = keys != NO_KEY
+    return (torch.where(found, 0xFFFFFFFF - (keys & 0xFFFFFFFF), -1),
+            torch.where(found, bits.view(torch.float32), float("-inf")))
+
+
 def merge_partials(partial: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """partial (B, P, w) int64 keys -> the m best per request: slots (B, m) int64 (-1 padded), scores (B, m)
     float32 (-inf padded), by score descending then slot ascending."""
     partial = partial.contiguous()  # the merge kernel reads it row by row
     B = partial.shape[0]
     K = triton.next_power_of_2(max(m, 1))
+    if K > MERGE_MAX_K:  # keys are distinct but NO_KEY, whose places unpack alike: topk's order among equals is moot
+        keys = partial.reshape(B, -1)
+        best = keys.topk(min(m, keys.shape[1]), dim=1).values
+        return unpacked(torch.nn.functional.pad(best, (0, m - best.shape[1]), value=NO_KEY))
     slots = torch.empty((B, m), dtype=torch.int64, device=partial.device)
     scores = torch.empty((B, m), dtype=torch.float32, device=partial.device)
     while True:

@@ -328,6 +328,25 @@ def test_merge_rounds(monkeypatch):
         assert_same(got, want)
 
 
+class NotCalled:
+    def __getitem__(self, grid):
+        raise AssertionError("the merge kernel was launched")
+
+
+def test_a_long_shortlist_merges_in_torch(monkeypatch):
+    """Past MERGE_MAX_K keys per request the merge is torch.topk over every partial key, not a kernel program
+    (Triton): the same top-m, fewer eligible ads than m padded."""
+    kernel = KERNELS["triton"]
+    monkeypatch.setattr(fused, "MERGE_MAX_K", 64)
+    monkeypatch.setattr(fused, "_merge_kernel", NotCalled())
+    gen = torch.Generator().manual_seed(4)
+    status, start, end, refs, vectors, scales = make_table(gen, 700, 2, 80, torch.float16)
+    requests = make_requests(gen, 2, 6, 64, 16)
+    got, want = both(kernel, status, start, end, refs, vectors, scales, *requests, -1, 2, 650)
+    assert_same(got, want)
+    assert (want[0] == -1).any()  # fewer eligible than m: padding compared too
+
+
 def merge_widths(monkeypatch) -> list[int]:
     """The key widths the Triton merge is called with from now on: BLOCK after the threshold scan's candidates,
     less (the next power of two of m) after the fallback's per-block top-m."""
