@@ -46,17 +46,17 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """Achieved memory read bandwidth (GB/s) of a torch sum over a large fp32 buffer."""
-    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    seconds = median_seconds(lambda: buf.sum(), repeats)
-    return buf.numel() * 4 / seconds / 1e9
+def matmul_gflops(device: str = "cpu", dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Achieved rate (GFLOP/s) of one large square matmul in dtype on device: the practical peak FLOP rate the
+    benchmarks measure their share of (n = 2048 on the CPU, 8192 on a GPU, large enough to reach it)."""
+    n = 2048 if device == "cpu" else 8192
+    a, b = torch.randn((n, n), device=device, dtype=dtype), torch.randn((n, n), device=device, dtype=dtype)
 
-
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Achieved fp32 matmul rate (GFLOP/s): the practical peak FLOP rate of this machine."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / median_seconds(lambda: a @ b, repeats) / 1e9
+    def run():
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return 2 * n**3 / median_seconds(run, repeats) / 1e9
 
 
 def write_section(name: str, body: str) -> None:

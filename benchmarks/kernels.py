@@ -16,8 +16,11 @@ ads over again: same clauses, same eligible share). Peers, each over the same ta
 Reported per (storage, B): ads/s (ads scanned per second, whatever B), user-ad pairs/s, the bytes per
 ad the fused pass reads (status 1 + start 8 + end 8 + refs 4 C, plus the vector bytes of the eligible
 share: int8 D + G + 1 bytes and their scales, fp16 2 (D + G + 1)), the GB/s that makes and its share of
-the copy bandwidth measured in the same run (a 1 GiB torch copy: bytes read + written per second), and
-the time with the MoE's user towers for the same B requests added (end to end on the device).
+the copy bandwidth measured in the same run (a 1 GiB torch copy: bytes read + written per second), the
+GFLOP/s of the MoE head over the eligible pairs (its analytical FLOPs per pair, MoEHead.flops_per_pair) and
+their share of the peak FLOP rate measured in the same run (one large matmul: fp32 on the CPU, where the pass
+computes in fp32; fp16 on a GPU, whose pass multiplies on fp16 tensor cores), and the time with the MoE's user
+towers for the same B requests added (end to end on the device).
 
     python -m benchmarks.kernels --ads 1000000 --tile 1 10          # CPU
     python -m benchmarks.kernels --device cuda --ads 1000000 --tile 1 100
@@ -35,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from andromeda_core.index import AdIndex
+from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel
 from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.towers import Dims, UserInputs
@@ -44,13 +48,15 @@ from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.targeting import compile_user
 from andromeda_core.types import parse_request
-from benchmarks.common import machine, median_seconds, write_section
+from benchmarks.common import machine, matmul_gflops, median_seconds, write_section
 from kernels import dispatch
 from kernels.reference import fused as reference
 
 K = 100
-D, G, E, TOP_N = 64, 16, 6, 2
-S = D + G + 32 + 1  # the MoE's stored vector: experts' dims, gating dims, semantic dims, bias
+DIMS, TOP_N = Dims(), 2  # the MoE's default sizes, as served
+D, G, E = DIMS.dim, DIMS.gate, DIMS.experts
+S = DIMS.stored  # the MoE's stored vector: experts' dims, gating dims, semantic dims, bias
+FLOPS_PER_PAIR = MoEHead(DIMS, TOP_N).flops_per_pair()  # gating logits, similarities, top-n, softmax, gated sum, bias
 CHUNK = 65536
 MAX_BATCH = 64
 FLAT = {True: f"IndexFlatIP over the same vectors in fp32 ({S * 4} B/ad, no targeting)",
@@ -242,7 +248,9 @@ def main() -> None:
     dev = args.device
     gen = torch.Generator().manual_seed(0)
     copy = copy_gbs(dev)
-    print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), kernels: {dispatch.implementation(dev)}")
+    peak = matmul_gflops(dev, torch.float32 if dev == "cpu" else torch.float16)
+    print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), matmul {peak:.0f} GFLOP/s, "
+          f"kernels: {dispatch.implementation(dev)}")
     rows = []
     world, requests = table_and_requests(p, args.table, args.ads, args.batch, args.workdir)
     if args.save_table and not args.table:
@@ -271,13 +279,14 @@ def main() -> None:
                 per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + eligible * vector_bytes(storage)
                 row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, per_ad=per_ad, ref=ref,
                            naive=naive, faiss=flat, topk=topk, tower=tower, gbs=n * per_ad / ours / 1e9,
+                           gflops=B * n * eligible * FLOPS_PER_PAIR / ours / 1e9,
                            gated=gated_share(args_) if dev == "cuda" else None)
                 rows.append(row)
-                print(line(row, copy))
+                print(line(row, copy, peak))
             on = None  # frees the device copy before the next storage
         flat_scan = None  # frees its copy of the vectors before the next size
     if not args.no_write:
-        write_section(f"kernels-{dev}", report(rows, args, copy))
+        write_section(f"kernels-{dev}", report(rows, args, copy, peak))
 
 
 def gated_share(args_: tuple) -> float:
@@ -337,25 +346,27 @@ def ratio(peer: float | None, ours: float) -> str:
     return "-" if peer is None else f"{peer / ours:.2f}x"
 
 
-def line(r: dict, copy: float) -> str:
+def line(r: dict, copy: float, peak: float) -> str:
     return (f"{r['n']:>11,} ads {r['storage']} B={r['B']:<3} ours {ms(r['ours']):>8} ms "
             f"({r['n'] / r['ours'] / 1e6:8.1f}M ads/s, {r['n'] * r['B'] / r['ours'] / 1e6:9.1f}M pairs/s, "
-            f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / copy:.0%} of copy)  eligible {r['eligible']:.1%}  "
+            f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / copy:.0%} of copy, "
+            f"{r['gflops']:.1f} GFLOP/s = {r['gflops'] / peak:.1%} of matmul)  eligible {r['eligible']:.1%}  "
             f"match alone {ms(r['match'])} ms ({r['n'] / r['match'] / 1e9:.2f}G ads/s)  "
             f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])})  "
             f"topk {ms(r['topk'])}  with the user towers {ms(r['tower'] + r['ours'])} ms "
             f"({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M ads/s)  blocks gated {share(r['gated'])}")
 
 
-def report(rows: list[dict], args, copy: float) -> str:
-    table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of copy bw | eligible "
-             "| match alone ms (ads/s) | reference ms | naive ms | FAISS ms | FAISS time / ours | torch.topk ms "
-             "| with the user towers ms (ads/s) | blocks gated |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def report(rows: list[dict], args, copy: float, peak: float) -> str:
+    table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of copy bw | GFLOP/s "
+             "| share of peak FLOPs | eligible | match alone ms (ads/s) | reference ms | naive ms | FAISS ms "
+             "| FAISS time / ours | torch.topk ms | with the user towers ms (ads/s) | blocks gated |",
+             "|---" * 20 + "|"]
     for r in rows:
         table.append(f"| {r['n']:,} | {r['storage']} | {r['B']} | {ms(r['ours'])} | {r['n'] / r['ours'] / 1e6:.1f}M | "
                      f"{r['n'] * r['B'] / r['ours'] / 1e6:.1f}M | {r['per_ad']:.0f} | {r['gbs']:.1f} | "
-                     f"{r['gbs'] / copy:.0%} | {r['eligible']:.1%} | {ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
+                     f"{r['gbs'] / copy:.0%} | {r['gflops']:.1f} | {r['gflops'] / peak:.1%} | {r['eligible']:.1%} | "
+                     f"{ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
                      f"{ms(r['ref'])} | {ms(r['naive'])} | "
                      f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} | "
                      f"{ms(r['tower'] + r['ours'])} ({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M) | {share(r['gated'])} |")
@@ -365,12 +376,16 @@ def report(rows: list[dict], args, copy: float) -> str:
 
 `{command}`
 
-Machine: {machine()}. Copy bandwidth measured in the same run: {copy:.1f} GB/s (read + write).
+Machine: {machine()}. Measured in the same run: copy bandwidth {copy:.1f} GB/s (read + write), peak FLOP rate
+{peak:,.0f} GFLOP/s (one {"fp32 matmul of 2048 x 2048" if args.device == "cpu" else "fp16 matmul of 8192 x 8192"}).
 Table: the synthetic world of {args.ads:,} ads (tiled for larger corpora), random vectors of the MoE's
 stored shape (S = {S}), the world's requests with random user experts (E = {E}, top {TOP_N}); k = {K}.
 Ours = `kernels.dispatch.fused_scan`; "match alone" = `kernels.dispatch.clause_match` (the standalone
 match: the (B, n) eligibility mask); bytes/ad counts what the fused pass reads (41 B of status, window and clause
-refs per ad, plus the vector bytes of the eligible share). FAISS = {FLAT[args.device == "cpu"]}. Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
+refs per ad, plus the vector bytes of the eligible share); GFLOP/s counts the MoE head's {FLOPS_PER_PAIR} FLOPs per
+eligible user-ad pair (gating logits, similarities, top-{TOP_N} softmax, gated sum, bias: the work the model defines;
+the passes skip work that cannot enter the top-k, the CPU pass an ad's gating and the GPU pass whole blocks, so they
+execute fewer). FAISS = {FLAT[args.device == "cpu"]}. Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
 pairs ("-" beyond). "With the user towers" adds the time of the MoE's user towers for the B requests (default
 sizes, random weights, full histories) and their kernel head, on the same device: end to end but for the
 request's parsing and lookups. "Blocks gated" (CUDA): the share of (block of 128 ads, request) pairs whose gating the
