@@ -309,6 +309,6 @@ def add_commands(sub) -> None:
 
     s = sub.add_parser("serve-config", help="write the Ray Serve config YAML (serve run / serve deploy / KubeRay)")
     add_service_flags(s)
-    s.add_argument("--redis", default=None, help="Redis URL to put in the config (default: REDIS_URL)")
+    s.add_argument("--redis", default=None, help="Redis URL to put in the config (default: none; the replicas then read their own REDIS_URL)")
     s.add_argument("--out", type=Path, default=None, help="file to write (default: stdout)")
     s.set_defaults(func=cmd_serve_config)

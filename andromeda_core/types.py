@@ -1,4 +1,4 @@
-"""Wire contracts (DESIGN.md section 4) as typed models, and parsing that names the bad field."""
+"""Wire contracts (README 'API') as typed models, and parsing that names the bad field."""
 from __future__ import annotations
 
 import json

@@ -117,7 +117,7 @@ class Auth(BaseModel):
 
     model_config = STRICT
     token_file: str | None = Field(None, min_length=1)
-    """JSON file of hashed tokens (`andromeda token add` writes it), re-read without a restart when it
+    """JSON file of hashed tokens (`andromeda token` writes it), re-read without a restart when it
     changes; None: only ANDROMEDA_WRITE_TOKEN."""
     reload_s: float = Field(2.0, gt=0, le=3600)
     """How often a router checks `token_file` for changes."""

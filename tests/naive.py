@@ -1,4 +1,4 @@
-"""A naive evaluator of the targeting contract (DESIGN.md section 3), written from the text alone.
+"""A naive evaluator of the targeting contract (README 'Targeting'), written from the text alone.
 
 It works on raw JSON values (no compilation, no bitsets) so the index can be checked against it.
 """

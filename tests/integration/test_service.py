@@ -255,6 +255,7 @@ def test_health_readiness_and_metrics(service):
     assert requests.get(f"{service.url}/two/healthz", timeout=10).status_code == 200
     ready = requests.get(f"{service.url}/two/readyz", timeout=10)
     assert ready.status_code == 200 and [s["shard"] for s in ready.json()["shards"]] == [0, 1]
+    assert all(s["errors"] == 0 and s["last_error"] == "" and s["reason"] == "ok" for s in ready.json()["shards"])
     found = post(f"{service.url}/two/v1/retrieve", world_requests(service)[0]).json()["ads"][0]["ad_id"]
     post(f"{service.url}/two/v1/retrieve", {"user": {"user_id": "x"}})
     post(f"{service.url}/two/v1/ad-events", [upsert(1)], token="wrong")
