@@ -296,12 +296,14 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Unknown paths, wrong methods, unreadable bodies: the same error shape as everything else."""
-        if exc.status_code == 400:  # FastAPI could not decode the body: not UTF-8, or nested past the parser's depth
+        if exc.status_code == 400:  # FastAPI could not decode the body: not UTF-8, nested past the parser's
+            # depth, or a number of more digits than Python converts
             if refusal := await auth_refusal(request):
                 return refusal
             on_error(ErrorCategory.INVALID_INPUT.value)
             return error_response(422, ErrorCategory.INVALID_INPUT.value, "the body is not JSON this service can read "
-                                  "(it must be UTF-8 and nest at most a few hundred levels)", "body")
+                                  "(it must be UTF-8, nest at most a few hundred levels and hold no number of more than "
+                                  "4,300 digits)", "body")
         cause = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_input")
         on_error(cause)
         return error_response(exc.status_code, cause, str(exc.detail), None, getattr(exc, "headers", None))

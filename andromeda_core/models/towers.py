@@ -115,6 +115,10 @@ class UserState(Tensors):
         return UserState(self.experts[rows], self.keys[rows], self.mask[rows])
 
 
+BID_FEATURE_MAX = 1000.0  # bids above it read as it: the tower never trains on such bids (the synthetic worlds' stay
+# under 100, MovieLens's is constant), and unbounded, log1p(3.4e38) = 88 put one ad above every other for every user
+
+
 class AdTower(nn.Module):
     """Content tower plus learned per-id residuals for `ids` ads ((ids + 1, D + 1) table: embedding and
     bias; the last row, zero and never trained, stands for "no id")."""
@@ -137,7 +141,7 @@ class AdTower(nn.Module):
         """text (N, 384), category/advertiser (N,) int64, bid (N,), id_rows (N,) int64 (-1: no id) -> (N, S)."""
         d, text = self.d, text.float()
         h = torch.cat([F.gelu(self.text(text)), self.category(category.clamp(0, d.categories - 1)),
-                       self.advertiser(advertiser % d.advertiser_buckets), torch.log1p(bid.clamp(min=0))[:, None]], 1)
+                       self.advertiser(advertiser % d.advertiser_buckets), torch.log1p(bid.clamp(0, BID_FEATURE_MAX))[:, None]], 1)
         out = self.mlp(h)
         no_id = self.identity.num_embeddings - 1
         ident = self.identity(torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id))

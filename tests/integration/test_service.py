@@ -231,10 +231,12 @@ def test_raw_garbage_is_a_422_not_a_500(service):
                             timeout=10)
         assert got.status_code == 422, (body, got.status_code, got.text)
     nested = b"[" * 5000 + b"]" * 5000
-    for body in (b'{"user": {"user_id": 1, "attributes": {"country": "\xff\xfe"}}}', nested):  # not UTF-8; too deep
+    long_number = b'{"user": {"user_id": ' + b"9" * 5000 + b"}}"  # past Python's 4,300 digits
+    for body in (b'{"user": {"user_id": 1, "attributes": {"country": "\xff\xfe"}}}', nested, long_number):
         got = requests.post(f"{service.url}/two/v1/retrieve", data=body, headers={"Content-Type": "application/json"},
                             timeout=10)
         assert got.status_code == 422 and got.json()["error"]["field"] == "body", (body[:40], got.status_code, got.text)
+        assert "4,300 digits" in got.json()["error"]["message"]
     for path in ("/v1/retrieve", "/v1/retrieve:batch"):
         empty = requests.post(f"{service.url}/two{path}", data=b"", headers={"Content-Type": "application/json"},
                               timeout=10)

@@ -13,7 +13,7 @@ from andromeda_core.models.features import N_FEATURES
 from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
-from andromeda_core.models.towers import Dims, SequenceEncoder, UserState
+from andromeda_core.models.towers import BID_FEATURE_MAX, Dims, SequenceEncoder, UserState
 from andromeda_core.models.train import (CLICK_SMOOTHINGS, CLICK_WEIGHTS, TrainConfig, choose_click_prior, default_config,
                                          expert_losses, item_probability, log_q, lr_schedule, other_start, train,
                                          validation_score)
@@ -83,6 +83,19 @@ def test_an_ad_without_a_learned_id_gets_its_content_vector():
     assert torch.equal(with_ids[20:], content[20:])  # ids 21-40: never learned
     assert not torch.allclose(with_ids[:20, : DIMS.dim], content[:20, : DIMS.dim])
     assert torch.equal(with_ids[:20, DIMS.dim: -1], content[:20, DIMS.dim: -1])  # gating query, semantic: content
+
+
+def test_a_bid_reads_as_at_most_the_bid_feature_cap():
+    """The ad tower reads the bid (another bid, another vector), but a bid past BID_FEATURE_MAX, which it was never
+    trained on, embeds as one at the cap: an advertiser cannot outscore every ad by bidding 1e30."""
+    torch.manual_seed(0)
+    tower = RetrievalModel("moe", DIMS, np.array([], np.int64)).ad_tower.eval()
+    text, category, advertiser = torch.randn(4, 384), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    bids = torch.tensor([1.0, BID_FEATURE_MAX, 1e30, 3.4e38])
+    with torch.no_grad():
+        out = tower(text[:1].expand(4, -1), category, advertiser, bids, torch.full((4,), -1))
+    assert not torch.equal(out[0], out[1])
+    assert torch.equal(out[2], out[1]) and torch.equal(out[3], out[1])
 
 
 def test_the_click_prior_moves_only_the_score_by_its_weight():
