@@ -159,6 +159,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = default_config(args.model, args.seed, distill, start, going_on)
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
+    if args.click_weight is not None:
+        cfg = TrainConfig(**{**cfg.__dict__, "click_weights": (args.click_weight,)})
     teacher = ask_teacher(ranker, data) if ranker is not None else None
     learned = np.sort(data.items.ids[data.train_items(cfg.min_id_engagements)])  # the ads training here gives ids
     fits = init is None or np.array_equal(init.item_ids.numpy(), learned)
@@ -287,6 +289,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", choices=("moe", "two_tower", "sasrec", "ranker"), required=True, help="model kind")
     s.add_argument("--steps", type=POSITIVE, default=None, help="override the default number of steps")
     s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed of the initialisation and batches")
+    s.add_argument("--click-weight", type=non_negative_float, default=None,
+                   help="weight of the click prior in each ad's bias, instead of the one validation chooses among 0, "
+                        "1, 2, 4 and 8: higher favours the ads clicked most per impression (the true affinity) over "
+                        "the logged next click (docs/quality.md, 'The click prior'); data without impressions has no prior")
     s.add_argument("--teacher", type=input_file, default=None,
                    help="ranker checkpoint to distil (its top-100 for the first users with a validation "
                         "engagement, as many as `andromeda eval` asks); `andromeda eval` uses DATA-ranker")

@@ -86,18 +86,19 @@ def file_digest(path: Path) -> str:
 
 def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, distill: float = 0.0,
                     init: Path | None = None, taught: int = 0, cfg: TrainConfig | None = None) -> dict:
-    """taught: the users the teacher was asked for; cfg: the training run's steps and learning rate are recorded
-    (get_model trains again where they are not the ones asked)."""
+    """taught: the users the teacher was asked for; cfg: the training run's steps and learning rate are recorded, and
+    its click weights where set (get_model trains again where they are not the ones asked)."""
     schema = load_schema()
     meta = {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": seed,
             "categories": data.items.categories}
     meta = {**meta, "steps": cfg.steps, "lr": cfg.lr} if cfg else meta
+    meta = {**meta, "click_weights": list(cfg.click_weights)} if cfg and cfg.click_weights else meta
     meta = {**meta, "init": init.name, "init_digest": file_digest(init)} if init else meta
     return {**meta, "teacher": teacher.name, "distill": distill, "teacher_users": taught} if teacher else meta
 
 
-TRAINED_AS = ("seed", "steps", "lr", "init", "init_digest", "teacher_users")  # the metadata a reused checkpoint must
-# share with the one get_model would write
+TRAINED_AS = ("seed", "steps", "lr", "click_weights", "init", "init_digest", "teacher_users")  # the metadata a
+# reused checkpoint must share with the one get_model would write
 
 
 @dataclass

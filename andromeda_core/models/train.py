@@ -18,7 +18,8 @@ SASRec-style two-tower (STARTS_FROM: the same weights, its ad tower and sequence
 caller compares the result with where it started (quality.train_all chooses the MoE's distillation weight, 0
 included, on validation).
 Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
-takes the data's prior, its smoothing and weight chosen on the validation split (choose_click_prior).
+takes the data's prior, its smoothing and weight chosen on the validation split (choose_click_prior), or at a
+weight the caller sets (TrainConfig.click_weights).
 """
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ class TrainConfig:
     validation_users: int = 1000
     patience: int = 2  # validations without improvement before stopping
     pair_users: int = 2000  # warm-started ranker: users whose validation engagement chooses the pair-feature weights
+    click_weights: tuple[float, ...] | None = None  # the click prior's weights validation chooses among (None:
+    # CLICK_WEIGHTS); one weight sets it, its smoothing still chosen: the logged next click or the affinity, a
+    # product's choice (docs/quality.md, "The click prior")
     prior_users: int = 1000  # users whose validation engagement chooses the click prior (the ranker validates its deep
     # part on 200; on those it chose w = 0 for the synthetic world, where 1,000 chose w = 1 for the MoE it starts from)
 
@@ -78,6 +82,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be at least 0, got {self.weight_decay}")
+        if self.click_weights is not None and not (self.click_weights and all(0 <= w < float("inf")
+                                                                              for w in self.click_weights)):
+            raise ValueError(f"click_weights must be finite and at least 0, got {self.click_weights}")
 
 
 STARTS_FROM = {"moe": ("moe", "sasrec")}  # kinds (of the same weights: neither head has any) a kind may go on
@@ -402,5 +409,6 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
                     break
     if best_state is not None:
         model.load_state_dict(best_state)
-    choose_click_prior(model.eval(), data, pair, data.eval_users()[: cfg.prior_users])
+    choose_click_prior(model.eval(), data, pair, data.eval_users()[: cfg.prior_users],
+                       weights=cfg.click_weights or CLICK_WEIGHTS)
     return model

@@ -151,6 +151,18 @@ def test_training_adds_the_datas_click_prior_after_training():
     assert not len(plain.click_ids)  # no impressions logged: no prior
 
 
+def test_a_click_weight_set_for_training_is_the_models_and_must_be_finite():
+    """TrainConfig.click_weights (`andromeda train --click-weight`): validation then chooses only the smoothing."""
+    data = tiny_data()
+    data.users.shown = [np.array([[(u * 3 + 7) % 40, u % 2]]) for u in range(len(data.users.items))]
+    model = train(data, "moe", TrainConfig(steps=2, batch=8, negatives=4, validate_every=0, click_weights=(4.0,)),
+                  progress=False)
+    assert model.dims.click_weight == 4.0 and model.click_logodds.abs().sum() > 0
+    for weights in ((), (-1.0,), (float("inf"),), (float("nan"),)):
+        with pytest.raises(ValueError, match="click_weights"):
+            TrainConfig(click_weights=weights)
+
+
 def test_the_click_prior_is_chosen_on_the_validation_engagements_over_the_whole_corpus():
     """Every user's validation item was clicked the one time it was shown, 20 other items never: with no weight
     the untrained model ranks the validation items anywhere, with weight they lead the corpus. The pair with the

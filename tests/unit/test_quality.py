@@ -132,6 +132,9 @@ def test_a_checkpoint_trained_otherwise_under_the_same_name_is_trained_again(tin
     model, config = RetrievalModel.load(untaught)
     model.save(untaught, {**config, "steps": 3})  # as `andromeda train --init tiny-moe --steps 3` writes it
     assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0)"]
+    model, config = RetrievalModel.load(untaught)
+    model.save(untaught, {**config, "click_weights": [4.0]})  # as `andromeda train ... --click-weight 4` writes it
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0)"]
     start = quality.checkpoint_path("tiny", "moe")
     model, config = RetrievalModel.load(start)
     model.save(start, {**config, "note": "trained again elsewhere"})  # the same name and settings, other bytes
