@@ -156,6 +156,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     except OSError as exc:
         raise InvalidInput(f"{out}: cannot create its folder {out.parent} ({exc.strerror})", "--out") from None
     data = load_data(args.data, args.world)
+    if args.click_weight is not None and not data.click_logodds().any():
+        raise InvalidInput(f"--data {args.data} logs no impressions, so a model of it holds no click prior to weigh",
+                           "--click-weight")
     cfg = default_config(args.model, args.seed, distill, start, going_on)
     if args.steps is not None:
         cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
@@ -292,7 +295,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--click-weight", type=non_negative_float, default=None,
                    help="weight of the click prior in each ad's bias, instead of the one validation chooses among 0, "
                         "1, 2, 4 and 8: higher favours the ads clicked most per impression (the true affinity) over "
-                        "the logged next click (docs/quality.md, 'The click prior'); data without impressions has no prior")
+                        "the logged next click (docs/quality.md, 'The click prior'); refused for data without impressions "
+                        "(MovieLens). `andromeda eval` trains again a checkpoint of its names written this way")
     s.add_argument("--teacher", type=input_file, default=None,
                    help="ranker checkpoint to distil (its top-100 for the first users with a validation "
                         "engagement, as many as `andromeda eval` asks); `andromeda eval` uses DATA-ranker")

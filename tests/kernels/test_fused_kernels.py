@@ -333,14 +333,15 @@ class NotCalled:
         raise AssertionError("the merge kernel was launched")
 
 
-def test_a_long_shortlist_merges_in_torch(monkeypatch):
+@pytest.mark.parametrize("n", [700, 400])  # 400: fewer partial keys (4 blocks) than m, padded after topk
+def test_a_long_shortlist_merges_in_torch(monkeypatch, n):
     """Past MERGE_MAX_K keys per request the merge is torch.topk over every partial key, not a kernel program
     (Triton): the same top-m, fewer eligible ads than m padded."""
     kernel = KERNELS["triton"]
     monkeypatch.setattr(fused, "MERGE_MAX_K", 64)
     monkeypatch.setattr(fused, "_merge_kernel", NotCalled())
     gen = torch.Generator().manual_seed(4)
-    status, start, end, refs, vectors, scales = make_table(gen, 700, 2, 80, torch.float16)
+    status, start, end, refs, vectors, scales = make_table(gen, n, 2, 80, torch.float16)
     requests = make_requests(gen, 2, 6, 64, 16)
     got, want = both(kernel, status, start, end, refs, vectors, scales, *requests, -1, 2, 650)
     assert_same(got, want)

@@ -10,6 +10,7 @@ import pytest
 from andromeda_core.config import load_settings
 from andromeda_core.models.recdata import EVENTS, Items, RecData, Users, load_movielens, load_synthetic
 from andromeda_core.synth import WorldConfig, synthesize
+from andromeda_cli.main import main
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,14 @@ def test_train_items_counts_each_items_engagements_before_the_validation_one():
     data = RecData("tiny", items, users)
     assert data.train_items().tolist() == data.train_items(2).tolist() == [0, 1]  # item 0 twice (repeats count)
     assert data.train_items(3).tolist() == []
+
+
+def test_a_click_weight_is_refused_for_data_without_impressions(small_movielens, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("ANDROMEDA_MOVIELENS", str(small_movielens[0]))
+    monkeypatch.setenv("ANDROMEDA_CACHE", str(tmp_path))
+    out = tmp_path / "m.safetensors"
+    assert main(["train", "--data", "movielens", "--model", "two_tower", "--click-weight", "3", "--out", str(out)]) == 2
+    assert "--click-weight" in capsys.readouterr().err and not out.exists()
 
 
 def test_movielens_logs_no_impressions(small_movielens):
