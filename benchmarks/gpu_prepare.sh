@@ -3,7 +3,8 @@
 # registry and has minutes to spend:
 #   .whl/     wheels of the Python packages its image lacks (pydantic and its needs, the versions of .venv here,
 #             for its CPython 3.12 on x86-64);
-#   .devcheck/table-1m.pt  the 1M-ad table and its requests (synthesizing them there would take about 2 minutes).
+#   .devcheck/table-1m.pt  the 1M-ad table and its requests (synthesizing them there would take about 2 minutes;
+#             kept when it exists: delete it after a change of the index's scan layout).
 # Both are ignored by git: name them in the device call's carry, [".whl", ".devcheck"] (about 47 MB together).
 #   bash benchmarks/gpu_prepare.sh
 set -euo pipefail

@@ -117,8 +117,8 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
               init: tuple[RetrievalModel, Path] | None = None, seed: int = 0,
               going_on: bool = False) -> tuple[RetrievalModel, Path, bool]:
     """(model, its checkpoint, trained in this call). The checkpoint is loaded unless retrain, or it is missing or
-    unusable (of an older model version, say), or its metadata names another seed, number of steps, learning rate or
-    start than asked (init's checkpoint, by name and contents) or, when distilled, another number of users asked of
+    unusable (of an older model version, say), or its metadata names another seed, number of steps, learning rate, set
+    click weight or start than asked (init's checkpoint, by name and contents) or, when distilled, another number of users asked of
     the teacher: it was trained otherwise (by `andromeda train --steps 3`, say, which writes the same names)."""
     start = other_start(kind, init[0] if init else None)
     path = checkpoint_path(data.name, kind, distill, start, going_on)
