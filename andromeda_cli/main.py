@@ -4,6 +4,7 @@ generator of andromeda_cli.k8s (k8s-config)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -126,7 +127,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from andromeda_core.models.distill import ask_teacher
     from andromeda_core.models.quality import checkpoint_meta, checkpoint_path, load_data
     from andromeda_core.models.retrieval import RetrievalModel
-    from andromeda_core.models.train import TrainConfig, check_start, default_config, other_start, train
+    from andromeda_core.models.train import check_start, default_config, other_start, train
 
     if args.distill is not None and args.teacher is None:
         raise InvalidInput("--distill needs --teacher (the ranker checkpoint to distil)", "--distill")
@@ -160,10 +161,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--data {args.data} logs no impressions, so a model of it holds no click prior to weigh",
                            "--click-weight")
     cfg = default_config(args.model, args.seed, distill, start, going_on)
-    if args.steps is not None:
-        cfg = TrainConfig(**{**cfg.__dict__, "steps": args.steps})
-    if args.click_weight is not None:
-        cfg = TrainConfig(**{**cfg.__dict__, "click_weights": (args.click_weight,)})
+    cfg = dataclasses.replace(cfg, steps=args.steps or cfg.steps,
+                              click_weights=cfg.click_weights if args.click_weight is None else (args.click_weight,))
     teacher = ask_teacher(ranker, data) if ranker is not None else None
     learned = np.sort(data.items.ids[data.train_items(cfg.min_id_engagements)])  # the ads training here gives ids
     fits = init is None or np.array_equal(init.item_ids.numpy(), learned)

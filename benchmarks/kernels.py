@@ -48,7 +48,7 @@ from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.targeting import compile_user
 from andromeda_core.types import parse_request
-from benchmarks.common import machine, matmul_gflops, median_seconds, write_section
+from benchmarks.common import machine, matmul_gflops, median_seconds, sync, write_section
 from kernels import dispatch
 from kernels.reference import fused as reference
 
@@ -202,11 +202,6 @@ def copy_gbs(device: str) -> float:
     dst = torch.empty_like(src)
     seconds = median_seconds(lambda: (dst.copy_(src), sync(device)), 5)
     return 2 * src.numel() * 4 / seconds / 1e9
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device: str, repeats: int) -> float:

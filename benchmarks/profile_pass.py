@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import machine, median_seconds
-from benchmarks.kernels import K, S, TOP_N, sync, table_and_requests
+from benchmarks.common import machine, median_seconds, sync
+from benchmarks.kernels import K, S, TOP_N, table_and_requests
 from kernels import dispatch
 
 

@@ -141,7 +141,8 @@ class AdTower(nn.Module):
         """text (N, 384), category/advertiser (N,) int64, bid (N,), id_rows (N,) int64 (-1: no id) -> (N, S)."""
         d, text = self.d, text.float()
         h = torch.cat([F.gelu(self.text(text)), self.category(category.clamp(0, d.categories - 1)),
-                       self.advertiser(advertiser % d.advertiser_buckets), torch.log1p(bid.clamp(0, BID_FEATURE_MAX))[:, None]], 1)
+                       self.advertiser(advertiser % d.advertiser_buckets),
+                       torch.log1p(bid.clamp(0, BID_FEATURE_MAX))[:, None]], 1)
         out = self.mlp(h)
         no_id = self.identity.num_embeddings - 1
         ident = self.identity(torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id))
