@@ -5,6 +5,7 @@ status codes."""
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import time
 import traceback
@@ -14,6 +15,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel
@@ -148,6 +150,57 @@ class GuardSettings:
     latency_interval_s: float = 1.0
 
 
+class DuplicateKey(ValueError):
+    """A JSON object names a key twice."""
+
+
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object_pairs_hook: the object, or DuplicateKey. Parsers disagree on which of two values of one
+    key counts (Python's keeps the last, others the first), so a proxy and this service could read different
+    requests from the same bytes."""
+    out = dict(pairs)
+    if len(out) < len(pairs):  # rare: then find the key
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(f'the key "{key[:100]}" appears twice in one object: send each key once')
+            seen.add(key)
+    return out
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body must be what RFC 8259 exchanges: UTF-8 (a byte order mark is ignored; UTF-16 and
+    UTF-32, which Python's json.loads would guess, are refused) with no key twice in an object. Every refusal is a
+    json.JSONDecodeError, which FastAPI answers as json_invalid (invalid_body below: 422 naming the body)."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                text = body.decode("utf-8-sig")
+            except UnicodeDecodeError as exc:
+                raise json.JSONDecodeError(f"not UTF-8 at byte {exc.start} (send JSON as UTF-8)", "", 0) from None
+            try:
+                self._json = json.loads(text, object_pairs_hook=unique_keys)
+            except json.JSONDecodeError as exc:
+                raise json.JSONDecodeError(f"{exc.msg} at character {exc.pos}", exc.doc, exc.pos) from None
+            except DuplicateKey as exc:
+                raise json.JSONDecodeError(str(exc), text, 0) from None
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """A route that reads its body as StrictJSONRequest."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict(request: Request):
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict
+
+
 def local_path(scope) -> str:
     """The request's path inside the app (without the route prefix the app is mounted at)."""
     path, root = scope["path"], scope.get("root_path", "")
@@ -257,6 +310,7 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
     local viewer."""
     app = FastAPI(title="Andromeda", version="0.1.0", docs_url=None, redoc_url=None,
                   description="Ads retrieval: targeting match, MoE scoring and top-k over sharded, live-updated indexes.")
+    app.router.route_class = StrictJSONRoute
     app.add_middleware(Guard, on_error=on_error)
 
     async def auth_refusal(request: Request) -> JSONResponse | None:
@@ -287,7 +341,11 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
             return error_response(422, ErrorCategory.INVALID_INPUT.value, "the body is empty: send the request as JSON",
                                   "body")
         where = loc[1:] if loc[:1] in (("body",), ("path",), ("query",)) else loc
-        field = "body" if err.get("type") == "json_invalid" else error_field(where, err.get("type", ""))
+        if err.get("type") == "json_invalid":
+            on_error(ErrorCategory.INVALID_INPUT.value)
+            return error_response(422, ErrorCategory.INVALID_INPUT.value,
+                                  f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'unreadable')}", "body")
+        field = error_field(where, err.get("type", ""))
         limits = getattr(request.app.state, "limits", None)
         named = past_wire_bound(limits, field, err.get("type", ""), err.get("input")) if limits is not None else None
         on_error(ErrorCategory.INVALID_INPUT.value)
@@ -296,14 +354,14 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Unknown paths, wrong methods, unreadable bodies: the same error shape as everything else."""
-        if exc.status_code == 400:  # FastAPI could not decode the body: not UTF-8, nested past the parser's
-            # depth, or a number of more digits than Python converts
+        if exc.status_code == 400:  # FastAPI could not decode the body: nested past the parser's depth, or a
+            # number of more digits than Python converts
             if refusal := await auth_refusal(request):
                 return refusal
             on_error(ErrorCategory.INVALID_INPUT.value)
             return error_response(422, ErrorCategory.INVALID_INPUT.value, "the body is not JSON this service can read "
-                                  "(it must be UTF-8, nest at most a few hundred levels and hold no number of more than "
-                                  "4,300 digits)", "body")
+                                  "(it must nest at most a few hundred levels and hold no number of more than 4,300 "
+                                  "digits)", "body")
         cause = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_input")
         on_error(cause)
         return error_response(exc.status_code, cause, str(exc.detail), None, getattr(exc, "headers", None))

@@ -220,6 +220,10 @@ def test_bad_events_get_422_naming_index_and_field_and_publish_nothing(service):
     assert got.status_code == 422 and got.json()["error"]["field"] == "[1].ad.bid"
     got = post(f"{service.url}/two/v1/ad-events", [{"op": "explode", "ad_id": 1}], token=TOKEN)
     assert got.status_code == 422 and got.json()["error"]["field"] == "[0].op"
+    twice = json.dumps([upsert(900_105, 1)]).replace('"ad_id": 900105', '"ad_id": 900105, "ad_id": 900106', 1)
+    got = requests.post(f"{service.url}/two/v1/ad-events", data=twice, timeout=10,
+                        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    assert got.status_code == 422 and 'the key "ad_id" appears twice' in got.json()["error"]["message"], got.text
     assert stream_lengths(service) == before
     for ad_id in (900_100, 900_102, 900_103):
         assert requests.get(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).status_code == 404
@@ -232,11 +236,18 @@ def test_raw_garbage_is_a_422_not_a_500(service):
         assert got.status_code == 422, (body, got.status_code, got.text)
     nested = b"[" * 5000 + b"]" * 5000
     long_number = b'{"user": {"user_id": ' + b"9" * 5000 + b"}}"  # past Python's 4,300 digits
-    for body in (b'{"user": {"user_id": 1, "attributes": {"country": "\xff\xfe"}}}', nested, long_number):
+    for body in (nested, long_number):
         got = requests.post(f"{service.url}/two/v1/retrieve", data=body, headers={"Content-Type": "application/json"},
                             timeout=10)
         assert got.status_code == 422 and got.json()["error"]["field"] == "body", (body[:40], got.status_code, got.text)
         assert "4,300 digits" in got.json()["error"]["message"]
+    for body, why in ((b'{"user": {"user_id": 1, "attributes": {"country": "\xff\xfe"}}}', "not UTF-8 at byte 51"),
+                      ('{"user": {"user_id": 1}}'.encode("utf-16"), "not UTF-8 at byte 0"),
+                      (b'{"user": {"user_id": 1}, "k": 5, "k": 5000}', 'the key "k" appears twice')):
+        got = requests.post(f"{service.url}/two/v1/retrieve", data=body, headers={"Content-Type": "application/json"},
+                            timeout=10)
+        assert got.status_code == 422 and got.json()["error"]["field"] == "body", (body[:40], got.status_code, got.text)
+        assert why in got.json()["error"]["message"]
     for path in ("/v1/retrieve", "/v1/retrieve:batch"):
         empty = requests.post(f"{service.url}/two{path}", data=b"", headers={"Content-Type": "application/json"},
                               timeout=10)

@@ -5,13 +5,15 @@ import json
 import logging
 
 import pytest
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
 
 from andromeda_core.config import install_log_redaction, redact
 from andromeda_core.errors import InvalidInput
 from andromeda_core.types import parse_request
 from deployments.auth import ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
 from deployments.config import Limits
-from deployments.api import ECHOED_CHARS, error_response
+from deployments.api import ECHOED_CHARS, create_app, error_response
 from deployments.limits import LatencyShedder, TokenBuckets, check_requests, past_wire_bound, retry_after
 
 
@@ -158,3 +160,41 @@ def test_credentials_are_redacted_in_messages_and_logs(caplog):
         except ConnectionError:
             logging.getLogger("andromeda.test").exception("failed")
     assert "pa55word" not in caplog.text and "redis.internal" in caplog.text
+
+
+class Body(BaseModel):
+    k: int
+    user: dict = {}
+
+
+@pytest.fixture(scope="module")
+def strict_app() -> TestClient:
+    app = create_app(lambda cause: None)
+
+    @app.post("/v1/echo")
+    async def echo(body: Body) -> Body:
+        return body
+
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"k": 1, "k": 500}', 'the key "k" appears twice in one object'),
+    (b'{"k": 1, "user": {"a": 1, "a": 2}}', 'the key "a" appears twice in one object'),
+    ('{"k": 1}'.encode("utf-16"), "not UTF-8 at byte 0"),
+    ('{"k": 1}'.encode("utf-32"), "not UTF-8 at byte 0"),
+    (b'{"k": 1, "user": {"c": "\xff"}}', "not UTF-8 at byte 24"),
+    (b'{"k": 1', "Expecting ',' delimiter at character 7"),
+])
+def test_a_body_parsers_could_read_differently_is_refused_naming_why(strict_app, body, message):
+    got = strict_app.post("/v1/echo", content=body, headers={"Content-Type": "application/json"})
+    assert got.status_code == 422, got.text
+    assert got.json()["error"]["field"] == "body"
+    assert got.json()["error"]["message"].startswith("the body is not valid JSON: ")
+    assert message in got.json()["error"]["message"]
+
+
+def test_a_utf8_body_with_or_without_a_byte_order_mark_is_read(strict_app):
+    for body in (b'{"k": 7, "user": {"a": "\\u00e9"}}', b'\xef\xbb\xbf{"k": 7, "user": {"a": "\xc3\xa9"}}'):
+        got = strict_app.post("/v1/echo", content=body, headers={"Content-Type": "application/json"})
+        assert got.status_code == 200 and got.json()["k"] == 7, got.text
