@@ -35,7 +35,7 @@ from andromeda_core.clauses import ClauseDictionary
 from andromeda_core.errors import NotFound
 from andromeda_core.locks import ReadWriteLock
 from andromeda_core.ops import INT64_MAX, INT64_MIN, IndexOp, OpBatch
-from andromeda_core.quantization import aligned_rows, dequantize, int8_blocks
+from andromeda_core.quantization import aligned_rows, dequantize, int8_blocks, quantize_int8
 from andromeda_core.schema import Schema
 from andromeda_core.slots import SlotBook, SlotPlan
 from andromeda_core.targeting import ColumnSpec, UserValues
@@ -132,6 +132,33 @@ class AdIndex:
     def keeps_exact(self) -> bool:
         """Whether the scan's format is lossy and an exact float32 copy is kept for rescoring."""
         return "embedding_exact" in self.columns
+
+    @property
+    def storage(self) -> str:
+        """The embeddings' storage: the scan's dtype, "+exact" where an exact float32 copy is kept (e.g. "int8+exact")."""
+        return str(self.specs["embedding"].dtype).removeprefix("torch.") + ("+exact" if self.keeps_exact else "")
+
+    def in_storage_of(self, other: "AdIndex") -> "AdIndex | None":
+        """This index with `other`'s embedding storage: itself where they match; else a converted copy when this one
+        holds every vector in float32 (stored so, or kept exact), which then holds the bytes an index of that storage
+        writes for the same ads; None when it does not (a conversion would round twice)."""
+        if self.storage == other.storage:
+            return self
+        tensors, layout = self.export_state()
+        exact = tensors.pop("col.embedding_exact", None)
+        exact = tensors["col.embedding"] if exact is None else exact
+        if exact.dtype != torch.float32:
+            return None
+        tensors.pop("col.embedding_scale", None)
+        dtype = other.specs["embedding"].dtype
+        if dtype == torch.int8:
+            tensors["col.embedding"], tensors["col.embedding_scale"] = quantize_int8(exact)
+        else:
+            tensors["col.embedding"] = exact.to(dtype)
+        if other.keeps_exact:
+            tensors["col.embedding_exact"] = exact
+        layout = {**layout, "embedding_dtype": str(dtype).removeprefix("torch."), "exact_copy": str(other.keeps_exact)}
+        return AdIndex.from_state(self.schema, tensors, layout, self.device)
 
     def _vectors(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """Stored embeddings of `rows` as float32, dequantised when stored as int8."""

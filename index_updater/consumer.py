@@ -35,6 +35,27 @@ class StreamGap(RuntimeError):
     """Entries after the last applied id were trimmed away; the index must be reloaded from a snapshot."""
 
 
+def no_stream(exc: Exception) -> bool:
+    """Whether a Redis reply error says the stream does not exist (yet)."""
+    return isinstance(exc, redis.ResponseError) and "no such key" in str(exc)
+
+
+def trimmed_past(info: dict, last_id: str) -> str | None:
+    """The id up to which a stream (its XINFO STREAM) lost entries after last_id, or None when it holds them all.
+
+    Conservative: when anything was trimmed and the oldest remaining entry is newer than last_id, it is a gap (at
+    worst a needless reload from a snapshot, never a lost update); so is an entry after last_id deleted (XDEL)."""
+    applied = stream_id_key(last_id)
+    deleted = text(info.get("max-deleted-entry-id") or "0-0")
+    if stream_id_key(deleted) > applied:
+        return deleted
+    if info["entries-added"] <= info["length"]:
+        return None  # nothing was ever removed
+    first = info.get("first-entry")
+    oldest = text(first[0] if first else info["last-generated-id"])
+    return oldest if stream_id_key(oldest) > applied else None
+
+
 @dataclass
 class ConsumerStats:
     """Metrics hooks: read by the replica's Prometheus exporter and health checks."""
@@ -121,48 +142,72 @@ class ShardConsumer:
     # -- recovery --------------------------------------------------------------------------------
 
     def recover(self) -> bool:
-        """Load the newest valid snapshot (if any) and continue from the stream id it covers."""
+        """Adopt the newest valid snapshot of this replica's model, shards and stream (others are skipped, and so
+        are those of another storage that cannot be converted exactly) and continue from the stream id it covers.
+        An index that has applied entries adopts it only when the stream still holds everything after it: a
+        snapshot behind a gap would drop what the index applied and still miss the gap."""
         if self.snapshots is None:
             return False
-        found = self.snapshots.newest(self.schema, self.index.device)
-        if found is None:
-            return False
-        restored, meta = found
         wanted = {"model": self.model, "shard": self.shard, "shards": self.shards, "stream": self.source}
-        foreign = {key: meta.get(key) for key, value in wanted.items() if meta.get(key) != value}
-        if foreign:
-            log.error("newest snapshot has %s, this replica wants %s; ignoring it", foreign, wanted)
-            return False
-        self.index.adopt(restored)
-        self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
-        self.stats.recoveries += 1
-        return True
+        for restored, meta in self.snapshots.valid(self.schema, self.index.device):
+            foreign = {key: meta.get(key) for key, value in wanted.items() if meta.get(key) != value}
+            converted = None if foreign else restored.in_storage_of(self.index)
+            if converted is None:
+                log.error("snapshot at %s has %s, this replica wants %s (storage %s); skipping it", meta.get("stream_id"),
+                          foreign or f"storage {restored.storage}", wanted, self.index.storage)
+                continue
+            if self.stats.last_id != "0-0" and (gap := self.gap_after(meta["stream_id"])):
+                log.error("the newest snapshot covers %s, but the stream lost entries up to %s after it; keeping the "
+                          "index", meta["stream_id"], gap)
+                return False
+            self.index.adopt(converted)
+            self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
+            self.stats.recoveries += 1
+            return True
+        return False
+
+    def gap_after(self, last_id: str) -> str | None:
+        """trimmed_past of the shard's stream now; None when there is no stream yet."""
+        try:
+            return trimmed_past(self.client.xinfo_stream(self.source), last_id)
+        except redis.ResponseError as exc:
+            if no_stream(exc):
+                return None
+            raise
 
     def check_gap(self) -> None:
-        """Raise StreamGap when entries after the last applied id may have been trimmed away.
-
-        Conservative: when anything was trimmed and the oldest remaining entry is newer than the last
-        applied id, it is a gap (at worst a needless reload from a snapshot, never a lost update)."""
-        try:
-            info = self.client.xinfo_stream(self.source)
-        except redis.ResponseError:  # no stream yet
-            return
-        if info["entries-added"] <= info["length"]:
-            return  # nothing was ever removed
-        first = info.get("first-entry")
-        oldest = first[0] if first else info["last-generated-id"]
-        oldest = text(oldest)
-        applied = stream_id_key(self.stats.last_id)
-        if stream_id_key(oldest) > applied:
-            raise StreamGap(f"stream trimmed up to {oldest}, past the last applied id {self.stats.last_id}")
+        """Raise StreamGap when entries after the last applied id were trimmed away (trimmed_past)."""
+        if gap := self.gap_after(self.stats.last_id):
+            raise StreamGap(f"stream trimmed up to {gap}, past the last applied id {self.stats.last_id}")
 
     # -- consuming -------------------------------------------------------------------------------
 
+    def read(self) -> list[Entry]:
+        """The next entries of the shard's stream after the last applied id, at most `count`, without waiting.
+        Read in one transaction with the stream's state, so that no trim can slip between the two: StreamGap when
+        entries after the last applied id were trimmed away before this read (unless the index already misses
+        updates: it then applies what the stream still holds)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xinfo_stream(self.source)
+        pipe.xread({self.source: self.stats.last_id}, count=self.count)
+        info, reply = pipe.execute(raise_on_error=False)
+        if isinstance(info, Exception) and no_stream(info):
+            return []
+        for outcome in (info, reply):
+            if isinstance(outcome, Exception):
+                raise outcome
+        gap = trimmed_past(info, self.stats.last_id)
+        if gap and not self.stats.gap_unrecovered:
+            raise StreamGap(f"stream trimmed up to {gap}, past the last applied id {self.stats.last_id}")
+        return reply[0][1] if reply else []
+
     def poll(self, block_ms: int | None = None) -> int:
-        """Read one batch of the shard's stream and apply it; returns how many entries were read."""
+        """Read one batch of the shard's stream (waiting up to block_ms for one) and apply it; returns how many
+        entries were read."""
         block = self.block_ms if block_ms is None else block_ms
-        reply = self.client.xread({self.source: self.stats.last_id}, count=self.count, block=block or None)
-        entries = reply[0][1] if reply else []
+        entries = self.read()
+        if not entries and block and self.client.xread({self.source: self.stats.last_id}, count=1, block=block):
+            entries = self.read()  # the wait's own reply is not checked for a gap: read again
         newest = self._apply_read(entries) if entries else None
         if len(entries) < self.count:  # the stream held no more than this read
             self.stats.behind_since, self._caught_up = None, True
@@ -220,8 +265,8 @@ class ShardConsumer:
         log.warning("dead-lettered %s: %s", entry_id, exc)
 
     def catch_up(self) -> None:
-        """Apply everything already in the stream (returns once a read comes back empty)."""
-        self.check_gap()
+        """Apply everything already in the stream (returns once a read comes back empty); StreamGap when entries
+        it needed were trimmed away."""
         while retry(lambda: self.poll(block_ms=0)):
             pass
         retry(self.report_applied)  # registered before it serves: trimming now waits for this replica
@@ -308,15 +353,14 @@ class ShardConsumer:
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
 
     def _turn(self, due: dict[str, float]) -> None:
-        """One turn of the loop: gap check, poll, and the sweep and snapshot when due."""
-        if not self.stats.gap_unrecovered:
-            try:
-                self.check_gap()
-            except StreamGap as gap:
-                self._recover_from(gap)
-        elif self._newest_snapshot() != self._gap_snapshot:  # e.g. a healthy replica wrote one since
+        """One turn of the loop: poll (recovering from a gap), and the sweep and snapshot when due."""
+        # a replica that misses updates tries again once a new snapshot appears (a healthy replica wrote one, say)
+        if self.stats.gap_unrecovered and self._newest_snapshot() != self._gap_snapshot:
             self._recover_from(StreamGap(self.stats.gap_unrecovered))
-        self.poll()
+        try:
+            self.poll()
+        except StreamGap as gap:
+            self._recover_from(gap)
         now = time.monotonic()
         if now >= due["sweep"]:
             due["sweep"] = now + self.sweep_every_s  # first: a sweep that fails waits for its next turn

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -39,14 +40,14 @@ class SnapshotStore:
             old.unlink(missing_ok=True)
         return path
 
-    def newest(self, schema: Schema, device: str | torch.device = "cpu") -> tuple[AdIndex, dict] | None:
-        """The newest snapshot that passes its checksum (corrupt ones are skipped), or None."""
+    def valid(self, schema: Schema, device: str | torch.device = "cpu") -> Iterator[tuple[AdIndex, dict]]:
+        """(index, metadata) of each snapshot that passes its checksum (corrupt ones are skipped), newest first,
+        each loaded only when asked for."""
         for path in self.paths():
             try:
-                return load_snapshot(path, schema, device)
+                yield load_snapshot(path, schema, device)
             except SnapshotCorrupt:
                 continue
-        return None
 
     def oldest_stream_id(self) -> str | None:
         """Stream id covered by the oldest kept snapshot: the stream may be trimmed up to it."""

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -50,6 +51,14 @@ def make_ad(ad_id: int, version: int = 1, targeting: dict | None = None, **field
     return {"ad_id": ad_id, "advertiser_id": 1, "version": version,
             "creative": {"title": fields.pop("title", f"ad {ad_id}")}, "bid": fields.pop("bid", 1.0),
             "targeting": targeting or {}, **fields}
+
+
+def wait_until(condition, seconds: float = 10.0) -> bool:
+    """Poll `condition` until it holds or `seconds` pass (a bound against hanging, not a timing claim)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
 
 
 def upsert(ad_id: int, version: int = 1, targeting: dict | None = None, **fields) -> dict:

@@ -12,17 +12,9 @@ from andromeda_core.types import parse_event
 from index_updater.publisher import DEFAULT_STREAM
 from index_updater.records import encode, shard_stream
 from index_updater.snapshots import SnapshotStore
-from tests.conftest import upsert
+from tests.conftest import upsert, wait_until
 
 SHARD0 = shard_stream(DEFAULT_STREAM, 0)
-
-
-def wait_until(condition, seconds: float = 10.0) -> bool:
-    """Poll `condition` until it holds or `seconds` pass (a bound against hanging, not a timing claim)."""
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(condition())
 
 
 def once(error: Exception, call):

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import redis
+import torch
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
@@ -19,7 +20,7 @@ from index_updater.consumer import LAYOUT_TTL_S, ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
 from index_updater.records import encode, layout_key, shard_stream
 from index_updater.snapshots import SnapshotStore
-from tests.conftest import upsert
+from tests.conftest import upsert, wait_until
 
 NOW = 1_000_000
 SHARD0 = shard_stream(DEFAULT_STREAM, 0)
@@ -318,3 +319,99 @@ def test_a_snapshot_of_another_shard_is_not_loaded(setup, tmp_path):
     writer.snapshot()
     assert not make(1, 2, snapshots=store).recover() and not make(0, 1, snapshots=store).recover()
     assert make(0, 2, snapshots=store).recover()
+
+
+def test_a_trim_between_the_reads_of_a_catch_up_is_a_gap(setup):
+    client, publisher, make = setup
+    publisher.publish([upsert(i) for i in range(1, 31)])
+    c = make(count=10)
+    apply_read = c._apply_read
+
+    def trim_after_the_first_read(entries):
+        newest = apply_read(entries)
+        if len(c.index) == 10:  # ads 11-25 go before the next read
+            client.xtrim(SHARD0, maxlen=5, approximate=False)
+        return newest
+
+    c._apply_read = trim_after_the_first_read
+    with pytest.raises(StreamGap, match="trimmed"):
+        c.catch_up()
+    assert sorted(c.index.ad_ids()) == list(range(1, 11))  # nothing past the gap was applied as if whole
+
+
+def test_a_trim_while_the_consumer_waits_is_a_gap(setup):
+    client, publisher, make = setup
+    publisher.publish([upsert(1)])
+    c = make()
+    c.catch_up()
+    wait = client.xread
+
+    def publish_and_trim_meanwhile(*args, **kwargs):  # the wait's own reply is not what gets applied
+        publisher.publish([upsert(i) for i in range(2, 21)])
+        client.xtrim(SHARD0, maxlen=5, approximate=False)
+        return wait(*args, **kwargs)
+
+    c.client.xread = publish_and_trim_meanwhile
+    with pytest.raises(StreamGap, match="trimmed"):
+        c.poll(block_ms=10)
+    assert c.index.ad_ids() == [1]
+
+
+def test_a_gap_no_snapshot_covers_keeps_what_the_index_applied(setup, tmp_path):
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    publisher.publish([upsert(i) for i in range(1, 31)])
+    c = make(snapshots=store, count=10)
+    c.poll(block_ms=0)
+    c.snapshot()  # covers ads 1-10 only
+    c.catch_up()
+    publisher.publish([upsert(i) for i in range(31, 41)])
+    client.xtrim(SHARD0, maxlen=5, approximate=False)  # ads 31-35 are lost to every replica
+    c.start()
+    try:
+        assert wait_until(lambda: c.stats.gap_unrecovered and len(c.index) == 35)
+        assert sorted(c.index.ad_ids()) == [*range(1, 31), *range(36, 41)]  # not the snapshot's 10 plus 36-40
+        assert not c.health(60)[0]
+    finally:
+        c.stop()
+
+
+def test_a_newer_snapshot_of_another_model_does_not_hide_an_older_valid_one(setup, tmp_path, small_schema, scorer):
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    publisher.publish([upsert(i) for i in range(1, 6)])
+    writer = make(snapshots=store)
+    writer.catch_up()
+    writer.snapshot()
+    publisher.publish([upsert(6)])
+    newest = client.xrevrange(SHARD0, count=1)[0][0].decode()
+    store.write(AdIndex(small_schema, scorer.dim), newest, {"model": "moe-v9", "shard": 0, "shards": 1, "stream": SHARD0})
+    restarted = make(snapshots=store)
+    assert restarted.recover() and restarted.index.digest() == writer.index.digest()
+    restarted.catch_up()
+    assert len(restarted.index) == 6
+
+
+def test_a_snapshot_of_another_storage_is_converted_from_float32_or_skipped(setup, tmp_path, small_schema, scorer):
+    client, publisher, make = setup
+    publisher.publish([upsert(i) for i in range(1, 9)])
+
+    def replica(store: SnapshotStore | None, dtype: torch.dtype, exact: bool) -> ShardConsumer:
+        index = AdIndex(small_schema, scorer.dim, embedding_dtype=dtype, exact_copy=exact)
+        return ShardConsumer(client, index, scorer.name, snapshots=store)
+
+    float32 = SnapshotStore(tmp_path / "float32")
+    writer = replica(float32, torch.float32, False)
+    writer.catch_up()
+    writer.snapshot()
+    fresh = replica(None, torch.int8, True)
+    fresh.catch_up()
+    restored = replica(float32, torch.int8, True)
+    assert restored.recover() and restored.index.storage == "int8+exact" == fresh.index.storage
+    assert restored.index.digest() == fresh.index.digest()  # the bytes an int8 replica writes itself
+    lossy = SnapshotStore(tmp_path / "int8")
+    writer = replica(lossy, torch.int8, False)
+    writer.catch_up()
+    writer.snapshot()
+    skipping = replica(lossy, torch.float32, False)
+    assert not skipping.recover() and len(skipping.index) == 0  # int8 holds no float32 to convert from
