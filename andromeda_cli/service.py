@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from andromeda_cli.args import checkpoint
+from andromeda_cli.args import checkpoint, input_file
 from andromeda_core.config import load_settings, redact, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
@@ -130,7 +130,8 @@ def publish_demo(config: ServiceConfig, world: Path) -> None:
 def wait_ready(url: str, timeout_s: float = 600) -> None:
     """Poll /readyz until every shard has caught up."""
     deadline = time.monotonic() + timeout_s
-    with tqdm(desc="waiting for /readyz", unit="poll", file=sys.stderr) as bar:
+    with tqdm(desc="waiting for /readyz (shards starting and catching up)", file=sys.stderr,
+              bar_format="{desc}: {elapsed}") as bar:
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"{url}/readyz", timeout=5) as reply:
@@ -138,15 +139,15 @@ def wait_ready(url: str, timeout_s: float = 600) -> None:
                         return
             except (urllib.error.URLError, OSError):
                 pass
-            bar.update()
             time.sleep(0.5)
+            bar.update(0.5)
     raise AndromedaError(f"the service at {url} did not become ready within {timeout_s:.0f} s")
 
 
 def example_body(world: Path | None) -> str:
     """curl's -d argument: the demo world's example request, or a small inline one."""
     if world is not None:
-        return f"@{world / 'example.json'}"
+        return f"@{(world / 'example.json').resolve()}"  # absolute: the curl may run from any folder
     return "'" + json.dumps({"user": {"user_id": 1, "attributes": {"country": "US", "age": 30}}, "k": 5}) + "'"
 
 
@@ -268,7 +269,11 @@ def cmd_up(args: argparse.Namespace) -> None:
                   "model", file=sys.stderr)
         if streams_empty(config):
             publish_demo(config, world)
-        run_service(config, world, f"write token (for POST /v1/ad-events): {token}")
+        cli = Path(sys.executable).with_name("andromeda")
+        model = f" --model {Path(config.model).resolve()}" if Path(config.model).is_file() else ""
+        run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "
+                                   f"is set): {token}\nor publish a file of ad events: {cli} publish EVENTS.jsonl --redis "
+                                   f"{redact(redis_url)} --shards {config.shards}{model}")
     finally:
         if server is not None:
             server.stop()
@@ -287,7 +292,7 @@ def cmd_serve_config(args: argparse.Namespace) -> None:
 def add_service_flags(s: argparse.ArgumentParser) -> None:
     from andromeda_core.quantization import STORAGE
 
-    s.add_argument("--config", type=Path, default=None, help="ServiceConfig YAML; flags override it")
+    s.add_argument("--config", type=input_file, default=None, help="ServiceConfig YAML; flags override it")
     s.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     s.add_argument("--shards", type=int, default=None, help="index shards (default 1)")

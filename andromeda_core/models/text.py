@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from functools import lru_cache
 from typing import Sequence
 
@@ -33,6 +34,8 @@ def encode_texts(texts: Sequence[str], progress: bool = False) -> np.ndarray:
     if not texts:
         return np.zeros((0, TEXT_DIM), np.float16)
     unique = sorted(set(texts) - _known.keys())
+    if progress and unique:
+        print(f"embedding {len(unique):,} texts with all-MiniLM-L6-v2", file=sys.stderr, flush=True)
     fresh = _model().encode(unique, batch_size=128, normalize_embeddings=True, show_progress_bar=progress) \
         if unique else np.zeros((0, TEXT_DIM))
     row = dict(zip(unique, fresh.astype(np.float16)))

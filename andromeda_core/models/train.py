@@ -398,7 +398,8 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
         opt.step()
         sched.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{best:.4f}", refresh=False)
+        bar.set_postfix(loss=f"{loss.item():.3f}", **({"val": f"{best:.4f}"} if best_state is not None else {}),
+                        refresh=False)  # the best validation score, once one has run
         if cfg.validate_every and ((step + 1) % cfg.validate_every == 0 or step + 1 == cfg.steps):
             score = validation_score(model, data, val_users)
             if score > best:

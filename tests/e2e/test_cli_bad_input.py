@@ -85,6 +85,7 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
      ("argument --model", "missing.safetensors: no such file")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/ok.json", "--model", "{d}/not_a_checkpoint.safetensors"), {},
      ("--model", "not_a_checkpoint.safetensors is not a checkpoint")),
+    (("serve-config", "--config", "{d}/missing.yaml"), {}, ("argument --config", "missing.yaml: no such file")),
     (("serve", "--model", "{d}/not_a_checkpoint.safetensors"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
      ("config model", "not_a_checkpoint.safetensors is not a checkpoint")),
     (("train", "--data", "movielens", "--model", "moe", "--init", "{d}/not_a_checkpoint.safetensors"), {},

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import requests
 
@@ -30,7 +32,9 @@ def test_serve_publishes_a_demo_corpus_answers_and_stops_on_ctrl_c(tmp_path):
             output += line
             assert time.monotonic() < deadline, output
         assert f"http://127.0.0.1:{port}" in output and "/openapi.json" in output
-        body = json.loads((tmp_path / "var" / "demo-300" / "example.json").read_text())
+        printed = Path(re.search(r"-d @(\S+)", output).group(1))  # the curl it prints works from any folder
+        assert printed.is_absolute() and printed == (tmp_path / "var" / "demo-300" / "example.json").resolve()
+        body = json.loads(printed.read_text())
         answer = requests.post(f"http://127.0.0.1:{port}/v1/retrieve", json=body, timeout=30).json()
         assert answer["eligible"] > 0 and 0 < len(answer["ads"]) <= 5 and len(answer["shard_watermarks"]) == 2
         assert requests.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
