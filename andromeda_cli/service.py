@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -147,8 +148,19 @@ def wait_ready(url: str, timeout_s: float = 600) -> None:
 def example_body(world: Path | None) -> str:
     """curl's -d argument: the demo world's example request, or a small inline one."""
     if world is not None:
-        return f"@{(world / 'example.json').resolve()}"  # absolute: the curl may run from any folder
-    return "'" + json.dumps({"user": {"user_id": 1, "attributes": {"country": "US", "age": 30}}, "k": 5}) + "'"
+        return shlex.quote(f"@{(world / 'example.json').resolve()}")  # absolute: the curl may run from any folder
+    return shlex.quote(json.dumps({"user": {"user_id": 1, "attributes": {"country": "US", "age": 30}}, "k": 5}))
+
+
+def publish_command(config: ServiceConfig, redis_url: str | None) -> str:
+    """The `andromeda publish` line for this service's stream, shards and model (and Redis: None leaves it to
+    REDIS_URL, which may hold a password), its paths quoted for a shell."""
+    cli = Path(sys.executable).with_name("andromeda")
+    words = [str(cli) if cli.exists() else "andromeda", "publish", "EVENTS.jsonl", "--stream", config.stream,
+             "--shards", str(config.shards)]
+    words += ["--redis", redis_url] if redis_url else []
+    words += ["--model", str(Path(config.model).resolve())] if Path(config.model).is_file() else []
+    return shlex.join(words)
 
 
 def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> None:
@@ -269,11 +281,9 @@ def cmd_up(args: argparse.Namespace) -> None:
                   "model", file=sys.stderr)
         if streams_empty(config):
             publish_demo(config, world)
-        cli = Path(sys.executable).with_name("andromeda")
-        model = f" --model {Path(config.model).resolve()}" if Path(config.model).is_file() else ""
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "
-                                   f"is set): {token}\nor publish a file of ad events: {cli} publish EVENTS.jsonl --redis "
-                                   f"{redact(redis_url)} --shards {config.shards}{model}")
+                                   f"is set): {token}\nor publish a file of ad events: "
+                                   f"{publish_command(config, None if settings.redis_url else redis_url)}")
     finally:
         if server is not None:
             server.stop()

@@ -4,6 +4,7 @@ front of every request (body size, in-flight bound, deadline), and the one place
 status codes."""
 from __future__ import annotations
 
+import codecs
 import contextvars
 import json
 import logging
@@ -178,8 +179,9 @@ class StrictJSONRequest(Request):
             body = await self.body()
             try:
                 text = body.decode("utf-8-sig")
-            except UnicodeDecodeError as exc:
-                raise json.JSONDecodeError(f"not UTF-8 at byte {exc.start} (send JSON as UTF-8)", "", 0) from None
+            except UnicodeDecodeError as exc:  # its offset counts from after a byte order mark
+                at = exc.start + (3 if body.startswith(codecs.BOM_UTF8) else 0)
+                raise json.JSONDecodeError(f"not UTF-8 at byte {at} (send JSON as UTF-8)", "", 0) from None
             try:
                 self._json = json.loads(text, object_pairs_hook=unique_keys)
             except json.JSONDecodeError as exc:

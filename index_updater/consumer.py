@@ -41,14 +41,12 @@ def no_stream(exc: Exception) -> bool:
 
 
 def trimmed_past(info: dict, last_id: str) -> str | None:
-    """The id up to which a stream (its XINFO STREAM) lost entries after last_id, or None when it holds them all.
+    """The id up to which a stream (its XINFO STREAM) was trimmed past last_id, or None when it was not.
 
-    Conservative: when anything was trimmed and the oldest remaining entry is newer than last_id, it is a gap (at
-    worst a needless reload from a snapshot, never a lost update); so is an entry after last_id deleted (XDEL)."""
+    Conservative: when anything was removed and the oldest remaining entry is newer than last_id, it is a gap (at
+    worst a needless reload from a snapshot, never a lost update). An entry deleted on purpose (XDEL) is not a
+    trim: when it is the oldest, the next one counts, so delete only entries every replica has applied."""
     applied = stream_id_key(last_id)
-    deleted = text(info.get("max-deleted-entry-id") or "0-0")
-    if stream_id_key(deleted) > applied:
-        return deleted
     if info["entries-added"] <= info["length"]:
         return None  # nothing was ever removed
     first = info.get("first-entry")
@@ -175,11 +173,6 @@ class ShardConsumer:
                 return None
             raise
 
-    def check_gap(self) -> None:
-        """Raise StreamGap when entries after the last applied id were trimmed away (trimmed_past)."""
-        if gap := self.gap_after(self.stats.last_id):
-            raise StreamGap(f"stream trimmed up to {gap}, past the last applied id {self.stats.last_id}")
-
     # -- consuming -------------------------------------------------------------------------------
 
     def read(self) -> list[Entry]:
@@ -196,10 +189,12 @@ class ShardConsumer:
         for outcome in (info, reply):
             if isinstance(outcome, Exception):
                 raise outcome
-        gap = trimmed_past(info, self.stats.last_id)
-        if gap and not self.stats.gap_unrecovered:
-            raise StreamGap(f"stream trimmed up to {gap}, past the last applied id {self.stats.last_id}")
+        if not self.stats.gap_unrecovered and (gap := trimmed_past(info, self.stats.last_id)):
+            raise self.gap_error(gap)
         return reply[0][1] if reply else []
+
+    def gap_error(self, gap: str) -> StreamGap:
+        return StreamGap(f"stream trimmed up to {gap}, past the last applied id {self.stats.last_id}")
 
     def poll(self, block_ms: int | None = None) -> int:
         """Read one batch of the shard's stream (waiting up to block_ms for one) and apply it; returns how many
@@ -383,12 +378,11 @@ class ShardConsumer:
         log.error("shard %d: %s; reloading the newest snapshot", self.shard, gap)
         self._gap_snapshot = self._newest_snapshot()
         if self.recover():
-            try:
-                self.check_gap()
+            still = self.gap_after(self.stats.last_id)
+            if not still:
                 self.stats.gap_unrecovered = ""
                 return
-            except StreamGap as still:
-                gap = still
+            gap = self.gap_error(still)
         self.stats.gap_unrecovered = str(gap)
         log.error("shard %d: no snapshot covers the gap; the index misses those updates until one does", self.shard)
 

@@ -184,6 +184,7 @@ def strict_app() -> TestClient:
     ('{"k": 1}'.encode("utf-16"), "not UTF-8 at byte 0"),
     ('{"k": 1}'.encode("utf-32"), "not UTF-8 at byte 0"),
     (b'{"k": 1, "user": {"c": "\xff"}}', "not UTF-8 at byte 24"),
+    (b'\xef\xbb\xbf{"k": 1, "user": {"c": "\xff"}}', "not UTF-8 at byte 27"),  # counted from the body's start
     (b'{"k": 1', "Expecting ',' delimiter at character 7"),
 ])
 def test_a_body_parsers_could_read_differently_is_refused_naming_why(strict_app, body, message):
