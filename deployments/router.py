@@ -7,6 +7,7 @@ the request allows it, a partial answer that lists the missing shard."""
 
 import asyncio
 import logging
+import re
 import time
 from typing import Annotated, Any, Sequence
 
@@ -16,7 +17,7 @@ import torch
 from fastapi import Depends, Path, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -117,7 +118,14 @@ def rate_limiter(cfg: ServiceConfig) -> TokenBuckets | SharedTokenBuckets | None
                               local, on_fallback=metrics.limiter_fallbacks.inc)
 
 
-AD_ID = Annotated[int, Path(ge=0, lt=2**63)]
+def decimal_id(text: object) -> object:
+    """An ad id in a path as written in decimal, nothing else: `1.0`, `+1` or `01` would name ad 1 too."""
+    if isinstance(text, str) and not re.fullmatch(r"0|[1-9][0-9]*", text):
+        raise ValueError("must be written as a decimal integer, without a sign, leading zeros or a fraction")
+    return text
+
+
+AD_ID = Annotated[int, BeforeValidator(decimal_id), Path(ge=0, lt=2**63)]
 
 
 class ShardUnavailable(AndromedaError):

@@ -256,6 +256,9 @@ def test_raw_garbage_is_a_422_not_a_500(service):
     bad_id = requests.get(f"{service.url}/two/v1/ads/abc", timeout=10)
     assert bad_id.status_code == 422 and bad_id.json()["error"]["field"] == "ad_id"
     assert requests.get(f"{service.url}/two/v1/ads/-5", timeout=10).status_code == 422
+    for other_spelling in ("00001", "+1", "1.0"):  # not read as ad 1
+        got = requests.get(f"{service.url}/two/v1/ads/{other_spelling}", timeout=10)
+        assert got.status_code == 422 and got.json()["error"]["field"] == "ad_id", (other_spelling, got.text)
     as_text = requests.post(f"{service.url}/two/v1/retrieve", data='{"user": {"user_id": 1}}',
                             headers={"Content-Type": "text/plain"}, timeout=10)
     assert as_text.status_code == 415 and as_text.json()["error"]["field"] == "Content-Type"
