@@ -194,6 +194,7 @@ class ShardConsumer:
         return reply[0][1] if reply else []
 
     def gap_error(self, gap: str) -> StreamGap:
+        """The StreamGap of a stream trimmed up to `gap`, past what this replica applied."""
         return StreamGap(f"stream trimmed up to {gap}, past the last applied id {self.stats.last_id}")
 
     def poll(self, block_ms: int | None = None) -> int:
