@@ -16,13 +16,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 STAMP=.venv/.andromeda-installed
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements-cpu.txt -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements-cpu.txt -nt "$STAMP" ] \
+   || [ constraints-cpu.txt -nt "$STAMP" ]; then
   echo ">> installing Python packages into .venv (first run: a few minutes)"
   .venv/bin/python -m pip install --upgrade --progress-bar on pip
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install --progress-bar on -r requirements-cpu.txt
   fi
-  .venv/bin/python -m pip install --progress-bar on -e '.[dev,bench]'
+  .venv/bin/python -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,bench]'
   touch "$STAMP"
 fi
 
