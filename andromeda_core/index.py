@@ -64,6 +64,11 @@ def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool, refs_
     }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"int8" for torch.int8: how layouts name a dtype (torch's getattr name)."""
+    return str(dtype).removeprefix("torch.")
+
+
 class AdIndex:
     def __init__(self, schema: Schema, dim: int, capacity: int = 1024, device: str | torch.device = "cpu",
                  embedding_dtype: torch.dtype = torch.float32, exact_copy: bool = True, refs_width: int = REFS_WIDTH):
@@ -136,7 +141,7 @@ class AdIndex:
     @property
     def storage(self) -> str:
         """The embeddings' storage: the scan's dtype, "+exact" where an exact float32 copy is kept (e.g. "int8+exact")."""
-        return str(self.specs["embedding"].dtype).removeprefix("torch.") + ("+exact" if self.keeps_exact else "")
+        return dtype_name(self.specs["embedding"].dtype) + ("+exact" if self.keeps_exact else "")
 
     def in_storage_of(self, other: "AdIndex") -> "AdIndex | None":
         """This index with `other`'s embedding storage: itself where they match; else a converted copy when this one
@@ -157,7 +162,7 @@ class AdIndex:
             tensors["col.embedding"] = exact.to(dtype)
         if other.keeps_exact:
             tensors["col.embedding_exact"] = exact
-        layout = {**layout, "embedding_dtype": str(dtype).removeprefix("torch."), "exact_copy": str(other.keeps_exact)}
+        layout = {**layout, "embedding_dtype": dtype_name(dtype), "exact_copy": str(other.keeps_exact)}
         return AdIndex.from_state(self.schema, tensors, layout, self.device)
 
     def _vectors(self, rows: slice | torch.Tensor) -> torch.Tensor:
@@ -249,7 +254,7 @@ class AdIndex:
             tensors.update(self.clauses.export_state())
             layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
                       "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
-                      "embedding_dtype": str(self.specs["embedding"].dtype).removeprefix("torch."),
+                      "embedding_dtype": dtype_name(self.specs["embedding"].dtype),
                       "exact_copy": str(self.keeps_exact), "refs_width": str(self.clauses.width)}
             return tensors, layout
 

@@ -344,14 +344,14 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
                                   "body")
         where = loc[1:] if loc[:1] in (("body",), ("path",), ("query",)) else loc
         if err.get("type") == "json_invalid":
-            on_error(ErrorCategory.INVALID_INPUT.value)
-            return error_response(422, ErrorCategory.INVALID_INPUT.value,
-                                  f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'unreadable')}", "body")
-        field = error_field(where, err.get("type", ""))
-        limits = getattr(request.app.state, "limits", None)
-        named = past_wire_bound(limits, field, err.get("type", ""), err.get("input")) if limits is not None else None
+            field, message = "body", f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'unreadable')}"
+        else:
+            field = error_field(where, err.get("type", ""))
+            limits = getattr(request.app.state, "limits", None)
+            named = past_wire_bound(limits, field, err.get("type", ""), err.get("input")) if limits is not None else None
+            message = named or err.get("msg", "invalid")
         on_error(ErrorCategory.INVALID_INPUT.value)
-        return error_response(422, ErrorCategory.INVALID_INPUT.value, named or err.get("msg", "invalid"), field)
+        return error_response(422, ErrorCategory.INVALID_INPUT.value, message, field)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:

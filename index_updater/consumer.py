@@ -183,12 +183,12 @@ class ShardConsumer:
         pipe = self.client.pipeline(transaction=True)
         pipe.xinfo_stream(self.source)
         pipe.xread({self.source: self.stats.last_id}, count=self.count)
-        info, reply = pipe.execute(raise_on_error=False)
-        if isinstance(info, Exception) and no_stream(info):
-            return []
-        for outcome in (info, reply):
-            if isinstance(outcome, Exception):
-                raise outcome
+        try:
+            info, reply = pipe.execute()
+        except redis.ResponseError as exc:
+            if no_stream(exc):
+                return []
+            raise
         if not self.stats.gap_unrecovered and (gap := trimmed_past(info, self.stats.last_id)):
             raise self.gap_error(gap)
         return reply[0][1] if reply else []
