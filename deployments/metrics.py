@@ -15,6 +15,8 @@ SHARD_GAUGES = {
     "stale": "stream entries that were stale no-ops",
     "dead_letters": "stream entries sent to the dead-letter stream",
     "errors": "errors the consumer recovered from",
+    "stream_resets": "times the shard's stream went back behind what the consumer read (a Redis that lost writes took "
+                     "over, or the stream was recreated) and was read again from its start",
     "ready": "1 when the replica has caught up with its stream",
 }
 

@@ -5,7 +5,10 @@ Invalid entries go to the dead-letter stream with the reason and never stop the 
 loop never dies: every error (Redis, snapshot I/O, ...) is counted in the stats and followed by a
 backoff. If the stream was trimmed past the last applied id (a gap), the consumer reloads the newest
 snapshot and replays from there; when no snapshot covers the gap it applies what the stream still holds
-and reports itself unhealthy until one does. `health()` tells a replica's probes how the consumer is.
+and reports itself unhealthy until one does. If the stream went back behind what the consumer read (a Redis
+that lost acknowledged writes took over, or the stream was recreated: new entries may then take ids at or
+before the last applied one), it reads the stream again from its start: applying an entry twice changes
+nothing. `health()` tells a replica's probes how the consumer is.
 """
 from __future__ import annotations
 
@@ -54,6 +57,18 @@ def trimmed_past(info: dict, last_id: str) -> str | None:
     return oldest if stream_id_key(oldest) > applied else None
 
 
+def went_back(info: dict, last_id: str, entries_added: int | None) -> str | None:
+    """Why a stream (its XINFO STREAM) no longer holds what was read from it up to last_id, or None: its newest id
+    is before last_id, or fewer entries were ever added to it than when it was last read (entries_added; None: not
+    read yet). Either way its entries may now take ids at or before last_id, which reading on after it would skip."""
+    newest = text(info["last-generated-id"])
+    if stream_id_key(newest) < stream_id_key(last_id):
+        return f"its newest id {newest} is before the last applied id {last_id}"
+    if entries_added is not None and info["entries-added"] < entries_added:
+        return f"{info['entries-added']} entries were ever added to it, where a read saw {entries_added}"
+    return None
+
+
 @dataclass
 class ConsumerStats:
     """Metrics hooks: read by the replica's Prometheus exporter and health checks."""
@@ -70,6 +85,7 @@ class ConsumerStats:
     last_id: str = "0-0"  # in the shard's stream
     index_size: int = 0
     recoveries: int = 0
+    stream_resets: int = 0  # times the stream went back behind what was read (went_back) and was read again
     apply_latency_ms: deque = field(default_factory=lambda: deque(maxlen=100_000))  # published -> servable, ms
 
     def lag_seconds(self, now: float | None = None) -> float:
@@ -108,6 +124,8 @@ class ShardConsumer:
         self._thread: threading.Thread | None = None
         self._caught_up = False
         self._gap_snapshot: str | None = None  # newest snapshot when a gap was last found uncovered
+        self._entries_added: int | None = None  # the stream's XINFO entries-added at the last read
+        self._from_start = False  # reading the stream again from its start (went_back): no gap before its first entry
 
     @property
     def schema(self) -> Schema:
@@ -160,6 +178,7 @@ class ShardConsumer:
                 return False
             self.index.adopt(converted)
             self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
+            self._entries_added, self._from_start = meta.get("entries_added"), False  # as the stream was then
             self.stats.recoveries += 1
             return True
         return False
@@ -179,7 +198,8 @@ class ShardConsumer:
         """The next entries of the shard's stream after the last applied id, at most `count`, without waiting.
         Read in one transaction with the stream's state, so that no trim can slip between the two: StreamGap when
         entries after the last applied id were trimmed away before this read (unless the index already misses
-        updates: it then applies what the stream still holds)."""
+        updates: it then applies what the stream still holds). When the stream went back (went_back), the read
+        starts again from its first entry."""
         pipe = self.client.pipeline(transaction=True)
         pipe.xinfo_stream(self.source)
         pipe.xread({self.source: self.stats.last_id}, count=self.count)
@@ -189,7 +209,15 @@ class ShardConsumer:
             if no_stream(exc):
                 return []
             raise
-        if not self.stats.gap_unrecovered and (gap := trimmed_past(info, self.stats.last_id)):
+        if reason := went_back(info, self.stats.last_id, self._entries_added):
+            log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
+                      "that it lost stay applied; other replicas may lack them: republish what was published just "
+                      "before", self.shard, reason)
+            self.stats.stream_resets += 1
+            self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
+            return self.read()
+        self._entries_added = info["entries-added"]
+        if not (self.stats.gap_unrecovered or self._from_start) and (gap := trimmed_past(info, self.stats.last_id)):
             raise self.gap_error(gap)
         return reply[0][1] if reply else []
 
@@ -221,7 +249,7 @@ class ShardConsumer:
         results = self._apply(read, entries)
         servable_ms = time.time() * 1000
         last = entries[-1][0]
-        self.stats.last_id = text(last)
+        self.stats.last_id, self._from_start = text(last), False
         self.stats.applied += sum(results)
         self.stats.stale += len(results) - sum(results)
         self.stats.index_size = len(self.index)
@@ -276,7 +304,8 @@ class ShardConsumer:
             log.warning("shard %d: no snapshot while the index misses updates", self.shard)
             return
         self.snapshots.write(self.index, self.stats.last_id,
-                             {"shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source})
+                             {"shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source,
+                              "entries_added": self._entries_added})
         if self.trim:
             self.trim_stream()
 
