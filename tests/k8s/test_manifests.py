@@ -254,6 +254,8 @@ def test_the_image_sets_the_services_ray_serve_settings_and_no_pod_overrides_the
 
 def test_workers_probe_readyz_and_healthz_and_the_head_keeps_kuberays_probes(overlay):
     _, resources = overlay
+    # so the head, which /readyz does not gate, stays out of the serve Service the Ingress sends traffic to
+    assert one(resources, "RayService")["spec"]["excludeHeadPodFromServeSvc"] is True
     for name, group in groups(one(resources, "RayService")).items():
         container = group["template"]["spec"]["containers"][0]
         if name == "head":  # KubeRay deploys the app only once the head is ready
@@ -275,8 +277,12 @@ def test_each_worker_group_spreads_over_nodes_and_has_a_disruption_budget(overla
         spread = group["template"]["spec"]["topologySpreadConstraints"]
         assert {c["topologyKey"] for c in spread} == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
         assert all(c["labelSelector"]["matchLabels"].items() <= labels.items() for c in spread)
-        assert any(b["spec"]["selector"]["matchLabels"].items() <= labels.items()
-                   and b["spec"]["selector"]["matchLabels"].get("ray.io/group") == name for b in budgets), name
+        [budget] = [b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+                    and b["spec"]["selector"]["matchLabels"].get("ray.io/group") == name]
+        # a RayCluster's pods: Kubernetes computes a budget only from an integer minAvailable (no scale subresource);
+        # all but one of the group's least pods, so a drain can always go on
+        assert set(budget["spec"]) == {"minAvailable", "selector"}, name
+        assert budget["spec"]["minAvailable"] == max(group["minReplicas"] - 1, 0), name
 
 
 def test_the_device_kinds_get_their_worker_groups(overlay):
