@@ -24,9 +24,10 @@ from andromeda_core.index import AdIndex
 from andromeda_core.models import KernelHead, Scorer, score_each
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import UserValues, compile_user
-from andromeda_core.types import FLOAT32_MAX, RetrieveRequest, RetrieveResponse, ScoredAd
+from andromeda_core.types import FLOAT32_MAX, RetrieveRequest, RetrieveResponse, ScoredAd, parse_request
 from andromeda_core.wire import NumpyPickled
 from kernels import dispatch
+from kernels.cpu import library as cpu_kernels
 from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
 
@@ -159,6 +160,14 @@ class Retriever:
             if width >= n or not (kept[:, -1] & (scores[:, -1] == threshold[:, 0])).any():
                 return torch.where(kept, slots, -1), eligible
             width = min(4 * width, n)
+
+    def warm_up(self) -> None:
+        """Build what a first search would (the CPU kernel's compile, seconds; Triton's JIT for this table's
+        shapes) with one request of no attributes, so that the first real request does not pay for it. Changes
+        nothing in the index."""
+        if self.index.device.type == "cpu":  # an empty table runs no pass, yet later ones need the build
+            cpu_kernels()
+        self.retrieve([parse_request({"user": {"user_id": 0}, "k": 100})])
 
     def retrieve(self, requests: Sequence[RetrieveRequest], now: int | None = None) -> list[RetrieveResponse | AndromedaError]:
         """Answer requests in one process; each gets its response, or its own error."""

@@ -34,6 +34,18 @@ def test_fewer_eligible_than_k_and_empty_index(small_schema, scorer):
     assert [a.ad_id for a in response.ads] == [1] and response.eligible == 1
 
 
+def test_warm_up_builds_the_cpu_kernel_even_for_an_empty_table_and_changes_nothing(small_schema, scorer):
+    from kernels.cpu import library
+    index = AdIndex(small_schema, scorer.dim)
+    library.cache_clear()  # the next call loads (or builds) the library again
+    Retriever(index, scorer).warm_up()
+    assert library.cache_info().currsize == 1  # an empty table runs no pass: warm_up asked for the build itself
+    apply_events(index, scorer, [upsert(1), upsert(2)])
+    before = index.digest()
+    Retriever(index, scorer).warm_up()
+    assert index.digest() == before
+
+
 def test_batch_requests_each_get_their_own_k_and_targeting(small_schema, scorer):
     index = AdIndex(small_schema, scorer.dim)
     apply_events(index, scorer, [upsert(i, targeting={"country": {"any_of": ["US" if i % 2 else "CA"]}}) for i in range(1, 21)])
