@@ -243,11 +243,13 @@ class AdIndex:
 
     # -- state (for snapshots) -------------------------------------------------------------------
 
-    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """(CPU tensors, layout metadata) that `from_state` restores; consistent (no batch is half written)."""
+    def export_state(self, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """(CPU tensors, layout metadata) that `from_state` restores; consistent (no batch is half written). A CPU
+        index's columns come as views of its live table, valid until its next write, unless `copy` (a device
+        index's always come copied to the host)."""
         with self.reading():
             n = self.high_water
-            tensors = {f"col.{name}": col[:n].cpu().contiguous() for name, col in self.columns.items()}
+            tensors = {f"col.{name}": col[:n].to("cpu", copy=copy).contiguous() for name, col in self.columns.items()}
             tombstones = self._book.tombstones()
             tensors["tombstones.ad_id"] = torch.tensor(list(tombstones), dtype=torch.int64)
             tensors["tombstones.version"] = torch.tensor(list(tombstones.values()), dtype=torch.int64)

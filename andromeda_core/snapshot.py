@@ -35,8 +35,13 @@ def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
 
 def save_snapshot(index: AdIndex, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
     """Write `index` to `path` atomically (temp file, fsync, rename)."""
+    return save_state(*index.export_state(), path, metadata)
+
+
+def save_state(tensors: dict[str, torch.Tensor], layout: dict[str, str], path: str | Path,
+               metadata: dict[str, Any] | None = None) -> Path:
+    """Write an index's exported state (AdIndex.export_state) to `path` atomically (temp file, fsync, rename)."""
     path = Path(path)
-    tensors, layout = index.export_state()
     meta = {**layout, "format": FORMAT, "user": json.dumps(metadata or {}, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

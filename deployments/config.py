@@ -200,6 +200,7 @@ class ServiceConfig(BaseModel):
     snapshot_dir: str = Field("var/snapshots", min_length=1)
     """Directory of index snapshots (one sub-directory per shard), shared by the replicas of a shard."""
     snapshot_every_s: float = Field(60.0, gt=0)
+    """A shard's snapshot round: in each, the first of its replicas to claim it writes one."""
     initial_capacity: int = Field(1024, ge=1, le=2**31)
     rescore: int = Field(2, ge=0, le=64)
     max_batch_size: int = Field(16, ge=1, le=1024)

@@ -26,7 +26,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
 from index_updater.records import (DecodedRead, Entry, EntryDecoder, InvalidRecord, applied_key, dead_letter_stream,
-                                   layout_key, shard_stream, stream_layout, text)
+                                   layout_key, shard_stream, snapshot_writer_key, stream_layout, text)
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
@@ -101,11 +101,16 @@ class ShardConsumer:
                  stream: str = DEFAULT_STREAM, snapshots: SnapshotStore | None = None, count: int = 2000,
                  block_ms: int = 50, snapshot_every_s: float = 60.0, sweep_every_s: float = 10.0, trim: bool = False,
                  on_applied: Callable[[str], None] | None = None, replica_id: str | None = None,
-                 trim_keep_entries: int = 0, trim_every_s: float | None = None, replica_ttl_s: float = 60.0):
+                 trim_keep_entries: int = 0, trim_every_s: float | None = None, replica_ttl_s: float = 60.0,
+                 background_snapshots: bool | None = None):
         """`trim`: trim the shard's stream (after each snapshot, and every `trim_every_s`) below what the oldest
         kept snapshot covers, what every live replica has applied (`replica_id` registers this one: it reports
         its applied id to `applied_key(stream, shard)`; a report older than `replica_ttl_s` no longer counts)
-        and the newest `trim_keep_entries` entries."""
+        and the newest `trim_keep_entries` entries. With a `replica_id`, the background loop writes a snapshot
+        only in the rounds (one per `snapshot_every_s`) it claims first among the shard's replicas, which share
+        the directory. `background_snapshots`: the loop writes them from a copy of the table in a thread of
+        their own and goes on applying (None: where the index is on a device, whose export is a host copy
+        anyway; a CPU index exports views of its live table, written before the next apply)."""
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards})")
         self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
@@ -115,7 +120,9 @@ class ShardConsumer:
         self.on_applied = on_applied
         self.replica_id, self.trim_keep_entries, self.replica_ttl_s = replica_id, trim_keep_entries, replica_ttl_s
         self.trim_every_s = trim_every_s
-        self.applied_key = applied_key(stream, shard)
+        self.applied_key, self.writer_key = applied_key(stream, shard), snapshot_writer_key(stream, shard)
+        self.background_snapshots = index.device.type != "cpu" if background_snapshots is None else background_snapshots
+        self._writer: threading.Thread | None = None  # the snapshot being written in the background, if any
         self.trimmed = 0  # entries this consumer trimmed away
         self.stats = ConsumerStats(index_size=len(index))
         self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
@@ -296,18 +303,54 @@ class ShardConsumer:
         retry(self.report_applied)  # registered before it serves: trimming now waits for this replica
 
     def snapshot(self) -> None:
-        """Write a snapshot (then, with `trim`, trim the shard's stream up to what the oldest kept one covers).
+        """Write a snapshot now (then, with `trim`, trim the shard's stream up to what the oldest kept one covers).
         Not while the index misses updates after an uncovered gap: it must not pass for a complete index."""
+        taken = self._snapshot_state(copy=False)
+        if taken is not None:
+            self._write_snapshot(*taken)
+
+    def _snapshot_state(self, copy: bool) -> tuple[tuple, str, dict] | None:
+        """(the index's exported state, the stream id it covers, the snapshot's metadata), or None when no snapshot
+        is to be written. Called in the consumer's thread, so that the two agree."""
         if self.snapshots is None:
-            return
+            return None
         if self.stats.gap_unrecovered:
             log.warning("shard %d: no snapshot while the index misses updates", self.shard)
-            return
-        self.snapshots.write(self.index, self.stats.last_id,
-                             {"shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source,
-                              "entries_added": self._entries_added})
+            return None
+        return self.index.export_state(copy=copy), self.stats.last_id, {
+            "shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source,
+            "entries_added": self._entries_added}
+
+    def _write_snapshot(self, state: tuple, stream_id: str, metadata: dict) -> None:
+        self.snapshots.write_state(state, stream_id, metadata)
         if self.trim:
             self.trim_stream()
+
+    def _snapshot_round(self) -> None:
+        """The background loop's snapshot: none while the last one is still being written, or when another replica
+        of the shard claimed this round; in a thread of its own with background_snapshots."""
+        if self._writer is not None and self._writer.is_alive():
+            log.warning("shard %d: the last snapshot is still being written; skipping this round", self.shard)
+            return
+        if self.replica_id is not None and not self.client.set(self.writer_key, self.replica_id, nx=True,
+                                                               px=max(1, int(self.snapshot_every_s * 1000))):
+            return  # another replica of the shard writes this round's
+        if not self.background_snapshots:
+            self.snapshot()
+            return
+        taken = self._snapshot_state(copy=True)
+        if taken is not None:
+            self._writer = threading.Thread(target=self._write_in_background, args=taken, daemon=True,
+                                            name=f"snapshot-shard-{self.shard}")
+            self._writer.start()
+
+    def _write_in_background(self, state: tuple, stream_id: str, metadata: dict) -> None:
+        try:
+            self._write_snapshot(state, stream_id, metadata)
+        except Exception as exc:  # counted like the loop's own errors
+            self.stats.errors += 1
+            self.stats.last_error = redact(f"snapshot: {type(exc).__name__}: {exc}") + tls_hint(exc)
+            log.warning("shard %d: writing a snapshot failed: %s", self.shard, self.stats.last_error, exc_info=True)
 
     def report_applied(self) -> None:
         """Tell the shard's other replicas (and their trimming) how far this one has applied."""
@@ -393,7 +436,7 @@ class ShardConsumer:
         if self.snapshots is not None and now >= due["snapshot"]:
             due["snapshot"] = now + self.snapshot_every_s
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
-            self.snapshot()
+            self._snapshot_round()
         if self.trim and now >= due["trim"]:
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
             self.trim_stream()
@@ -428,5 +471,6 @@ class ShardConsumer:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=10)
+        for thread in (self._thread, self._writer):
+            if thread:
+                thread.join(timeout=10)

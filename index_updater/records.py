@@ -65,6 +65,11 @@ def applied_key(base: str, shard: int) -> str:
     return f"{shard_stream(base, shard)}:applied"
 
 
+def snapshot_writer_key(base: str, shard: int) -> str:
+    """Redis key the replicas of shard `shard` claim, one per round of snapshot_every_s, to write its snapshot."""
+    return f"{shard_stream(base, shard)}:snapshot-writer"
+
+
 def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
     header, blobs = [], []
     for name, array in arrays.items():

@@ -13,7 +13,7 @@ import torch
 from andromeda_core.errors import SnapshotCorrupt
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
-from andromeda_core.snapshot import load_snapshot, save_snapshot
+from andromeda_core.snapshot import load_snapshot, save_state
 
 NAME = re.compile(r"^snapshot-(\d{15})-(\d{10})\.safetensors$")
 
@@ -33,9 +33,14 @@ class SnapshotStore:
         return sorted((p for p in self.directory.iterdir() if NAME.match(p.name)), key=lambda p: p.name, reverse=True)
 
     def write(self, index: AdIndex, stream_id: str, metadata: dict | None = None) -> Path:
+        return self.write_state(index.export_state(), stream_id, metadata)
+
+    def write_state(self, state: tuple[dict[str, torch.Tensor], dict[str, str]], stream_id: str,
+                    metadata: dict | None = None) -> Path:
+        """Write an index's exported state (AdIndex.export_state) covering `stream_id`; keep the newest `keep`."""
         ms, seq = stream_id_key(stream_id)
-        path = save_snapshot(index, self.directory / f"snapshot-{ms:015d}-{seq:010d}.safetensors",
-                             {**(metadata or {}), "stream_id": stream_id})
+        path = save_state(*state, self.directory / f"snapshot-{ms:015d}-{seq:010d}.safetensors",
+                          {**(metadata or {}), "stream_id": stream_id})
         for old in self.paths()[self.keep:]:
             old.unlink(missing_ok=True)
         return path

@@ -46,7 +46,7 @@ def test_a_redis_error_is_counted_and_the_consumer_carries_on(setup, monkeypatch
 def test_a_failed_snapshot_is_counted_and_the_consumer_carries_on(setup, tmp_path, monkeypatch):
     _, publisher, make = setup
     store = SnapshotStore(tmp_path / "snapshots")
-    monkeypatch.setattr(store, "write", once(OSError(28, "No space left on device"), store.write))
+    monkeypatch.setattr(store, "write_state", once(OSError(28, "No space left on device"), store.write_state))
     c = make(snapshots=store, snapshot_every_s=0)
     publisher.publish([upsert(1)])
     c.start()

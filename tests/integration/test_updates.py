@@ -478,3 +478,58 @@ def test_a_stream_that_went_back_is_read_again_from_its_start(setup, tmp_path, s
     publisher.publish([upsert(9)])
     c.catch_up()
     assert len(c.index) == 9 and c.stats.stream_resets == 1  # reading on, nothing looks like a reset again
+
+
+def test_a_background_snapshot_is_written_from_a_copy_while_the_consumer_applies(setup, tmp_path):
+    client, publisher, make = setup
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), background_snapshots=True)
+    publisher.publish([upsert(i) for i in range(1, 4)])
+    c.catch_up()
+    covered, digest = c.stats.last_id, c.index.digest()
+    release, write = threading.Event(), c.snapshots.write_state
+    c.snapshots.write_state = lambda *args: (release.wait(10), write(*args))[1]  # a slow volume
+    c._snapshot_round()
+    publisher.publish([upsert(i) for i in range(4, 7)])
+    c.catch_up()  # applies while the snapshot is being written
+    assert len(c.index) == 6 and c._writer.is_alive() and not c.snapshots.paths()
+    c._snapshot_round()  # the last one is still being written: this round is skipped
+    release.set()
+    c._writer.join(10)
+    [path] = c.snapshots.paths()
+    restored = make(snapshots=c.snapshots)
+    assert restored.recover() and restored.stats.last_id == covered and restored.index.digest() == digest
+    restored.catch_up()
+    assert restored.index.digest() == c.index.digest()
+
+
+def test_a_failed_background_snapshot_is_counted_and_the_next_round_writes(setup, tmp_path):
+    _, publisher, make = setup
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), background_snapshots=True)
+    publisher.publish([upsert(1)])
+    c.catch_up()
+    write = c.snapshots.write_state
+    c.snapshots.write_state = lambda *args: (_ for _ in ()).throw(OSError("No space left on device"))
+    c._snapshot_round()
+    c._writer.join(10)
+    assert c.stats.errors == 1 and "No space left" in c.stats.last_error and not c.snapshots.paths()
+    c.snapshots.write_state = write
+    c._snapshot_round()
+    c._writer.join(10)
+    assert len(c.snapshots.paths()) == 1
+
+
+def test_one_replica_of_a_shard_writes_each_rounds_snapshot(setup, tmp_path):
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    first, second = (make(snapshots=store, replica_id=name, snapshot_every_s=300) for name in ("a", "b"))
+    publisher.publish([upsert(1)])
+    for c in (first, second):
+        c.catch_up()
+        c._snapshot_round()
+    assert len(store.paths()) == 1 and client.get(first.writer_key) == b"a"
+    assert 299_000 < client.pttl(first.writer_key) <= 300_000  # the claim lasts one round
+    client.delete(first.writer_key)  # the round is over
+    publisher.publish([upsert(2)])
+    second.catch_up()
+    second._snapshot_round()
+    assert len(store.paths()) == 2 and client.get(first.writer_key) == b"b"
