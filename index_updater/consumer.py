@@ -332,6 +332,8 @@ class ShardConsumer:
         if self._writer is not None and self._writer.is_alive():
             log.warning("shard %d: the last snapshot is still being written; skipping this round", self.shard)
             return
+        if self.snapshots is None or self.stats.gap_unrecovered:
+            return  # would write none: the round stays for a replica that can
         if self.replica_id is not None and not self.client.set(self.writer_key, self.replica_id, nx=True,
                                                                px=max(1, int(self.snapshot_every_s * 1000))):
             return  # another replica of the shard writes this round's

@@ -533,3 +533,7 @@ def test_one_replica_of_a_shard_writes_each_rounds_snapshot(setup, tmp_path):
     second.catch_up()
     second._snapshot_round()
     assert len(store.paths()) == 2 and client.get(first.writer_key) == b"b"
+    client.delete(first.writer_key)
+    first.stats.gap_unrecovered = "stream trimmed up to 9-0"  # it could write no snapshot: it leaves the round
+    first._snapshot_round()
+    assert client.get(first.writer_key) is None and len(store.paths()) == 2
