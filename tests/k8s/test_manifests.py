@@ -76,8 +76,8 @@ def test_every_manifest_file_parses():
 def test_overlays_render_the_whole_service(overlay):
     name, resources = overlay
     kinds = sorted(r["kind"] for r in resources)
-    expected = ["ConfigMap", "ConfigMap", "Ingress", "PodDisruptionBudget", "PodMonitor", "PodMonitor", "PrometheusRule",
-                "RayService", "Service", "Service", "StatefulSet"]
+    expected = ["ConfigMap", "ConfigMap", "Ingress", "NetworkPolicy", "PodDisruptionBudget", "PodMonitor", "PodMonitor",
+                "PrometheusRule", "RayService", "Service", "Service", "StatefulSet"]
     if name == "gpu-prod":
         expected += ["PersistentVolumeClaim", "PodDisruptionBudget"]
     assert kinds == sorted(expected)
@@ -477,3 +477,16 @@ def test_the_plan_at_measured_rates_times_passes_from_the_measured_h200_rates():
     eight, _ = capacity.pass_seconds(measured, 1e8, 8, b)
     assert min(rates[4], rates[16]) < 8e8 / (eight - overhead) < max(rates[4], rates[16])
     assert capacity.measured_rate(rates, 256) == rates[64]
+
+
+def test_only_the_services_pods_reach_redis(overlay):
+    _, resources = overlay
+    policy = one(resources, "NetworkPolicy", "andromeda-redis")["spec"]
+    redis_pod = one(resources, "StatefulSet", "andromeda-redis")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= redis_pod.items() and policy["policyTypes"] == ["Ingress"]
+    [rule] = policy["ingress"]
+    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    for name, group in groups(one(resources, "RayService")).items():  # every Ray pod: head, routers, shards
+        labels = group["template"]["metadata"]["labels"]
+        assert any(a.items() <= labels.items() for a in allowed), name
+    assert allowed[1] == {"andromeda.io/redis-client": "true"} and rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
