@@ -27,7 +27,8 @@ from andromeda_core.quantization import ROW_ALIGN, aligned_rows
 from deployments.config import SERVE_ENV, ServiceConfig
 from deployments.metrics import ServiceMetrics
 from tests.k8s.kustomize import build
-from tests.k8s.manifests import K8S, OVERLAYS, ROOT, alert_exprs, grafana_exprs, groups, metric_names, one, serve_config
+from tests.k8s.manifests import (K8S, OVERLAYS, RAY_SERVE_METRICS, ROOT, alert_exprs, grafana_exprs, groups, metric_names, one,
+                                  serve_config)
 
 K8S_VERSIONS = ("1.30", "1.37")  # the oldest Kubernetes we support (matchLabelKeys in topology spread) and the newest schema shipped
 BUILTIN_GROUPS = {"", "apps", "policy", "networking.k8s.io"}
@@ -391,10 +392,19 @@ def test_alerts_cover_what_sres_page_on_and_name_only_exported_metrics(overlay):
     exprs = alert_exprs(resources)
     assert {"AndromedaStreamLag", "AndromedaErrorRate", "AndromedaLatencyP99", "AndromedaDeadLetters",
             "AndromedaShardNotReady", "AndromedaIndexMemoryHeadroom"} <= set(exprs)
-    exported = exported_metric_names()
+    exported = exported_metric_names() | RAY_SERVE_METRICS
     for alert, expr in exprs.items():
         names = metric_names(expr)
         assert names and names <= exported, f"{alert}: {names - exported}"
+
+
+def test_the_ray_serve_metrics_alerts_read_are_ray_serves():
+    from ray.serve._private.common import RequestProtocol
+    from ray.serve._private.request_ingress_metrics import RequestIngressMetrics
+    proxy = RequestIngressMetrics(RequestProtocol.HTTP, source="proxy", node_id="n", node_ip_address="0.0.0.0")
+    counter = proxy.request_counter  # every response of a proxy, its own 503s included
+    assert {f"ray_{counter._name}_total"} == RAY_SERVE_METRICS
+    assert {"application", "status_code"} <= set(counter._tag_keys)
 
 
 def test_every_alert_has_a_runbook_section():
