@@ -1,7 +1,8 @@
 """Per-replica stream consumer: XREAD its shard's stream (no consumer group: every replica of the
 shard sees every entry) from the last applied id, apply each read as one atomic batch, idempotently.
 
-Invalid entries go to the dead-letter stream with the reason and never stop the consumer. The background
+Invalid entries go to the dead-letter stream with the reason (once, whichever replica of the shard meets them first)
+and never stop the consumer. The background
 loop never dies: every error (Redis, snapshot I/O, ...) is counted in the stats and followed by a
 backoff. If the stream was trimmed past the last applied id (a gap), the consumer reloads the newest
 snapshot and replays from there; when no snapshot covers the gap it applies what the stream still holds
@@ -32,6 +33,22 @@ from index_updater.snapshots import SnapshotStore, stream_id_key
 log = logging.getLogger(__name__)
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
 LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every second) by this much
+DEAD_LETTERS_KEPT = 100_000  # the dead-letter stream keeps about this many of the newest (XADD MAXLEN ~)
+# KEYS: the dead-letter stream, the shard's marker (the newest source id dead-lettered); ARGV: the entry's id (ms,
+# seq), the stream's length kept, the record's fields and values. Replicas read the shard's stream in order, so the
+# first to meet an entry adds it and moves the marker past it; the others add nothing.
+DEAD_LETTER_ONCE = """
+local marker = redis.call('GET', KEYS[2])
+if marker then
+  local ms, seq = string.match(marker, '^(%d+)-(%d+)$')
+  ms, seq = tonumber(ms), tonumber(seq)
+  local ems, eseq = tonumber(ARGV[1]), tonumber(ARGV[2])
+  if ems < ms or (ems == ms and eseq <= seq) then return false end
+end
+redis.call('SET', KEYS[2], ARGV[1] .. '-' .. ARGV[2])
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+"""
+RELEASE_ROUND = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 class StreamGap(RuntimeError):
@@ -123,9 +140,13 @@ class ShardConsumer:
         self.applied_key, self.writer_key = applied_key(stream, shard), snapshot_writer_key(stream, shard)
         self.background_snapshots = index.device.type != "cpu" if background_snapshots is None else background_snapshots
         self._writer: threading.Thread | None = None  # the snapshot being written in the background, if any
+        self._write_failure: Exception | None = None  # how the background write failed (read in the loop's thread)
+        self._snapshot_now = False  # the stream went back: the next turn writes a snapshot, claimed or not
         self.trimmed = 0  # entries this consumer trimmed away
         self.stats = ConsumerStats(index_size=len(index))
         self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
+        self._dead_letter_once = client.register_script(DEAD_LETTER_ONCE)
+        self._release_claim = client.register_script(RELEASE_ROUND)
         self._layout = stream_layout(shards, index.schema, model, index.dim)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -173,6 +194,8 @@ class ShardConsumer:
             return False
         wanted = {"model": self.model, "shard": self.shard, "shards": self.shards, "stream": self.source}
         for restored, meta in self.snapshots.valid(self.schema, self.index.device):
+            # one the stream went back from is adopted too: the first read then finds it gone back and reads the
+            # whole stream over it
             foreign = {key: meta.get(key) for key, value in wanted.items() if meta.get(key) != value}
             converted = None if foreign else restored.in_storage_of(self.index)
             if converted is None:
@@ -192,8 +215,13 @@ class ShardConsumer:
 
     def gap_after(self, last_id: str) -> str | None:
         """trimmed_past of the shard's stream now; None when there is no stream yet."""
+        info = self.stream_info()
+        return None if info is None else trimmed_past(info, last_id)
+
+    def stream_info(self) -> dict | None:
+        """XINFO STREAM of the shard's stream; None when there is no stream yet."""
         try:
-            return trimmed_past(self.client.xinfo_stream(self.source), last_id)
+            return self.client.xinfo_stream(self.source)
         except redis.ResponseError as exc:
             if no_stream(exc):
                 return None
@@ -222,6 +250,11 @@ class ShardConsumer:
                       "before", self.shard, reason)
             self.stats.stream_resets += 1
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
+            if self.snapshots is not None:  # those the stream went back from claim ids its new entries may take
+                if stale := self.snapshots.set_aside(
+                        lambda meta: went_back(info, meta["stream_id"], meta.get("entries_added")) is not None):
+                    log.error("shard %d: set aside the snapshots the stream went back from: %s", self.shard, stale)
+                self._snapshot_now = True
             return self.read()
         self._entries_added = info["entries-added"]
         if not (self.stats.gap_unrecovered or self._from_start) and (gap := trimmed_past(info, self.stats.last_id)):
@@ -291,7 +324,9 @@ class ShardConsumer:
         entry_id = text(entry_id)
         record = {"source_id": entry_id, "stream": self.source, "reason": exc.message, "field": exc.field or "",
                   "shard": self.shard, "event": fields.get(b"event", b"")}
-        retry(lambda: self.client.xadd(self.dead_letter_stream, record))
+        marker = f"{self.dead_letter_stream}:{self.source}"  # every replica of the shard meets the entry
+        args = [*stream_id_key(entry_id), DEAD_LETTERS_KEPT, *(x for item in record.items() for x in item)]
+        retry(lambda: self._dead_letter_once(keys=[self.dead_letter_stream, marker], args=args))
         self.stats.dead_letters += 1
         log.warning("dead-lettered %s: %s", entry_id, exc)
 
@@ -322,20 +357,29 @@ class ShardConsumer:
             "entries_added": self._entries_added}
 
     def _write_snapshot(self, state: tuple, stream_id: str, metadata: dict) -> None:
-        self.snapshots.write_state(state, stream_id, metadata)
+        """Write it, then trim with `trim`; a failure gives the round back (another replica may write it) and raises."""
+        try:
+            self.snapshots.write_state(state, stream_id, metadata)
+        except Exception:
+            self._give_back_round()
+            raise
         if self.trim:
             self.trim_stream()
 
-    def _snapshot_round(self) -> None:
-        """The background loop's snapshot: none while the last one is still being written, or when another replica
-        of the shard claimed this round; in a thread of its own with background_snapshots."""
-        if self._writer is not None and self._writer.is_alive():
+    def _give_back_round(self) -> None:
+        if self.replica_id is not None:
+            retry(lambda: self._release_claim(keys=[self.writer_key], args=[self.replica_id]))
+
+    def _snapshot_round(self, claim: bool = True) -> None:
+        """The background loop's snapshot: none while the last one is still being written, or (with `claim`) when
+        another replica of the shard claimed this round; in a thread of its own with background_snapshots."""
+        if self._writer is not None:
             log.warning("shard %d: the last snapshot is still being written; skipping this round", self.shard)
             return
         if self.snapshots is None or self.stats.gap_unrecovered:
             return  # would write none: the round stays for a replica that can
-        if self.replica_id is not None and not self.client.set(self.writer_key, self.replica_id, nx=True,
-                                                               px=max(1, int(self.snapshot_every_s * 1000))):
+        if claim and self.replica_id is not None and not self.client.set(
+                self.writer_key, self.replica_id, nx=True, px=max(1, int(self.snapshot_every_s * 1000))):
             return  # another replica of the shard writes this round's
         if not self.background_snapshots:
             self.snapshot()
@@ -347,12 +391,23 @@ class ShardConsumer:
             self._writer.start()
 
     def _write_in_background(self, state: tuple, stream_id: str, metadata: dict) -> None:
+        """The writer thread: the file only; the consumer's thread does the rest (finish_background_write)."""
         try:
-            self._write_snapshot(state, stream_id, metadata)
-        except Exception as exc:  # counted like the loop's own errors
-            self.stats.errors += 1
-            self.stats.last_error = redact(f"snapshot: {type(exc).__name__}: {exc}") + tls_hint(exc)
-            log.warning("shard %d: writing a snapshot failed: %s", self.shard, self.stats.last_error, exc_info=True)
+            self.snapshots.write_state(state, stream_id, metadata)
+        except Exception as exc:
+            self._write_failure = exc
+
+    def finish_background_write(self) -> None:
+        """In the consumer's thread, once the background write is over: with `trim`, the trim after it; if it
+        failed, the round given back and the failure raised (the loop counts it in stats.errors)."""
+        if self._writer is None or self._writer.is_alive():
+            return
+        self._writer, failure, self._write_failure = None, self._write_failure, None
+        if failure is not None:
+            self._give_back_round()
+            raise RuntimeError(f"writing a snapshot failed: {type(failure).__name__}: {failure}") from failure
+        if self.trim:
+            self.trim_stream()
 
     def report_applied(self) -> None:
         """Tell the shard's other replicas (and their trimming) how far this one has applied."""
@@ -435,10 +490,12 @@ class ShardConsumer:
         if now >= due["sweep"]:
             due["sweep"] = now + self.sweep_every_s  # first: a sweep that fails waits for its next turn
             self.index.sweep_expired(int(time.time()))
-        if self.snapshots is not None and now >= due["snapshot"]:
+        self.finish_background_write()
+        if self.snapshots is not None and (now >= due["snapshot"] or self._snapshot_now):
             due["snapshot"] = now + self.snapshot_every_s
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
-            self._snapshot_round()
+            self._snapshot_round(claim=not self._snapshot_now)
+            self._snapshot_now = False
         if self.trim and now >= due["trim"]:
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
             self.trim_stream()

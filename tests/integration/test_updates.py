@@ -93,6 +93,9 @@ def test_poison_entry_goes_to_dead_letters_and_the_next_good_one_applies(setup):
     reasons = [fields[b"field"].decode() + ": " + fields[b"reason"].decode() for _, fields in dead]
     assert "event.ad.ad_id" in reasons[0] and "schema" in reasons[1] and "shard" in reasons[2]
     assert reasons[3].startswith("model: embedded by model moe-v9")
+    other = make()  # another replica of the shard meets the same entries: it counts them, and adds none
+    other.catch_up()
+    assert other.stats.dead_letters == 4 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 4
 
 
 def test_bad_event_is_rejected_at_publish_and_writes_nothing(setup):
@@ -465,16 +468,24 @@ def test_a_stream_that_went_back_is_read_again_from_its_start(setup, tmp_path, s
         second = f"{int(ids[5].split('-')[0]) + 1}-0"
     take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 3,
                                [(first, upsert(7)), (second, upsert(8))])  # ad 7's id is before ad 6's
+    early = make(snapshots=c.snapshots)  # a replica restarted from the old snapshot before any found the reset
+    assert early.recover()
+    early.catch_up()
+    assert sorted(early.index.ad_ids()) == list(range(1, 9)) and early.stats.stream_resets == 1
     c.catch_up()
     assert sorted(c.index.ad_ids()) == list(range(1, 9)) and c.stats.stream_resets == 1
     assert c.stats.last_id == second and not c.stats.gap_unrecovered
-    restarted = make(snapshots=c.snapshots)  # from the snapshot written before the stream went back
-    restarted.recover()
-    restarted.catch_up()
-    assert sorted(restarted.index.ad_ids()) == list(range(1, 9))
+    assert c.snapshots.paths() == [] and c._snapshot_now  # the old one claims ad 7's id: set aside
     fresh = make()  # ads 4-6 are lost with the writes: republishing them is the operator's part
     fresh.catch_up()
     assert sorted(fresh.index.ad_ids()) == [1, 2, 3, 7, 8] and fresh.stats.stream_resets == 0
+    c.trim = True
+    c._snapshot_round(claim=False)  # what the loop's next turn does; then trims below the new snapshot
+    restarted = make(snapshots=c.snapshots)
+    assert restarted.recover() and restarted.stats.last_id == second
+    restarted.catch_up()
+    assert sorted(restarted.index.ad_ids()) == list(range(1, 9)) and restarted.stats.stream_resets == 0
+    assert client.xlen(SHARD0) == 1  # trimmed below the new snapshot, not below the set-aside one
     publisher.publish([upsert(9)])
     c.catch_up()
     assert len(c.index) == 9 and c.stats.stream_resets == 1  # reading on, nothing looks like a reset again
@@ -489,12 +500,13 @@ def test_a_background_snapshot_is_written_from_a_copy_while_the_consumer_applies
     release, write = threading.Event(), c.snapshots.write_state
     c.snapshots.write_state = lambda *args: (release.wait(10), write(*args))[1]  # a slow volume
     c._snapshot_round()
-    publisher.publish([upsert(i) for i in range(4, 7)])
-    c.catch_up()  # applies while the snapshot is being written
-    assert len(c.index) == 6 and c._writer.is_alive() and not c.snapshots.paths()
+    publisher.publish([upsert(i, version=2, title="edited") for i in range(1, 4)] + [upsert(4)])
+    c.catch_up()  # applies, in place, while the snapshot is being written
+    assert len(c.index) == 4 and c._writer.is_alive() and not c.snapshots.paths()
     c._snapshot_round()  # the last one is still being written: this round is skipped
     release.set()
     c._writer.join(10)
+    c.finish_background_write()
     [path] = c.snapshots.paths()
     restored = make(snapshots=c.snapshots)
     assert restored.recover() and restored.stats.last_id == covered and restored.index.digest() == digest
@@ -502,19 +514,22 @@ def test_a_background_snapshot_is_written_from_a_copy_while_the_consumer_applies
     assert restored.index.digest() == c.index.digest()
 
 
-def test_a_failed_background_snapshot_is_counted_and_the_next_round_writes(setup, tmp_path):
-    _, publisher, make = setup
-    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), background_snapshots=True)
+def test_a_failed_background_snapshot_is_raised_in_the_loop_and_gives_the_round_back(setup, tmp_path):
+    client, publisher, make = setup
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), background_snapshots=True, replica_id="a")
     publisher.publish([upsert(1)])
     c.catch_up()
     write = c.snapshots.write_state
     c.snapshots.write_state = lambda *args: (_ for _ in ()).throw(OSError("No space left on device"))
     c._snapshot_round()
     c._writer.join(10)
-    assert c.stats.errors == 1 and "No space left" in c.stats.last_error and not c.snapshots.paths()
+    with pytest.raises(RuntimeError, match="No space left"):  # in the loop's thread: counted as its errors are
+        c.finish_background_write()
+    assert not c.snapshots.paths() and client.get(c.writer_key) is None  # the round is given back
     c.snapshots.write_state = write
     c._snapshot_round()
     c._writer.join(10)
+    c.finish_background_write()
     assert len(c.snapshots.paths()) == 1
 
 
