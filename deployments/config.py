@@ -198,7 +198,8 @@ class ServiceConfig(BaseModel):
     schema_path: str | None = Field(None, min_length=1)
     """Targeting schema YAML; None: the shipped default."""
     snapshot_dir: str = Field("var/snapshots", min_length=1)
-    """Directory of index snapshots (one sub-directory per shard), shared by the replicas of a shard."""
+    """Directory of index snapshots (one sub-directory per shard), shared by the replicas of a shard: one of them
+    writes each round's snapshot for all (a replica with a directory of its own would mostly have none)."""
     snapshot_every_s: float = Field(60.0, gt=0)
     """A shard's snapshot round: in each, the first of its replicas to claim it writes one."""
     initial_capacity: int = Field(1024, ge=1, le=2**31)
