@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -318,55 +319,57 @@ def table_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[0] >= BLOCK else torch.cat([t, t.new_zeros((BLOCK - t.shape[0], t.shape[1]))])
 
 
-def mma_operand(w: torch.Tensor, lead: int, window: int, ep: int, table: torch.dtype,
-                per_row: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Request-side weights w (B, E, K), one per table column of a tile that starts lead columns before the first
-    (and is window columns wide) -> columns_dot's operand, (hi, lo) (B, window, NS * ep): row lead + j holds w[:, :,
-    j] in column block 0 (NS = 1), or for int8 tables (NS = window / SCALE_BLOCK; the tile starts at a scale block)
-    in column block (lead + j) // SCALE_BLOCK; and the factor that undoes the scaling, (B, ep) float32 when per_row
-    else (B,). Each request's weights (each expert's when per_row) are scaled by a power of two (exact) that brings
-    their largest magnitude into [2^14, 2^15): hi, their float16 rounding, cannot overflow, and lo = float16(w - hi)
-    keeps w to about 2^-22 of that magnitude (float16's subnormals start 29 binades below it; smaller weights lose
-    digits, but only beneath that). float32 tables take hi = the scaled weights as float32 (lo unread)."""
+def mma_operand(w: np.ndarray, lead: int, window: int, ep: int, table: torch.dtype,
+                per_row: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Request-side weights w (B, E, K) float64, one per table column of a tile that starts lead columns before the
+    first (and is window columns wide) -> columns_dot's operand, (hi, lo) (B, window, NS * ep): row lead + j holds
+    w[:, :, j] in column block 0 (NS = 1), or for int8 tables (NS = window / SCALE_BLOCK; the tile starts at a scale
+    block) in column block (lead + j) // SCALE_BLOCK; and the factor that undoes the scaling, (B, ep) float32 when
+    per_row else (B,). Each request's weights (each expert's when per_row) are scaled by a power of two (exact) that
+    brings their largest magnitude into [2^14, 2^15): hi, their float16 rounding, cannot overflow, and lo =
+    float16(w - hi) keeps w to about 2^-22 of that magnitude (float16's subnormals start 29 binades below it; smaller
+    weights lose digits, but only beneath that). float32 tables take hi = the scaled weights as float32 (lo unread).
+    In numpy on the host: a few dozen operations on arrays this small cost microseconds there, tens as torch ops."""
     B, E, K = w.shape
-    w = w.double()
-    peak = w.abs().amax(dim=2 if per_row else (1, 2), keepdim=True)
-    k = (15 - torch.frexp(peak).exponent).clamp(-100, 100)  # frexp: peak < 2^exponent
-    w = w * torch.pow(2.0, k.double())
+    peak = np.abs(w).max(axis=2 if per_row else (1, 2), keepdims=True)
+    k = np.clip(15 - np.frexp(peak)[1], -100, 100)  # frexp: peak < 2^exponent
+    w = np.ldexp(w, k)
     ns = window // SCALE_BLOCK if table == torch.int8 else 1
-    operand = w.new_zeros((B, window, ns, ep))
-    rows = torch.arange(K, device=w.device) + lead
-    operand[:, rows, rows // SCALE_BLOCK if ns > 1 else 0, :E] = w.transpose(1, 2)
+    operand = np.zeros((B, window, ns, ep))
+    rows = np.arange(K) + lead
+    operand[:, rows, rows // SCALE_BLOCK if ns > 1 else 0, :E] = w.transpose(0, 2, 1)
     operand = operand.reshape(B, window, ns * ep)
-    unscale = torch.pow(2.0, -k.double()).float()
+    unscale = np.ldexp(np.float32(1.0), -k).astype(np.float32)
     if per_row:
-        unscale = torch.nn.functional.pad(unscale.reshape(B, E), (0, ep - E), value=1.0)
+        unscale, per_expert = np.ones((B, ep), np.float32), unscale
+        unscale[:, :E] = per_expert.reshape(B, E)
     else:
         unscale = unscale.reshape(B)
     if table == torch.float32:
-        hi = operand.float().contiguous()
-        return hi, hi, unscale.contiguous()
-    hi = operand.half()
-    return hi.contiguous(), (operand - hi.double()).half().contiguous(), unscale.contiguous()
+        hi = operand.astype(np.float32)
+        return hi, hi, unscale
+    with np.errstate(over="ignore"):  # past 2^115 (k's clamp) a weight goes to inf, as it always did
+        hi = operand.astype(np.float16)
+        return hi, (operand - hi).astype(np.float16), unscale
 
 
 def request_operands(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, D: int, G0: int, DW: int, GW: int,
-                     EP: int, table: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The scan kernel's request side, made on the host (a few dozen small ops that would each be a launch on the
-    GPU): (experts hi, experts lo, keys hi, keys lo, usable (B, EP) int8, unscale (B, EP), key unscale (B,) in
+                     EP: int, table: torch.dtype) -> tuple[np.ndarray, ...]:
+    """The scan kernel's request side, made on the host (a few dozen small operations that would each be a launch on
+    the GPU): (experts hi, experts lo, keys hi, keys lo, usable (B, EP) int8, unscale (B, EP), key unscale (B,) in
     log2 units for the gates' exp2)."""
     B, E, G = experts.shape[0], experts.shape[1], keys.shape[2]
     host = torch.cat([experts.flatten().float(), keys.flatten().float(), mask.flatten().float()]).cpu()  # one sync
-    experts, keys, mask = host.split([experts.numel(), keys.numel(), mask.numel()])
-    experts, keys, mask = experts.view(B, E, -1), keys.view(B, E, G), mask.view(B, E) > 0
+    experts, keys, mask = np.split(host.numpy().astype(np.float64), [experts.numel(), experts.numel() + keys.numel()])
+    experts, keys, mask = experts.reshape(B, E, -1), keys.reshape(B, E, G), mask.reshape(B, E) > 0
     experts_hi, experts_lo, unscale = mma_operand(experts, 0, DW, EP, table, per_row=True)
     if G:
         keys_hi, keys_lo, key_unscale = mma_operand(keys, D - G0, GW, EP, table, per_row=False)
     else:  # unread (an empty tensor is no valid pointer)
         keys_hi, keys_lo, key_unscale = experts_hi, experts_lo, unscale[:, 0]
-    usable = torch.zeros((B, EP), dtype=torch.int8)
-    usable[:, :E] = mask.to(torch.int8)
-    return experts_hi, experts_lo, keys_hi, keys_lo, usable, unscale, key_unscale * math.log2(math.e)
+    usable = np.zeros((B, EP), dtype=np.int8)
+    usable[:, :E] = mask
+    return experts_hi, experts_lo, keys_hi, keys_lo, usable, unscale, key_unscale * np.float32(math.log2(math.e))
 
 
 def operand_layout(D: int, G: int, E: int, table: torch.dtype) -> tuple[int, int, int, int]:
@@ -386,18 +389,21 @@ def request_side(experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, 
     return layout, upload(request_operands(experts, keys, mask, D, G0, DW, GW, EP, table), device)
 
 
-def upload(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Host tensors -> the same on device in one copy: packed into one byte buffer, each at a 128-byte boundary
-    (so that the kernels see aligned pointers), then viewed back."""
-    parts, at = [], 0
-    for t in tensors:
-        parts.append((at, t.contiguous()))
-        at += -(-t.numel() * t.element_size() // 128) * 128
+def upload(arrays: tuple[np.ndarray, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Host arrays -> the same as tensors on device in one copy: packed into one byte buffer, each at a 128-byte
+    boundary (so that the kernels see aligned pointers), then viewed back."""
+    arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+    starts, at = [], 0
+    for a in arrays:
+        starts.append(at)
+        at += -(-a.nbytes // 128) * 128
     host = torch.zeros(at, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
-    for start, t in parts:
-        host[start:start + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8)
+    packed = host.numpy()
+    for start, a in zip(starts, arrays):
+        packed[start:start + a.nbytes] = a.reshape(-1).view(np.uint8)
     on_device = host.to(device, non_blocking=True)
-    return tuple(on_device[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for start, t in parts)
+    return tuple(on_device[start:start + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
+                 for start, a in zip(starts, arrays))
 
 
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
