@@ -38,9 +38,8 @@ DEAD_LETTERS_KEPT = 100_000  # the dead-letter stream keeps about this many of t
 # seq), the stream's length kept, the record's fields and values. Replicas read the shard's stream in order, so the
 # first to meet an entry adds it and moves the marker past it; the others add nothing.
 DEAD_LETTER_ONCE = """
-local marker = redis.call('GET', KEYS[2])
-if marker then
-  local ms, seq = string.match(marker, '^(%d+)-(%d+)$')
+local ms, seq = string.match(redis.call('GET', KEYS[2]) or '', '^(%d+)-(%d+)$')
+if ms then  -- (a marker that is not an id counts as none)
   ms, seq = tonumber(ms), tonumber(seq)
   local ems, eseq = tonumber(ARGV[1]), tonumber(ARGV[2])
   if ems < ms or (ems == ms and eseq <= seq) then return false end

@@ -96,6 +96,10 @@ def test_poison_entry_goes_to_dead_letters_and_the_next_good_one_applies(setup):
     other = make()  # another replica of the shard meets the same entries: it counts them, and adds none
     other.catch_up()
     assert other.stats.dead_letters == 4 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 4
+    client.set(f"{DEFAULT_STREAM}:dead-letters:{SHARD0}", "not a stream id")  # the shard's marker, mangled
+    client.xadd(SHARD0, {"garbage": b"\xff"})
+    c.catch_up()
+    assert c.stats.dead_letters == 5 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 5
 
 
 def test_bad_event_is_rejected_at_publish_and_writes_nothing(setup):
