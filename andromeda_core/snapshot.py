@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,17 @@ def save_state(tensors: dict[str, torch.Tensor], layout: dict[str, str], path: s
     path = Path(path)
     meta = {**layout, "format": FORMAT, "user": json.dumps(metadata or {}, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=meta)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # one per writer
+    os.close(handle)
+    tmp = Path(tmp)
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

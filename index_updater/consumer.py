@@ -18,6 +18,7 @@ from collections import deque
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import redis
@@ -73,13 +74,18 @@ def trimmed_past(info: dict, last_id: str) -> str | None:
     return oldest if stream_id_key(oldest) > applied else None
 
 
-def went_back(info: dict, last_id: str, entries_added: int | None) -> str | None:
+def went_back(info: dict, last_id: str, entries_added: int | None, held: bool) -> str | None:
     """Why a stream (its XINFO STREAM) no longer holds what was read from it up to last_id, or None: its newest id
-    is before last_id, or fewer entries were ever added to it than when it was last read (entries_added; None: not
-    read yet). Either way its entries may now take ids at or before last_id, which reading on after it would skip."""
-    newest = text(info["last-generated-id"])
-    if stream_id_key(newest) < stream_id_key(last_id):
+    is before last_id; or it holds entries up to last_id but not the one read there (held: whether it holds an entry
+    at last_id), which it did not delete (XDEL; a trim removes only entries before its first); or fewer entries
+    were ever added to it than when it was last read (entries_added; None: unknown). Either way its entries may
+    now take ids at or before last_id, which reading on after it would skip."""
+    newest, at = text(info["last-generated-id"]), stream_id_key(last_id)
+    if stream_id_key(newest) < at:
         return f"its newest id {newest} is before the last applied id {last_id}"
+    first, deleted = info.get("first-entry"), text(info.get("max-deleted-entry-id") or "0-0")
+    if first and not held and stream_id_key(text(first[0])) <= at and stream_id_key(deleted) < at:
+        return f"it holds entries up to the last applied id {last_id} but not that one, and deleted none since {deleted}"
     if entries_added is not None and info["entries-added"] < entries_added:
         return f"{info['entries-added']} entries were ever added to it, where a read saw {entries_added}"
     return None
@@ -131,6 +137,7 @@ class ShardConsumer:
             raise ValueError(f"shard must be in [0, {shards})")
         self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
         self.stream, self.source, self.dead_letter_stream = stream, shard_stream(stream, shard), dead_letter_stream(stream)
+        self.dead_letter_marker = f"{self.dead_letter_stream}:{self.source}"  # the newest source id dead-lettered
         self.snapshots, self.count, self.block_ms = snapshots, count, block_ms
         self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
         self.on_applied = on_applied
@@ -140,7 +147,10 @@ class ShardConsumer:
         self.background_snapshots = index.device.type != "cpu" if background_snapshots is None else background_snapshots
         self._writer: threading.Thread | None = None  # the snapshot being written in the background, if any
         self._write_failure: Exception | None = None  # how the background write failed (read in the loop's thread)
-        self._snapshot_now = False  # the stream went back: the next turn writes a snapshot, claimed or not
+        self._written: Path | None = None  # the file the background write wrote
+        self._writer_resets = 0  # stats.stream_resets when the background write's copy was taken
+        self._snapshot_now = False  # the stream went back: a snapshot is written at the next turn, claimed or not
+        self._reset_pending = False  # the stream went back: what else that asks (settle_reset) is still to do
         self.trimmed = 0  # entries this consumer trimmed away
         self.stats = ConsumerStats(index_size=len(index))
         self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
@@ -234,31 +244,52 @@ class ShardConsumer:
         entries after the last applied id were trimmed away before this read (unless the index already misses
         updates: it then applies what the stream still holds). When the stream went back (went_back), the read
         starts again from its first entry."""
+        last_id = self.stats.last_id
         pipe = self.client.pipeline(transaction=True)
         pipe.xinfo_stream(self.source)
-        pipe.xread({self.source: self.stats.last_id}, count=self.count)
+        pipe.xrange(self.source, min=last_id, max=last_id, count=1)
+        pipe.xread({self.source: last_id}, count=self.count)
         try:
-            info, reply = pipe.execute()
+            info, at_last, reply = pipe.execute()
         except redis.ResponseError as exc:
             if no_stream(exc):
                 return []
             raise
-        if reason := went_back(info, self.stats.last_id, self._entries_added):
+        if reason := went_back(info, last_id, self._entries_added, bool(at_last)):
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
                       "before", self.shard, reason)
             self.stats.stream_resets += 1
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
-            if self.snapshots is not None:  # those the stream went back from claim ids its new entries may take
-                if stale := self.snapshots.set_aside(
-                        lambda meta: went_back(info, meta["stream_id"], meta.get("entries_added")) is not None):
-                    log.error("shard %d: set aside the snapshots the stream went back from: %s", self.shard, stale)
-                self._snapshot_now = True
+            self._reset_pending = True  # settle_reset, at the end of catch_up and at each turn of the loop
             return self.read()
         self._entries_added = info["entries-added"]
         if not (self.stats.gap_unrecovered or self._from_start) and (gap := trimmed_past(info, self.stats.last_id)):
             raise self.gap_error(gap)
         return reply[0][1] if reply else []
+
+    def holds(self, stream_id: str) -> bool:
+        """Whether the shard's stream holds an entry at stream_id."""
+        return bool(self.client.xrange(self.source, min=stream_id, max=stream_id, count=1))
+
+    def stream_went_back_from(self, stream_id: str, entries_added: int | None) -> bool:
+        """went_back of the shard's stream now, for a position read at stream_id (a snapshot's, a replica's)."""
+        info = self.stream_info()
+        return info is not None and went_back(info, stream_id, entries_added, self.holds(stream_id)) is not None
+
+    def settle_reset(self) -> None:
+        """After the stream went back: set aside the snapshots it went back from (they claim ids its new entries may
+        take), forget the shard's dead-letter marker (new entries may take ids below it) and ask for a snapshot.
+        Retried at each turn until it succeeds; until then, and until that snapshot is written, nothing is trimmed."""
+        if not self._reset_pending:
+            return
+        if self.snapshots is not None:
+            if stale := self.snapshots.set_aside(
+                    lambda meta: self.stream_went_back_from(meta["stream_id"], meta.get("entries_added"))):
+                log.error("shard %d: set aside the snapshots the stream went back from: %s", self.shard, stale)
+            self._snapshot_now = True
+        self.client.delete(self.dead_letter_marker)
+        self._reset_pending = False
 
     def gap_error(self, gap: str) -> StreamGap:
         """The StreamGap of a stream trimmed up to `gap`, past what this replica applied."""
@@ -283,9 +314,9 @@ class ShardConsumer:
         read = self._decoder.decode(entries)
         now_ms = time.time() * 1000
         self.stats.behind_since = min(read.published_ms, default=now_ms) / 1000  # these wait until applied
-        for position, exc in read.dead:
-            self._dead_letter(entries[position], exc)
-        results = self._apply(read, entries)
+        results, rejected = self._apply(read)
+        for position, exc in sorted([*read.dead, *rejected], key=lambda dead: dead[0]):  # in stream order: the
+            self._dead_letter(entries[position], exc)  # shard's marker moves forward only
         servable_ms = time.time() * 1000
         last = entries[-1][0]
         self.stats.last_id, self._from_start = text(last), False
@@ -300,32 +331,31 @@ class ShardConsumer:
             self.on_applied(self.stats.last_id)
         return max(read.published_ms, default=now_ms) / 1000
 
-    def _apply(self, read: DecodedRead, entries: list) -> list[bool]:
-        """Apply the read as one atomic batch; should the index reject it, apply its entries one by one and
-        dead-letter those it rejects (a rejected op changes nothing)."""
+    def _apply(self, read: DecodedRead) -> tuple[list[bool], list[tuple[int, InvalidRecord]]]:
+        """Apply the read as one atomic batch; should the index reject it, apply its entries one by one. Returns
+        the results and (position in the read, why) of the entries the index rejected (a rejected op changes
+        nothing)."""
         if not len(read.batch):
-            return []
+            return [], []
         try:
-            return self.index.apply(read.batch)
+            return self.index.apply(read.batch), []
         except Exception:  # a decoded entry the index still cannot take must not stop the consumer
             log.exception("batch apply failed; applying its entries one by one")
-        results = []
+        results, rejected = [], []
         for i, position in enumerate(read.positions):
             try:
                 results.extend(self.index.apply(read.batch.take([i])))
             except Exception as exc:
-                reason = InvalidRecord(f"index rejected it: {type(exc).__name__}: {exc}", "entry")
-                self._dead_letter(entries[position], reason)
-        return results
+                rejected.append((position, InvalidRecord(f"index rejected it: {type(exc).__name__}: {exc}", "entry")))
+        return results, rejected
 
     def _dead_letter(self, entry: Entry, exc: InvalidRecord) -> None:
         entry_id, fields = entry
         entry_id = text(entry_id)
         record = {"source_id": entry_id, "stream": self.source, "reason": exc.message, "field": exc.field or "",
                   "shard": self.shard, "event": fields.get(b"event", b"")}
-        marker = f"{self.dead_letter_stream}:{self.source}"  # every replica of the shard meets the entry
         args = [*stream_id_key(entry_id), DEAD_LETTERS_KEPT, *(x for item in record.items() for x in item)]
-        retry(lambda: self._dead_letter_once(keys=[self.dead_letter_stream, marker], args=args))
+        retry(lambda: self._dead_letter_once(keys=[self.dead_letter_stream, self.dead_letter_marker], args=args))
         self.stats.dead_letters += 1
         log.warning("dead-lettered %s: %s", entry_id, exc)
 
@@ -334,6 +364,7 @@ class ShardConsumer:
         it needed were trimmed away."""
         while retry(lambda: self.poll(block_ms=0)):
             pass
+        retry(self.settle_reset)
         retry(self.report_applied)  # registered before it serves: trimming now waits for this replica
 
     def snapshot(self) -> None:
@@ -362,6 +393,11 @@ class ShardConsumer:
         except Exception:
             self._give_back_round()
             raise
+        self._snapshot_written()
+
+    def _snapshot_written(self) -> None:
+        """A snapshot of the stream as it is now was written: the one a reset asked for is done; with `trim`, trim."""
+        self._snapshot_now = False
         if self.trim:
             self.trim_stream()
 
@@ -385,6 +421,7 @@ class ShardConsumer:
             return
         taken = self._snapshot_state(copy=True)
         if taken is not None:
+            self._writer_resets = self.stats.stream_resets
             self._writer = threading.Thread(target=self._write_in_background, args=taken, daemon=True,
                                             name=f"snapshot-shard-{self.shard}")
             self._writer.start()
@@ -392,26 +429,31 @@ class ShardConsumer:
     def _write_in_background(self, state: tuple, stream_id: str, metadata: dict) -> None:
         """The writer thread: the file only; the consumer's thread does the rest (finish_background_write)."""
         try:
-            self.snapshots.write_state(state, stream_id, metadata)
+            self._written = self.snapshots.write_state(state, stream_id, metadata)
         except Exception as exc:
             self._write_failure = exc
 
     def finish_background_write(self) -> None:
-        """In the consumer's thread, once the background write is over: with `trim`, the trim after it; if it
-        failed, the round given back and the failure raised (the loop counts it in stats.errors)."""
+        """In the consumer's thread, once the background write is over: what _snapshot_written does; if it failed,
+        the round given back and the failure raised (the loop counts it in stats.errors); if the stream went back
+        since its copy was taken, the snapshot set aside (it covers the stream as it was)."""
         if self._writer is None or self._writer.is_alive():
             return
         self._writer, failure, self._write_failure = None, self._write_failure, None
         if failure is not None:
             self._give_back_round()
             raise RuntimeError(f"writing a snapshot failed: {type(failure).__name__}: {failure}") from failure
-        if self.trim:
-            self.trim_stream()
+        if self.stats.stream_resets != self._writer_resets:
+            stale = self.snapshots.set_aside_file(self._written)
+            log.error("shard %d: the stream went back while a snapshot was written; set it aside: %s", self.shard, stale)
+            return
+        self._snapshot_written()
 
     def report_applied(self) -> None:
         """Tell the shard's other replicas (and their trimming) how far this one has applied."""
         if self.replica_id is not None:
-            self.client.hset(self.applied_key, self.replica_id, f"{self.stats.last_id} {time.time():.3f}")
+            self.client.hset(self.applied_key, self.replica_id,
+                             f"{self.stats.last_id} {time.time():.3f} {self._entries_added or ''}")
 
     def record_layout(self) -> None:
         """Tell publishers what this replica applies (stream_layout), for LAYOUT_TTL_S: a service that stopped
@@ -424,18 +466,22 @@ class ShardConsumer:
     def trim_point(self) -> str | None:
         """The stream id below which no index needs the shard's entries: the least of what the oldest kept
         snapshot covers, what this and every live registered replica has applied, and the first of the
-        newest `trim_keep_entries`; None when nothing may be trimmed (no snapshot yet)."""
+        newest `trim_keep_entries`; None when nothing may be trimmed: no snapshot yet, or the stream went back
+        and not every live replica has read it again (its applied id is of the stream as it was) or this one has
+        not yet written the snapshot that asks."""
         oldest = self.snapshots.oldest_stream_id() if self.snapshots is not None else None
-        if oldest is None or self.stats.last_id == "0-0":
+        if oldest is None or self.stats.last_id == "0-0" or self._reset_pending or self._snapshot_now:
             return None
         points = [oldest, self.stats.last_id]
         now = time.time()
         for replica, value in self.client.hgetall(self.applied_key).items():
-            last_id, _, at = value.decode().partition(" ")
-            if now - float(at or 0) <= self.replica_ttl_s:
-                points.append(last_id)
-            else:  # gone: a replica that comes back loads a snapshot
+            last_id, at, entries_added = (value.decode().split(" ") + ["", ""])[:3]
+            if now - float(at or 0) > self.replica_ttl_s:  # gone: a replica that comes back loads a snapshot
                 self.client.hdel(self.applied_key, replica)
+            elif self.stream_went_back_from(last_id, int(entries_added) if entries_added else None):
+                return None
+            else:
+                points.append(last_id)
         if self.trim_keep_entries:
             kept = self.client.xrevrange(self.source, count=self.trim_keep_entries)
             if len(kept) < self.trim_keep_entries:
@@ -489,12 +535,12 @@ class ShardConsumer:
         if now >= due["sweep"]:
             due["sweep"] = now + self.sweep_every_s  # first: a sweep that fails waits for its next turn
             self.index.sweep_expired(int(time.time()))
+        self.settle_reset()
         self.finish_background_write()
         if self.snapshots is not None and (now >= due["snapshot"] or self._snapshot_now):
             due["snapshot"] = now + self.snapshot_every_s
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
-            self._snapshot_round(claim=not self._snapshot_now)
-            self._snapshot_now = False
+            self._snapshot_round(claim=not self._snapshot_now)  # a reset's stays asked for until one is written
         if self.trim and now >= due["trim"]:
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
             self.trim_stream()

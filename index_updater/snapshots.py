@@ -67,9 +67,14 @@ class SnapshotStore:
             except Exception:  # corrupt: valid() skips it anyway
                 continue
             if stale(meta):
-                path.rename(path.with_name(f"stale-{path.name}"))
-                names.append(path.name)
+                names.append(self.set_aside_file(path))
         return names
+
+    @staticmethod
+    def set_aside_file(path: Path) -> str:
+        """Rename one snapshot to stale-<name> (kept for inspection, no longer found); returns its name."""
+        path.rename(path.with_name(f"stale-{path.name}"))
+        return path.name
 
     def oldest_stream_id(self) -> str | None:
         """Stream id covered by the oldest kept snapshot: the stream may be trimmed up to it."""

@@ -263,12 +263,14 @@ def test_an_entry_the_index_rejects_is_dead_lettered_and_the_rest_of_its_batch_a
     client.xadd(SHARD0, encode(PreparedAd(op.ad, CompiledTargeting(rows, True), op.embedding), 1, small_schema,
                                scorer.name, scorer.dim))
     publisher.publish([upsert(2), {"op": "delete", "ad_id": 1, "version": 2}, upsert(1, 3)])
+    client.xadd(SHARD0, {"garbage": b"\xff"})  # fails to decode, after the rejected one in the same read
     c = make()
     c.catch_up()  # one read: the index rejects the batch, then takes every entry but ad 666's
     assert eligible(c.index) == [1, 2] and c.index.version_of(1) == 3 and 666 not in c.index
-    assert c.stats.dead_letters == 1 and c.stats.applied == 4
-    (_, fields), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
-    assert b"index rejected it" in fields[b"reason"] and b"city.pos" in fields[b"reason"]
+    assert c.stats.dead_letters == 2 and c.stats.applied == 4
+    rejected, garbage = client.xrange(f"{DEFAULT_STREAM}:dead-letters")  # in stream order, both
+    assert b"index rejected it" in rejected[1][b"reason"] and b"city.pos" in rejected[1][b"reason"]
+    assert garbage[1][b"field"] == b"shard"
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x05\x00\x00\x00{bad}", b"\x0e\x00\x00\x00{\"arrays\":[]}xx",
@@ -556,3 +558,90 @@ def test_one_replica_of_a_shard_writes_each_rounds_snapshot(setup, tmp_path):
     first.stats.gap_unrecovered = "stream trimmed up to 9-0"  # it could write no snapshot: it leaves the round
     first._snapshot_round()
     assert client.get(first.writer_key) is None and len(store.paths()) == 2
+
+
+def test_no_trim_while_a_replica_still_reads_the_stream_as_it_was(setup, tmp_path, small_schema, scorer):
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    first, second = (make(snapshots=store, replica_id=name, trim=True) for name in ("a", "b"))
+    ids = publisher.publish([upsert(i) for i in range(1, 11)])
+    for c in (first, second):
+        c.catch_up()
+    first.trim = False
+    first.snapshot()  # covers ads 1-10
+    first.trim = True
+    take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 3,
+                               list(zip(next_ids(ids[2], 3), [upsert(11), upsert(12), upsert(13)])))
+    first.catch_up()  # finds the reset, sets the snapshot aside, asks for one
+    first._snapshot_round(claim=False)  # what its next turn does: a snapshot, then a trim
+    assert len(store.paths()) == 1 and client.xlen(SHARD0) == 6  # b's applied id is of the stream as it was
+    second.catch_up()
+    assert sorted(second.index.ad_ids()) == list(range(1, 14)) and second.stats.stream_resets == 1
+    first.trim_stream()
+    assert client.xlen(SHARD0) == 1  # once b has read it again
+
+
+def test_a_reset_the_newest_id_and_the_count_do_not_show_is_found_by_the_entry_at_the_applied_id(setup, tmp_path,
+                                                                                               small_schema, scorer):
+    # recreated with more entries than before and a newest id past the applied one, some below it
+    client, publisher, make = setup
+    ids = publisher.publish([upsert(i) for i in range(1, 4)])
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"))
+    c.catch_up()
+    c.snapshot()
+    ms = int(ids[0].split("-")[0])
+    take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 0,
+                               [(f"{ms - 100 + k}-0", upsert(20 + k)) for k in range(4)] + [(f"{ms + 5000}-0", upsert(30))])
+    c.catch_up()
+    assert sorted(c.index.ad_ids()) == [1, 2, 3, 20, 21, 22, 23, 30] and c.stats.stream_resets == 1
+    assert c.snapshots.paths() == []  # it claims ids below the new entries': set aside
+    client.xdel(SHARD0, c.stats.last_id)  # an entry deleted on purpose is not a reset
+    publisher.publish([upsert(4)])
+    c.catch_up()
+    assert len(c.index) == 9 and c.stats.stream_resets == 1
+
+
+def test_a_background_snapshot_of_the_stream_before_it_went_back_is_set_aside(setup, tmp_path, small_schema, scorer):
+    client, publisher, make = setup
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), background_snapshots=True)
+    ids = publisher.publish([upsert(i) for i in range(1, 7)])
+    c.catch_up()
+    release, write = threading.Event(), c.snapshots.write_state
+    c.snapshots.write_state = lambda *args: (release.wait(10), write(*args))[1]
+    c._snapshot_round()  # a copy of ads 1-6 at ad 6's id, being written
+    take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 3,
+                               list(zip(next_ids(ids[2], 2), [upsert(7), upsert(8)])))
+    c.catch_up()
+    release.set()
+    c._writer.join(10)
+    c.finish_background_write()
+    assert c.snapshots.paths() == [] and c._snapshot_now  # it landed after the reset: set aside, still asked for
+    c._snapshot_round(claim=False)
+    c._writer.join(10)
+    c.finish_background_write()
+    assert len(c.snapshots.paths()) == 1 and not c._snapshot_now
+
+
+def test_a_reset_forgets_the_dead_letter_marker_and_retries_what_failed(setup, tmp_path, small_schema, scorer):
+    client, publisher, make = setup
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"))
+    ids = publisher.publish([upsert(i) for i in range(1, 4)])
+    client.xadd(SHARD0, {"garbage": b"\xff"})
+    c.catch_up()
+    c.snapshot()
+    take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 1, [])
+    poison = next_ids(ids[0], 1)[0]  # below the marker the first poison entry left
+    client.xadd(SHARD0, {"garbage": b"\xfe"}, id=poison)
+    set_aside = c.snapshots.set_aside
+    c.snapshots.set_aside = lambda stale: (_ for _ in ()).throw(OSError("Read-only file system"))
+    with pytest.raises(OSError):
+        c.catch_up()  # found the reset; setting the snapshots aside failed: it is still to do
+    assert c._reset_pending and len(c.snapshots.paths()) == 1
+    c.snapshots.set_aside = set_aside
+    c.settle_reset()
+    assert not c._reset_pending and c.snapshots.paths() == [] and c._snapshot_now
+    sources = [f[b"source_id"].decode() for _, f in client.xrange(f"{DEFAULT_STREAM}:dead-letters")]
+    assert poison not in sources  # dead-lettered before the marker was forgotten
+    other = make()
+    other.catch_up()
+    assert poison in [f[b"source_id"].decode() for _, f in client.xrange(f"{DEFAULT_STREAM}:dead-letters")]

@@ -29,6 +29,15 @@ def test_round_trip_restores_content_metadata_and_tombstones(tmp_path, populated
     assert not list(tmp_path.glob(".*tmp*"))  # the temp file was renamed into place
 
 
+def test_writers_of_one_snapshot_in_one_process_do_not_collide(tmp_path, populated, small_schema):
+    # replicas of a shard that share a directory, or pods whose pid namespaces give them the same pid
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: save_snapshot(populated, tmp_path / "index.snap"), range(12)))
+    assert load_snapshot(tmp_path / "index.snap", small_schema)[0].digest() == populated.digest()
+    assert [p.name for p in tmp_path.iterdir()] == ["index.snap"]  # no temp file left behind
+
+
 @pytest.mark.parametrize("storage,exact_copy", [(torch.int8, True), (torch.int8, False), (torch.float16, True)])
 def test_round_trip_keeps_the_storage_format_and_exact_copy(tmp_path, small_schema, scorer, storage, exact_copy):
     index = AdIndex(small_schema, scorer.dim, embedding_dtype=storage, exact_copy=exact_copy)
