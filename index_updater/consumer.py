@@ -444,8 +444,9 @@ class ShardConsumer:
             self._give_back_round()
             raise RuntimeError(f"writing a snapshot failed: {type(failure).__name__}: {failure}") from failure
         if self.stats.stream_resets != self._writer_resets:
-            stale = self.snapshots.set_aside_file(self._written)
-            log.error("shard %d: the stream went back while a snapshot was written; set it aside: %s", self.shard, stale)
+            self.snapshots.set_aside_file(self._written)
+            log.error("shard %d: the stream went back while a snapshot was written; set it aside: %s", self.shard,
+                      self._written.name)
             return
         self._snapshot_written()
 

@@ -66,15 +66,19 @@ class SnapshotStore:
                     meta = json.loads((f.metadata() or {})["user"])
             except Exception:  # corrupt: valid() skips it anyway
                 continue
-            if stale(meta):
-                names.append(self.set_aside_file(path))
+            if stale(meta) and self.set_aside_file(path):
+                names.append(path.name)
         return names
 
     @staticmethod
-    def set_aside_file(path: Path) -> str:
-        """Rename one snapshot to stale-<name> (kept for inspection, no longer found); returns its name."""
-        path.rename(path.with_name(f"stale-{path.name}"))
-        return path.name
+    def set_aside_file(path: Path) -> bool:
+        """Rename one snapshot to stale-<name> (kept for inspection, no longer found); False when it is gone
+        already (another replica of the shard set it aside first)."""
+        try:
+            path.rename(path.with_name(f"stale-{path.name}"))
+        except FileNotFoundError:
+            return False
+        return True
 
     def oldest_stream_id(self) -> str | None:
         """Stream id covered by the oldest kept snapshot: the stream may be trimmed up to it."""
