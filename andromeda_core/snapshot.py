@@ -21,6 +21,8 @@ from andromeda_core.errors import SnapshotCorrupt
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 
+UMASK = os.umask(0o022)  # the process's umask (read by setting it, then put back)
+os.umask(UMASK)
 FORMAT = "andromeda-index/2"  # 2: targeting as clause refs plus the clause dictionary
 
 
@@ -50,6 +52,7 @@ def save_state(tensors: dict[str, torch.Tensor], layout: dict[str, str], path: s
     tmp = Path(tmp)
     try:
         save_file(tensors, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~UMASK)  # as open() would make it: mkstemp's 0600 would keep other readers out
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -259,6 +259,7 @@ class ShardConsumer:
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
                       "before", self.shard, reason)
+            self.client.delete(self.dead_letter_marker)  # before the re-read: its poison entries may take ids below it
             self.stats.stream_resets += 1
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
             self._reset_pending = True  # settle_reset, at the end of catch_up and at each turn of the loop
@@ -278,9 +279,9 @@ class ShardConsumer:
         return info is not None and went_back(info, stream_id, entries_added, self.holds(stream_id)) is not None
 
     def settle_reset(self) -> None:
-        """After the stream went back: set aside the snapshots it went back from (they claim ids its new entries may
-        take), forget the shard's dead-letter marker (new entries may take ids below it) and ask for a snapshot.
-        Retried at each turn until it succeeds; until then, and until that snapshot is written, nothing is trimmed."""
+        """After the stream went back (read() has forgotten the shard's dead-letter marker already): set aside the
+        snapshots it went back from (they claim ids its new entries may take) and ask for a snapshot. Retried at
+        each turn until it succeeds; until then, and until that snapshot is written, nothing is trimmed."""
         if not self._reset_pending:
             return
         if self.snapshots is not None:
@@ -288,7 +289,6 @@ class ShardConsumer:
                     lambda meta: self.stream_went_back_from(meta["stream_id"], meta.get("entries_added"))):
                 log.error("shard %d: set aside the snapshots the stream went back from: %s", self.shard, stale)
             self._snapshot_now = True
-        self.client.delete(self.dead_letter_marker)
         self._reset_pending = False
 
     def gap_error(self, gap: str) -> StreamGap:
@@ -516,12 +516,16 @@ class ShardConsumer:
                 self._turn(due)
                 backoff = MIN_BACKOFF_S
             except Exception as exc:
-                self.stats.errors += 1
-                self.stats.last_error = redact(f"{type(exc).__name__}: {exc}") + tls_hint(exc)  # shown by /readyz
-                log.warning("shard %d consumer: %s; retrying in %.2fs", self.shard, self.stats.last_error, backoff,
-                            exc_info=not isinstance(exc, TRANSIENT))
+                self._count_error(exc, f"retrying in {backoff:.2f}s")
                 self._stop.wait(backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
+
+    def _count_error(self, exc: Exception, then: str) -> None:
+        """A failure the loop recovers from: counted in stats.errors, shown by /readyz (stats.last_error), logged."""
+        self.stats.errors += 1
+        self.stats.last_error = redact(f"{type(exc).__name__}: {exc}") + tls_hint(exc)
+        log.warning("shard %d consumer: %s; %s", self.shard, self.stats.last_error, then,
+                    exc_info=not isinstance(exc, TRANSIENT))
 
     def _turn(self, due: dict[str, float]) -> None:
         """One turn of the loop: poll (recovering from a gap), and the sweep and snapshot when due."""
@@ -536,7 +540,10 @@ class ShardConsumer:
         if now >= due["sweep"]:
             due["sweep"] = now + self.sweep_every_s  # first: a sweep that fails waits for its next turn
             self.index.sweep_expired(int(time.time()))
-        self.settle_reset()
+        try:
+            self.settle_reset()
+        except Exception as exc:  # an unwritable snapshot directory, say: the rest of the turn goes on
+            self._count_error(exc, "setting the stale snapshots aside again next turn")
         self.finish_background_write()
         if self.snapshots is not None and (now >= due["snapshot"] or self._snapshot_now):
             due["snapshot"] = now + self.snapshot_every_s

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -36,6 +38,9 @@ def test_writers_of_one_snapshot_in_one_process_do_not_collide(tmp_path, populat
         list(pool.map(lambda _: save_snapshot(populated, tmp_path / "index.snap"), range(12)))
     assert load_snapshot(tmp_path / "index.snap", small_schema)[0].digest() == populated.digest()
     assert [p.name for p in tmp_path.iterdir()] == ["index.snap"]  # no temp file left behind
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "index.snap").stat().st_mode & 0o777 == 0o666 & ~umask  # readable as any new file is
 
 
 @pytest.mark.parametrize("storage,exact_copy", [(torch.int8, True), (torch.int8, False), (torch.float16, True)])
