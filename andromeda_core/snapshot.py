@@ -62,11 +62,17 @@ def save_state(tensors: dict[str, torch.Tensor], layout: dict[str, str], path: s
     return path
 
 
+def header(path: str | Path) -> dict[str, str]:
+    """The header metadata of a snapshot file (the layout, "format", "sha256", and "user": the caller's metadata as
+    JSON), read without its tensors; raises what safetensors raises for a file it cannot read."""
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
 def load_snapshot(path: str | Path, schema: Schema, device: str | torch.device = "cpu") -> tuple[AdIndex, dict[str, Any]]:
     """Restore (index, caller metadata) from `path`, verifying its checksum."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
+        meta = header(path)
         tensors = load_file(str(path))
     except Exception as exc:  # any failure to parse the file is corruption
         raise SnapshotCorrupt(f"cannot read snapshot {path}: {exc}") from None

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
 
 from andromeda_core.errors import SnapshotCorrupt
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
-from andromeda_core.snapshot import load_snapshot, save_state
+from andromeda_core.snapshot import header, load_snapshot, save_state
 
 NAME = re.compile(r"^snapshot-(\d{15})-(\d{10})\.safetensors$")
 
@@ -62,8 +61,7 @@ class SnapshotStore:
         names = []
         for path in self.paths():
             try:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = json.loads((f.metadata() or {})["user"])
+                meta = json.loads(header(path)["user"])
             except Exception:  # corrupt: valid() skips it anyway
                 continue
             if stale(meta) and self.set_aside_file(path):
