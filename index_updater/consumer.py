@@ -273,9 +273,9 @@ class ShardConsumer:
         """Whether the shard's stream holds an entry at stream_id."""
         return bool(self.client.xrange(self.source, min=stream_id, max=stream_id, count=1))
 
-    def stream_went_back_from(self, stream_id: str, entries_added: int | None) -> bool:
-        """went_back of the shard's stream now, for a position read at stream_id (a snapshot's, a replica's)."""
-        info = self.stream_info()
+    def went_back_from(self, info: dict | None, stream_id: str, entries_added: int | None) -> bool:
+        """went_back of the shard's stream (info: its XINFO STREAM, None when there is none), for a position read at
+        stream_id (a snapshot's, a replica's)."""
         return info is not None and went_back(info, stream_id, entries_added, self.holds(stream_id)) is not None
 
     def settle_reset(self) -> None:
@@ -285,8 +285,9 @@ class ShardConsumer:
         if not self._reset_pending:
             return
         if self.snapshots is not None:
+            info = self.stream_info()
             if stale := self.snapshots.set_aside(
-                    lambda meta: self.stream_went_back_from(meta["stream_id"], meta.get("entries_added"))):
+                    lambda meta: self.went_back_from(info, meta["stream_id"], meta.get("entries_added"))):
                 log.error("shard %d: set aside the snapshots the stream went back from: %s", self.shard, stale)
             self._snapshot_now = True
         self._reset_pending = False
@@ -474,12 +475,12 @@ class ShardConsumer:
         if oldest is None or self.stats.last_id == "0-0" or self._reset_pending or self._snapshot_now:
             return None
         points = [oldest, self.stats.last_id]
-        now = time.time()
+        now, info = time.time(), self.stream_info()
         for replica, value in self.client.hgetall(self.applied_key).items():
             last_id, at, entries_added = (value.decode().split(" ") + ["", ""])[:3]
             if now - float(at or 0) > self.replica_ttl_s:  # gone: a replica that comes back loads a snapshot
                 self.client.hdel(self.applied_key, replica)
-            elif self.stream_went_back_from(last_id, int(entries_added) if entries_added else None):
+            elif self.went_back_from(info, last_id, int(entries_added) if entries_added else None):
                 return None
             else:
                 points.append(last_id)
