@@ -14,8 +14,9 @@ ads over again: same clauses, same eligible share). Peers, each over the same ta
 - torch.topk alone over one score per ad.
 
 Reported per (storage, B): ads/s (ads scanned per second, whatever B), user-ad pairs/s, the bytes per
-ad the fused pass reads (status 1 + start 8 + end 8 + refs 4 C, plus the vector bytes of the eligible
-share: int8 D + G + 1 bytes and their scales, fp16 2 (D + G + 1)), the GB/s that makes and its share of
+ad the fused pass reads (status 1 + start 8 + end 8 + refs 4 C, plus the vector bytes of the ads some request
+of the batch is eligible for, whose rows it reads once for all of them: int8 D + G + 1 bytes and their scales,
+fp16 2 (D + G + 1)), the GB/s that makes and its share of
 the copy bandwidth measured in the same run (a 1 GiB torch copy: bytes read + written per second), the
 GFLOP/s of the MoE head over the eligible pairs (its analytical FLOPs per pair, MoEHead.flops_per_pair) and
 their share of the peak FLOP rate measured in the same run (one large matmul: fp32 on the CPU, where the pass
@@ -216,6 +217,13 @@ def vector_bytes(storage: str) -> float:
     return 2 * (D + G + 1)
 
 
+def rows_read(world: Table, requests: Requests, B: int) -> float:
+    """The share of ads whose vector a pass over the first B requests reads: those some request may be served (a
+    row is read once for every request of the batch that matches it)."""
+    ok = dispatch.clause_match(world.status, world.start, world.end, world.refs, requests.truth[:B], requests.now[:B])
+    return float(ok.any(0).float().mean())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ads", type=int, default=1_000_000, help="ads in the synthetic world")
@@ -251,6 +259,7 @@ def main() -> None:
     if args.save_table and not args.table:
         save_table(args.save_table, world, requests)
     stored = {storage: world.stored(storage) for storage in args.storage}
+    read = {B: rows_read(world, requests, B) for B in args.batch}  # the same share whatever the tiling
     for times in args.tile:
         n = times * len(world.status)
         flat_scan = faiss_flat(world.vectors.repeat(times, 1)) if dev == "cpu" else torch_flat(world.vectors, times, dev)
@@ -271,8 +280,8 @@ def main() -> None:
                 flat = timed(lambda: flat_scan(queries), dev, args.repeats)
                 topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
                 tower = timed(towers(dev, B), dev, args.repeats)
-                per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + eligible * vector_bytes(storage)
-                row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, per_ad=per_ad, ref=ref,
+                per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + read[B] * vector_bytes(storage)
+                row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, read=read[B], per_ad=per_ad, ref=ref,
                            naive=naive, faiss=flat, topk=topk, tower=tower, gbs=n * per_ad / ours / 1e9,
                            gflops=B * n * eligible * FLOPS_PER_PAIR / ours / 1e9,
                            gated=gated_share(args_) if dev == "cuda" else None)
@@ -345,7 +354,7 @@ def line(r: dict, copy: float, peak: float) -> str:
     return (f"{r['n']:>11,} ads {r['storage']} B={r['B']:<3} ours {ms(r['ours']):>8} ms "
             f"({r['n'] / r['ours'] / 1e6:8.1f}M ads/s, {r['n'] * r['B'] / r['ours'] / 1e6:9.1f}M pairs/s, "
             f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / copy:.0%} of copy, "
-            f"{r['gflops']:.1f} GFLOP/s = {r['gflops'] / peak:.1%} of matmul)  eligible {r['eligible']:.1%}  "
+            f"{r['gflops']:.1f} GFLOP/s = {r['gflops'] / peak:.1%} of matmul)  eligible {r['eligible']:.1%}, rows read {r['read']:.1%}  "
             f"match alone {ms(r['match'])} ms ({r['n'] / r['match'] / 1e9:.2f}G ads/s)  "
             f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])})  "
             f"topk {ms(r['topk'])}  with the user towers {ms(r['tower'] + r['ours'])} ms "
@@ -354,13 +363,13 @@ def line(r: dict, copy: float, peak: float) -> str:
 
 def report(rows: list[dict], args, copy: float, peak: float) -> str:
     table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of copy bw | GFLOP/s "
-             "| share of peak FLOPs | eligible | match alone ms (ads/s) | reference ms | naive ms | FAISS ms "
+             "| share of peak FLOPs | eligible | rows read | match alone ms (ads/s) | reference ms | naive ms | FAISS ms "
              "| FAISS time / ours | torch.topk ms | with the user towers ms (ads/s) | blocks gated |",
-             "|---" * 20 + "|"]
+             "|---" * 21 + "|"]
     for r in rows:
         table.append(f"| {r['n']:,} | {r['storage']} | {r['B']} | {ms(r['ours'])} | {r['n'] / r['ours'] / 1e6:.1f}M | "
                      f"{r['n'] * r['B'] / r['ours'] / 1e6:.1f}M | {r['per_ad']:.0f} | {r['gbs']:.1f} | "
-                     f"{r['gbs'] / copy:.0%} | {r['gflops']:.1f} | {r['gflops'] / peak:.1%} | {r['eligible']:.1%} | "
+                     f"{r['gbs'] / copy:.0%} | {r['gflops']:.1f} | {r['gflops'] / peak:.1%} | {r['eligible']:.1%} | {r['read']:.1%} | "
                      f"{ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
                      f"{ms(r['ref'])} | {ms(r['naive'])} | "
                      f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} | "
@@ -377,7 +386,8 @@ Table: the synthetic world of {args.ads:,} ads (tiled for larger corpora), rando
 stored shape (S = {S}), the world's requests with random user experts (E = {E}, top {TOP_N}); k = {K}.
 Ours = `kernels.dispatch.fused_scan`; "match alone" = `kernels.dispatch.clause_match` (the standalone
 match: the (B, n) eligibility mask); bytes/ad counts what the fused pass reads (41 B of status, window and clause
-refs per ad, plus the vector bytes of the eligible share); GFLOP/s counts the MoE head's {FLOPS_PER_PAIR} FLOPs per
+refs per ad, plus the vector bytes of the "rows read": the ads some request of the batch is eligible for, whose
+row the pass reads once for all of them; "eligible" is the mean share per request); GFLOP/s counts the MoE head's {FLOPS_PER_PAIR} FLOPs per
 eligible user-ad pair (gating logits, similarities, top-{TOP_N} softmax, gated sum, bias: the work the model defines;
 the passes skip work that cannot enter the top-k, the CPU pass an ad's gating and the GPU pass whole blocks, so they
 execute fewer). FAISS = {FLAT[args.device == "cpu"]}. Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
