@@ -54,6 +54,30 @@ def ad_bytes(inputs: dict, storage: str, rescore: int) -> AdBytes:
     return AdBytes(held, m["targeting_bytes"], vector_bytes(storage, m["scan_dims"], m["int8_block"]))
 
 
+def snapshot_bytes(inputs: dict, storage: str, rescore: int) -> int:
+    """Bytes per ad of a snapshot file: what a slot holds, without the padding of its vector's row."""
+    m = inputs["model"]
+    exact = 4 * m["dim"] if storage != "fp32" and rescore > 0 else 0
+    return m["targeting_bytes"] + m["held_meta_bytes"] + vector_bytes(storage, m["dim"], m["int8_block"]) + exact
+
+
+def largest_table(initial: int, threshold: int) -> int:
+    """The most slots a table that starts at `initial` and doubles reaches before its headroom alert (threshold)
+    warns that the next doubling would not fit: the first capacity past the threshold."""
+    capacity = initial
+    while capacity <= threshold:
+        capacity *= 2
+    return capacity
+
+
+def gpu_host_bytes(inputs: dict, storage: str, rescore: int, ads: int) -> float:
+    """Host memory a GPU shard replica needs to load a snapshot of `ads` ads: its process before the table, the
+    file's tensors (read whole into host memory before they go to the GPU) and the index's bookkeeping (ids,
+    versions, free slots, clause dictionary: Python objects on the host) at the load's peak."""
+    return (inputs["assumed"]["gpu_replica_process_bytes"]
+            + ads * (snapshot_bytes(inputs, storage, rescore) + inputs["measured"]["host_bookkeeping_bytes_per_ad"]))
+
+
 def headroom_slots(bytes_per_slot: int, memory_bytes: float, usable_fraction: float, replicas_sharing: int) -> int:
     """The table capacity past which its next doubling (old + new columns: 3x while it copies) no longer fits
     in a replica's share of the memory: the threshold of the AndromedaIndexMemoryHeadroom alert."""
@@ -359,6 +383,24 @@ def report(inputs: dict) -> str:
         out.append(f"- {name}: {storage}, rescore {'on' if rescore else 'off'} ({bb.held} B per slot), "
                    f"{human_bytes(memory)} x {fraction:.0%} shared by {sharing} replica(s): "
                    f"{fmt(headroom_slots(bb.held, memory, fraction, sharing))} slots.")
+    _, rescore, memory, fraction, sharing = overlay_memory(inputs)["gpu-prod"]
+    biggest = largest_table(initial_capacity(inputs, prod),
+                            headroom_slots(ad_bytes(inputs, "int8", rescore).held, memory, fraction, sharing))
+    m, a = inputs["measured"], inputs["assumed"]
+    out += ["", "## Host memory of a GPU shard replica", "",
+            "A GPU replica's table is on the GPU, but loading a snapshot reads the whole file into host memory first,",
+            "and the index keeps the ids, versions and free slots of its ads and its clause dictionary as Python objects",
+            f"on the host: {m['host_bookkeeping_bytes_per_ad']} B per ad at the load's peak (measured; see the inputs). "
+            "A replica that restarts must",
+            f"fit its process ({human_bytes(a['gpu_replica_process_bytes'])}, assumed) plus, per ad, the snapshot's bytes "
+            "and that bookkeeping. Writing a",
+            "snapshot in the background needs less: a host copy of the table with the bookkeeping once loaded.", "",
+            f"gpu-prod: int8 with rescoring, {snapshot_bytes(inputs, 'int8', rescore)} B per ad in a snapshot; its tables start at "
+            f"{fmt(initial_capacity(inputs, prod))} slots and",
+            f"double up to {fmt(biggest)}, the first capacity past the headroom threshold, where the alert tells to add shards.",
+            f"A full table of that size needs {human_bytes(gpu_host_bytes(inputs, 'int8', rescore, biggest))} of host memory to load; the "
+            f"gpu-workers' pods have {GPU_POD_MEMORY / 2**30:.0f} GiB ({human_bytes(GPU_POD_MEMORY)})",
+            "(a test keeps that limit and this plan together)."]
     out += ["", "## Inputs and where they come from", "", "| input | value | source |", "|---|---|---|"]
     for section in ("measured", "assumed"):
         for name, entry in raw[section].items():
@@ -366,6 +408,9 @@ def report(inputs: dict) -> str:
             shown = ", ".join(f"{k}: {v:,}" for k, v in value.items()) if isinstance(value, dict) else f"{value:,}"
             out.append(f"| {section}: {name} | {shown} | {entry['source']} |")
     return "\n".join(out) + "\n"
+
+
+GPU_POD_MEMORY = 96 * 2**30  # gpu-prod's gpu-workers memory limit (a test keeps them equal)
 
 
 def overlay_memory(inputs: dict) -> dict[str, tuple[str, int, float, float, int]]:

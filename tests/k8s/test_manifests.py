@@ -449,6 +449,21 @@ def test_headroom_thresholds_are_the_capacity_models(overlay):
     assert int(threshold.group(1)) == expected
 
 
+def test_gpu_prod_pods_hold_a_restart_at_the_largest_table():
+    """A GPU replica reads its whole snapshot into host memory: the gpu-workers' memory limit is the capacity
+    model's, and covers loading a full table of the largest capacity the headroom alert lets a shard reach."""
+    capacity = load_capacity_model()
+    inputs = capacity.load_inputs()
+    resources = build(K8S / "overlays" / "gpu-prod")
+    limit = groups(one(resources, "RayService"))["gpu-workers"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert quantity(limit["memory"]) == capacity.GPU_POD_MEMORY
+    service = overlay_config(K8S / "overlays" / "gpu-prod")
+    threshold = re.search(r"\(andromeda_shard_capacity\) > (\d+)", alert_exprs(resources)["AndromedaIndexMemoryHeadroom"])
+    largest = capacity.largest_table(service.initial_capacity, int(threshold.group(1)))
+    assert largest > int(threshold.group(1)) >= largest // 2
+    assert capacity.gpu_host_bytes(inputs, service.storage, service.rescore, largest) <= capacity.GPU_POD_MEMORY
+
+
 def test_gpu_prod_is_the_capacity_plan():
     capacity = load_capacity_model()
     inputs = capacity.load_inputs()
