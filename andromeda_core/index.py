@@ -9,7 +9,9 @@ int32, the ad's targeting as references into the index's clause dictionary (andr
 The scan reads status, start, end, refs and the head's part of the embedding (kernels.reference.fused).
 
 Every operation is idempotent by (ad_id, version): an event whose version is not newer than the
-indexed one (or than the version that deleted or expired the ad) is a no-op.
+indexed one (or than the version that deleted or expired the ad) is a no-op. Content (upserts) and status
+(pauses, resumes) are versioned apart, so reordered ops converge (andromeda_core.slots.SlotPlan); the
+version column holds the newer of the two.
 
 A batch is all or nothing: its rows are checked and converted to device tensors, and its effect on the
 slot bookkeeping is planned on an overlay, before the first column is written; the bookkeeping takes
@@ -220,8 +222,9 @@ class AdIndex:
             }
 
     def version_of(self, ad_id: int) -> int | None:
-        """Newest version applied for `ad_id` (live, deleted or expired), or None if never seen."""
-        return self._book.version.get(ad_id)
+        """Newest version applied for `ad_id` (live, deleted or expired; its content or its status), or None if
+        never seen."""
+        return self._book.newest(ad_id)
 
     def digest(self) -> str:
         """Order-independent hash of the live content (every column of every live slot)."""
@@ -253,6 +256,12 @@ class AdIndex:
             tombstones = self._book.tombstones()
             tensors["tombstones.ad_id"] = torch.tensor(list(tombstones), dtype=torch.int64)
             tensors["tombstones.version"] = torch.tensor(list(tombstones.values()), dtype=torch.int64)
+            statuses = self._book.status  # with the content version each is newer than (-1: none)
+            tensors["statuses.ad_id"] = torch.tensor(list(statuses), dtype=torch.int64)
+            tensors["statuses.version"] = torch.tensor([v for v, _ in statuses.values()], dtype=torch.int64)
+            tensors["statuses.active"] = torch.tensor([a for _, a in statuses.values()], dtype=torch.bool)
+            tensors["statuses.content_version"] = torch.tensor([self._book.version.get(ad, -1) for ad in statuses],
+                                                               dtype=torch.int64)
             tensors.update(self.clauses.export_state())
             layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
                       "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
@@ -279,7 +288,15 @@ class AdIndex:
         ad_ids = index.columns["ad_id"][live].tolist()
         book.slot_of = dict(zip(ad_ids, live))
         book.version = dict(zip(tensors["tombstones.ad_id"].tolist(), tensors["tombstones.version"].tolist()))
-        book.version.update(zip(ad_ids, index.columns["version"][live].tolist()))
+        book.version.update(zip(ad_ids, index.columns["version"][live].tolist()))  # the newest: content, but
+        if "statuses.ad_id" in tensors:  # where a newer pause or resume set it (snapshots before these have none)
+            statuses = zip(*(tensors[f"statuses.{name}"].tolist() for name in ("ad_id", "version", "active", "content_version")))
+            for ad, version, active, content in statuses:
+                book.status[ad] = (version, bool(active))
+                if content >= 0:
+                    book.version[ad] = content
+                else:
+                    book.version.pop(ad, None)
         used = set(live)
         book.free = [s for s in range(index.capacity - 1, -1, -1) if s not in used]
         return index
@@ -317,7 +334,7 @@ class AdIndex:
             slots = torch.nonzero(live & (self.columns["end"][:n] <= now)).flatten().tolist()
             plan = SlotPlan(self._book, self.capacity)
             for ad, slot in zip(self.columns["ad_id"][slots].tolist(), slots):
-                plan.release(ad, slot, self._book.version[ad])
+                plan.release(ad, slot, self._book.newest(ad))
             self._commit(plan, {})
             return len(slots)
 

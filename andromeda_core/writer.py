@@ -93,6 +93,6 @@ class RowWriter:
             if flipped:
                 bits = index([ACTIVE if plan.active[touched[j]] else 0 for j in flipped]).to(torch.int8)
                 status[index(flipped)] = (status[index(flipped)] & ~ACTIVE) | bits
-            versions = index([plan.version[plan.ad_at[slot]] for slot in touched])
+            versions = index([plan.newest(plan.ad_at[slot]) for slot in touched])
             writes += [("status", index(touched), status), ("version", index(touched), versions)]
         return writes

@@ -73,9 +73,44 @@ def test_delete_before_create_wins_over_the_older_create(index, scorer):
     assert 9 not in index
 
 
-def test_pause_of_unknown_ad_is_a_noop(index, scorer):
-    assert apply_events(index, scorer, [{"op": "pause", "ad_id": 7, "version": 1}]) == [False]
-    assert len(index) == 0
+def test_a_pause_that_overtakes_the_create_still_pauses_it(index, scorer):
+    """Two writers race: the pause at version 2 reaches the index before the create at version 1. The ad ends
+    as the other order leaves it: paused at version 2; a resume after it applies as usual."""
+    assert apply_events(index, scorer, [{"op": "pause", "ad_id": 7, "version": 2}]) == [True]
+    assert len(index) == 0 and 7 not in index and index.version_of(7) == 2
+    assert apply_events(index, scorer, [{"op": "pause", "ad_id": 7, "version": 2}]) == [False]  # redelivered
+    assert apply_events(index, scorer, [upsert(7, 1)]) == [True]
+    assert index.get(7)["status"] == "paused" and index.get(7)["version"] == 2 and eligible(index) == []
+    assert apply_events(index, scorer, [{"op": "resume", "ad_id": 7, "version": 3}]) == [True]
+    assert eligible(index) == [7]
+
+
+def test_an_edit_that_a_newer_pause_overtook_brings_its_content_and_keeps_the_pause(index, scorer):
+    apply_events(index, scorer, [upsert(1, 1, {"country": {"any_of": ["US"]}})])
+    assert apply_events(index, scorer, [{"op": "pause", "ad_id": 1, "version": 3}]) == [True]
+    assert apply_events(index, scorer, [upsert(1, 2, {"country": {"any_of": ["CA"]}})]) == [True]
+    assert index.get(1)["status"] == "paused" and index.get(1)["version"] == 3
+    assert apply_events(index, scorer, [{"op": "resume", "ad_id": 1, "version": 4}]) == [True]
+    assert eligible(index, {"country": "CA"}) == [1] and eligible(index, {"country": "US"}) == []
+
+
+def test_a_status_change_not_newer_than_the_content_is_stale(index, scorer):
+    """At one version the upsert (which carries its own status) wins, whichever arrives first."""
+    for first, second in (([upsert(1, 2)], [{"op": "pause", "ad_id": 1, "version": 2}]),
+                          ([{"op": "pause", "ad_id": 1, "version": 2}], [upsert(1, 2)])):
+        index = AdIndex(index.schema, scorer.dim, capacity=4)
+        apply_events(index, scorer, first)
+        apply_events(index, scorer, second)
+        assert index.get(1)["status"] == "active" and index.version_of(1) == 2
+
+
+def test_a_status_older_than_a_delete_is_forgotten_and_a_newer_one_outlives_it(index, scorer):
+    apply_events(index, scorer, [upsert(1, 1), {"op": "pause", "ad_id": 1, "version": 2},
+                                 {"op": "delete", "ad_id": 1, "version": 3}, {"op": "pause", "ad_id": 2, "version": 5},
+                                 upsert(2, 1), {"op": "delete", "ad_id": 2, "version": 3}])
+    assert index._book.status == {2: (5, False)}  # ad 1's pause can never apply again: gone
+    assert apply_events(index, scorer, [upsert(1, 4), upsert(2, 4)]) == [True, True]
+    assert index.get(1)["status"] == "active" and index.get(2)["status"] == "paused"
 
 
 def test_ops_within_one_batch_apply_in_order(index, scorer):

@@ -7,6 +7,7 @@ import torch
 
 from andromeda_core.errors import SnapshotCorrupt
 from andromeda_core.index import AdIndex
+from andromeda_core import snapshot
 from andromeda_core.schema import schema_from_dict
 from andromeda_core.snapshot import load_snapshot, save_snapshot
 from tests.conftest import SMALL_SCHEMA, apply_events, upsert
@@ -29,6 +30,19 @@ def test_round_trip_restores_content_metadata_and_tombstones(tmp_path, populated
     assert apply_events(restored, scorer, [upsert(99)]) == [True]  # and the table still grows
     assert restored.get(4)["status"] == "paused"
     assert not list(tmp_path.glob(".*tmp*"))  # the temp file was renamed into place
+
+
+def test_a_snapshot_of_the_format_before_statuses_still_loads(tmp_path, populated, small_schema, scorer, monkeypatch):
+    """Format 2 (written before pauses and resumes were versioned apart from the content) has no statuses: its ads
+    load with the version its table holds, and the pause of ad 4 (version 2) is then its content's version."""
+    tensors, layout = populated.export_state()
+    monkeypatch.setattr(snapshot, "FORMAT", "andromeda-index/2")
+    path = snapshot.save_state({k: v for k, v in tensors.items() if not k.startswith("statuses.")}, layout,
+                               tmp_path / "old.snap")
+    monkeypatch.undo()
+    restored = load_snapshot(path, small_schema)[0]
+    assert restored.digest() == populated.digest() and restored.get(4)["status"] == "paused"
+    assert apply_events(restored, scorer, [upsert(4, 2)]) == [False]
 
 
 def test_writers_of_one_snapshot_in_one_process_do_not_collide(tmp_path, populated, small_schema):
