@@ -118,6 +118,18 @@ def split_topk(result: TopK, sizes: Sequence[int]) -> list[TopK]:
     return [TopK(result.ids[a:b], result.scores[a:b], result.eligible[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+def warm_up_shapes(device_type: str, max_k: int, rescore: int) -> list[tuple[int, int]]:
+    """(requests, k) of the passes Retriever.warm_up makes. On the CPU one: its kernel is built once for every
+    shape. On CUDA one per shape Triton compiles its kernels for: batches of 1, 2 and 16 requests (it specialises
+    an integer argument on being 1 or a multiple of 16) times a k for each power of two up to max_k's that the
+    shortlist's width (rescore * k + 1 places) rounds up to (the merge's tile)."""
+    if device_type != "cuda":
+        return [(1, min(100, max_k))]
+    per = max(rescore, 1)
+    ks = sorted({max(1, min(max_k, (2**j - 1) // per)) for j in range(1, (per * max_k + 1).bit_length() + 1)})
+    return [(batch, k) for batch in (1, 2, 16) for k in ks]
+
+
 class Retriever:
     def __init__(self, index: AdIndex, scorer: Scorer, rescore: int = 2):
         self.index, self.scorer, self.rescore = index, scorer, rescore
@@ -161,13 +173,14 @@ class Retriever:
                 return torch.where(kept, slots, -1), eligible
             width = min(4 * width, n)
 
-    def warm_up(self) -> None:
-        """Build what a first search would (the CPU kernel's compile, seconds; Triton's JIT for this table's
-        shapes) with one request of no attributes, so that the first real request does not pay for it. Changes
-        nothing in the index."""
+    def warm_up(self, max_k: int = 100) -> None:
+        """Build what first searches would, so that no real request pays for it: the CPU kernel's compile
+        (seconds), or Triton's JIT of every shape (warm_up_shapes) for this table; with requests of no
+        attributes. Changes nothing in the index."""
         if self.index.device.type == "cpu":  # an empty table runs no pass, yet later ones need the build
             cpu_kernels()
-        self.retrieve([parse_request({"user": {"user_id": 0}, "k": 100})])
+        for batch, k in warm_up_shapes(self.index.device.type, max_k, self.rescore):
+            self.retrieve([parse_request({"user": {"user_id": 0}, "k": k})] * batch)
 
     def retrieve(self, requests: Sequence[RetrieveRequest], now: int | None = None) -> list[RetrieveResponse | AndromedaError]:
         """Answer requests in one process; each gets its response, or its own error."""

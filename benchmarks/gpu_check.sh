@@ -14,7 +14,10 @@
 #      (default 1 10), from a table saved by `python -m benchmarks.kernels --save-table .devcheck/table-1m.pt`
 #      when there is one (synthesizing 1M ads takes about 2 minutes), else synthesized there;
 #   5. an A/B of the threshold scan's skip below tau: 10M ads, fp16, B = 1 and 64, with the skip off
-#      (--no-skip; step 4 ran it on), printed only.
+#      (--no-skip; step 4 ran it on), printed only;
+#   6. the first request of each shape in a fresh process with an empty Triton cache, as a new pod has, without
+#      and after Retriever.warm_up (benchmarks.cold_start: the JIT a shard replica's first requests would wait
+#      for), printed only.
 # Results: stdout, the logs, and the benchmark's section in docs/benchmarks.md (all copied to $OUT when set, the
 # section as soon as step 4 wrote it).
 #   bash benchmarks/gpu_check.sh [TILES...]
@@ -45,3 +48,4 @@ timeout 300 python3 -m benchmarks.kernels --device cuda --ads 1000000 "${table[@
 if [ -n "${OUT:-}" ]; then cp docs/benchmarks.md "$OUT/"; fi
 timeout 60 python3 -m benchmarks.kernels --device cuda --ads 1000000 "${table[@]}" --tile 10 --batch 1 64 \
     --storage fp16 --threads 16 --repeats 5 --peer-pairs 0 --no-skip 2>&1 | grep -v "it/s\|B/s\]" | tee "$logs/no-skip.log"
+timeout 120 python3 -m benchmarks.cold_start --device cuda 2>&1 | grep -v "it/s\|B/s\]" | tee "$logs/cold-start.log"
