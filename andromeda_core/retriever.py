@@ -120,14 +120,14 @@ def split_topk(result: TopK, sizes: Sequence[int]) -> list[TopK]:
 
 def warm_up_shapes(device_type: str, max_k: int, rescore: int) -> list[tuple[int, int]]:
     """(requests, k) of the passes Retriever.warm_up makes. On the CPU one: its kernel is built once for every
-    shape. On CUDA one per shape Triton compiles its kernels for: batches of 1, 2 and 16 requests (it specialises
-    an integer argument on being 1 or a multiple of 16) times a k for each power of two up to max_k's that the
-    shortlist's width (rescore * k + 1 places) rounds up to (the merge's tile)."""
+    shape. On CUDA one per shape Triton compiles its kernels for (kernels/triton/fused.py specialises them on
+    no batch size or table size): a k for each power of two up to max_k's that the shortlist's width
+    (rescore * k + 1 places) rounds up to (the per-block top and the merge's tile)."""
     if device_type != "cuda":
         return [(1, min(100, max_k))]
     per = max(rescore, 1)
-    ks = sorted({max(1, min(max_k, (2**j - 1) // per)) for j in range(1, (per * max_k + 1).bit_length() + 1)})
-    return [(batch, k) for batch in (1, 2, 16) for k in ks]
+    return [(1, k) for k in sorted({max(1, min(max_k, (2**j - 1) // per))
+                                    for j in range(1, (per * max_k + 1).bit_length() + 1)})]
 
 
 class Retriever:

@@ -168,7 +168,9 @@ def unpack_keys(key):
     return slot, tl.where(found, bits.to(tl.float32, bitcast=True), float("-inf"))
 
 
-@triton.jit
+# Integers that change while serving (the table's rows, the batch, the clause words, the partials, k) are not
+# specialised: Triton would compile again each time one became 1 or a multiple of 16, with requests waiting.
+@triton.jit(do_not_specialize=["n", "last", "B", "W"])
 def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, now_ptr, truth_ptr, experts_hi_ptr,
                  experts_lo_ptr, keys_hi_ptr, keys_lo_ptr, usable_ptr, unscale_ptr, key_unscale_ptr, part_ptr,
                  eligible_ptr, tau_ptr, count_ptr, scored_ptr, n, last, B, W, block_stride, capacity, C: tl.constexpr,
@@ -252,7 +254,7 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
         row += step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "m"])  # as the scan's
 def _merge_kernel(src_ptr, dst_ptr, slots_ptr, scores_ptr, P, m, W_IN: tl.constexpr, FAN: tl.constexpr,
                   K: tl.constexpr, FINAL: tl.constexpr):
     """Program (i, b): the K best of partials FAN * i .. FAN * (i + 1) of src (B, P, W_IN) for request b -> dst
