@@ -334,7 +334,7 @@ class AdIndex:
             slots = torch.nonzero(live & (self.columns["end"][:n] <= now)).flatten().tolist()
             plan = SlotPlan(self._book, self.capacity)
             for ad, slot in zip(self.columns["ad_id"][slots].tolist(), slots):
-                plan.release(ad, slot, self._book.newest(ad))
+                plan.release(ad, slot, self._book.version[ad])  # a newer pause outlives it: a late edit comes back paused
             self._commit(plan, {})
             return len(slots)
 

@@ -23,8 +23,9 @@ from andromeda_core.schema import Schema
 
 UMASK = os.umask(0o022)  # the process's umask (read by setting it, then put back)
 os.umask(UMASK)
-FORMAT = "andromeda-index/3"  # 2: targeting as clause refs plus the clause dictionary; 3: and the ads' statuses
-READABLE = ("andromeda-index/2", FORMAT)  # 2 holds no pause or resume newer than an ad's content: none were kept
+FORMAT = "andromeda-index/2"  # 2: targeting as clause refs plus the clause dictionary. The statuses (pauses and
+# resumes newer than an ad's content) came later as tensors of their own: code before them loads a snapshot
+# with them as it always did (it ignores them: versions as the table holds them), and this code one without them
 
 
 def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
@@ -78,7 +79,7 @@ def load_snapshot(path: str | Path, schema: Schema, device: str | torch.device =
     except Exception as exc:  # any failure to parse the file is corruption
         raise SnapshotCorrupt(f"cannot read snapshot {path}: {exc}") from None
     expected = meta.pop("sha256", None)
-    if meta.get("format") not in READABLE or expected != _checksum(tensors, meta):
+    if meta.get("format") != FORMAT or expected != _checksum(tensors, meta):
         raise SnapshotCorrupt(f"snapshot {path} failed its checksum")
     try:
         index = AdIndex.from_state(schema, tensors, meta, device)

@@ -104,6 +104,16 @@ def test_a_status_change_not_newer_than_the_content_is_stale(index, scorer):
         assert index.get(1)["status"] == "active" and index.version_of(1) == 2
 
 
+def test_expiry_between_a_pause_and_the_older_edit_it_overtook_loses_neither(index, scorer):
+    """Upsert 1 (over by NOW), pause 3, a sweep, then the edit at version 2 that extends the window: the ad is live
+    with the edit's window and paused, as when the edit arrives before the pause."""
+    apply_events(index, scorer, [upsert(1, 1, end_time=NOW - 1), {"op": "pause", "ad_id": 1, "version": 3}])
+    assert index.sweep_expired(NOW) == 1 and 1 not in index
+    assert apply_events(index, scorer, [upsert(1, 2, end_time=NOW + 100)]) == [True]
+    assert index.get(1)["status"] == "paused" and index.get(1)["end_time"] == NOW + 100
+    assert apply_events(index, scorer, [{"op": "resume", "ad_id": 1, "version": 4}]) == [True] and eligible(index) == [1]
+
+
 def test_a_status_older_than_a_delete_is_forgotten_and_a_newer_one_outlives_it(index, scorer):
     apply_events(index, scorer, [upsert(1, 1), {"op": "pause", "ad_id": 1, "version": 2},
                                  {"op": "delete", "ad_id": 1, "version": 3}, {"op": "pause", "ad_id": 2, "version": 5},

@@ -32,14 +32,25 @@ def test_round_trip_restores_content_metadata_and_tombstones(tmp_path, populated
     assert not list(tmp_path.glob(".*tmp*"))  # the temp file was renamed into place
 
 
-def test_a_snapshot_of_the_format_before_statuses_still_loads(tmp_path, populated, small_schema, scorer, monkeypatch):
-    """Format 2 (written before pauses and resumes were versioned apart from the content) has no statuses: its ads
-    load with the version its table holds, and the pause of ad 4 (version 2) is then its content's version."""
+def test_a_snapshot_keeps_an_ads_content_version_under_its_newer_pause(tmp_path, small_schema, scorer):
+    """Upsert 1, pause 3, snapshot: an edit at version 2 arriving after the restore still brings its content,
+    paused, as without the snapshot (the table's version column holds 3, the pause's)."""
+    index = AdIndex(small_schema, scorer.dim, capacity=2)
+    apply_events(index, scorer, [upsert(1, 1, {"audiences": {"any_of": [1]}}), {"op": "pause", "ad_id": 1, "version": 3}])
+    restored = load_snapshot(save_snapshot(index, tmp_path / "s.snap"), small_schema)[0]
+    for table in (index, restored):
+        assert apply_events(table, scorer, [upsert(1, 2, {"audiences": {"any_of": [2]}})]) == [True]
+        assert table.get(1)["status"] == "paused" and table.get(1)["version"] == 3
+    assert restored.digest() == index.digest()
+
+
+def test_a_snapshot_written_before_statuses_still_loads(tmp_path, populated, small_schema, scorer):
+    """Snapshots written before pauses and resumes were versioned apart from the content hold no statuses: their ads
+    load with the version the table holds, the pause of ad 4 (version 2) then its content's version. (Code of
+    that time loads today's snapshots alike: it ignores the statuses.)"""
     tensors, layout = populated.export_state()
-    monkeypatch.setattr(snapshot, "FORMAT", "andromeda-index/2")
     path = snapshot.save_state({k: v for k, v in tensors.items() if not k.startswith("statuses.")}, layout,
                                tmp_path / "old.snap")
-    monkeypatch.undo()
     restored = load_snapshot(path, small_schema)[0]
     assert restored.digest() == populated.digest() and restored.get(4)["status"] == "paused"
     assert apply_events(restored, scorer, [upsert(4, 2)]) == [False]
