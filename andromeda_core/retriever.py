@@ -27,7 +27,6 @@ from andromeda_core.targeting import UserValues, compile_user
 from andromeda_core.types import FLOAT32_MAX, RetrieveRequest, RetrieveResponse, ScoredAd, parse_request
 from andromeda_core.wire import NumpyPickled
 from kernels import dispatch
-from kernels.cpu import library as cpu_kernels
 from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
 
@@ -118,18 +117,6 @@ def split_topk(result: TopK, sizes: Sequence[int]) -> list[TopK]:
     return [TopK(result.ids[a:b], result.scores[a:b], result.eligible[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def warm_up_shapes(device_type: str, max_k: int, rescore: int) -> list[tuple[int, int]]:
-    """(requests, k) of the passes Retriever.warm_up makes. On the CPU one: its kernel is built once for every
-    shape. On CUDA one per shape Triton compiles its kernels for (kernels/triton/fused.py specialises them on
-    no batch size or table size): a k for each power of two up to max_k's that the shortlist's width
-    (rescore * k + 1 places) rounds up to (the per-block top and the merge's tile)."""
-    if device_type != "cuda":
-        return [(1, min(100, max_k))]
-    per = max(rescore, 1)
-    return [(1, k) for k in sorted({max(1, min(max_k, (2**j - 1) // per))
-                                    for j in range(1, (per * max_k + 1).bit_length() + 1)})]
-
-
 class Retriever:
     def __init__(self, index: AdIndex, scorer: Scorer, rescore: int = 2):
         self.index, self.scorer, self.rescore = index, scorer, rescore
@@ -173,14 +160,19 @@ class Retriever:
                 return torch.where(kept, slots, -1), eligible
             width = min(4 * width, n)
 
-    def warm_up(self, max_k: int = 100) -> None:
-        """Build what first searches would, so that no real request pays for it: the CPU kernel's compile
-        (seconds), or Triton's JIT of every shape (warm_up_shapes) for this table; with requests of no
-        attributes. Changes nothing in the index."""
-        if self.index.device.type == "cpu":  # an empty table runs no pass, yet later ones need the build
-            cpu_kernels()
-        for batch, k in warm_up_shapes(self.index.device.type, max_k, self.rescore):
-            self.retrieve([parse_request({"user": {"user_id": 0}, "k": k})] * batch)
+    def warm_up(self) -> None:
+        """Build what first searches would, so that no real request waits for it: a retrieval of one request of no
+        attributes (user towers, a pass, rescoring), then the kernels of every shape a pass over this table may
+        take (kernels.dispatch.warm_up: on CUDA Triton's JIT, seconds each; on the CPU the C++ build, also for an
+        empty table, which runs no pass). Changes nothing in the index."""
+        request = parse_request({"user": {"user_id": 0}, "k": 100})
+        self.retrieve([request])
+        compiled = compile_requests(self.index.schema, [request])[0]
+        with self.index.reading():
+            head = self.scorer.kernel_head(self.encode([request], [compiled.now]).to(self.index.device))
+            inputs = self.index.request_inputs([compiled.values], [compiled.now])
+            dispatch.warm_up(*self.index.scan_columns(), *inputs, head.experts, head.keys, head.mask, head.bias_col,
+                             head.top_n)
 
     def retrieve(self, requests: Sequence[RetrieveRequest], now: int | None = None) -> list[RetrieveResponse | AndromedaError]:
         """Answer requests in one process; each gets its response, or its own error."""

@@ -1,6 +1,6 @@
 """The first request of each shape after a replica starts: how long it waits for the kernels' build or JIT,
 without Retriever.warm_up and after it. Each run is a fresh process with an empty Triton cache, as a new pod
-has: `--warm` runs warm_up first (as a shard replica does) and times warm_up itself.
+has: the second runs warm_up first (as a shard replica does) and times warm_up itself.
 
 A synthetic world of --ads ads, hashed two-tower vectors; for each (requests, k) shape, the first call and the
 median of the next few. Printed only (a GPU check reads it).
@@ -43,7 +43,7 @@ def run(device: str, ads: int, warm: bool) -> None:
     retriever = Retriever(index, scorer)
     if warm:
         started = time.perf_counter()
-        retriever.warm_up(max(k for _, k in SHAPES))
+        retriever.warm_up()
         sync(device)
         print(f"warm_up: {time.perf_counter() - started:.2f} s", flush=True)
     for batch, k in SHAPES:

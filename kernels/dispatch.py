@@ -29,6 +29,19 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     return run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n, m)
 
 
+def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor, vectors: torch.Tensor,
+            scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor, experts: torch.Tensor,
+            keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int) -> None:
+    """Compile what fused_scan may launch over this table with this head, before requests wait for it: on CUDA
+    every Triton kernel variant (kernels.triton.fused.warm_up); on the CPU the C++ kernel, built once for all."""
+    if vectors.is_cuda:
+        from kernels.triton.fused import warm_up as run
+        run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
+    else:
+        from kernels.cpu import library
+        library()
+
+
 def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                  truth: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
     """Eligibility (B, n) bool (kernels.reference.fused.clause_match) on the table's device."""

@@ -42,6 +42,9 @@ CANDIDATES = 64  # candidate keys kept per request: CANDIDATES * m (at least MIN
 MIN_CANDIDATES = 8192
 KEEP_TOP, KEEP_MAX, KEEP_ABOVE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what a block keeps: its top WIDTH keys, its best key, the keys >= tau
 SKIP_BELOW_TAU = True  # the threshold scan skips the gating of blocks that cannot reach tau (False: for A/B runs)
+# Integers that change while serving (the table's rows, the batch, the clause words, the partials, k): not
+# specialised, where Triton would compile a kernel again each time one became 1 or a multiple of 16, requests waiting.
+UNSPECIALISED = {"_scan_kernel": ("n", "last", "B", "W"), "_merge_kernel": ("P", "m")}
 MERGE_TILE = 2048  # keys a merge program selects from (more when m needs it)
 MERGE_MAX_K = 2048  # the most keys a merge program keeps; a larger m merges with torch.topk (compiled for sm_90, a
 # program keeping 8,192 spilled registers and one keeping 32,768, what k = 10,000 with rescoring asks, did not
@@ -168,9 +171,7 @@ def unpack_keys(key):
     return slot, tl.where(found, bits.to(tl.float32, bitcast=True), float("-inf"))
 
 
-# Integers that change while serving (the table's rows, the batch, the clause words, the partials, k) are not
-# specialised: Triton would compile again each time one became 1 or a multiple of 16, with requests waiting.
-@triton.jit(do_not_specialize=["n", "last", "B", "W"])
+@triton.jit(do_not_specialize=UNSPECIALISED["_scan_kernel"])
 def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, now_ptr, truth_ptr, experts_hi_ptr,
                  experts_lo_ptr, keys_hi_ptr, keys_lo_ptr, usable_ptr, unscale_ptr, key_unscale_ptr, part_ptr,
                  eligible_ptr, tau_ptr, count_ptr, scored_ptr, n, last, B, W, block_stride, capacity, C: tl.constexpr,
@@ -254,7 +255,7 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
         row += step
 
 
-@triton.jit(do_not_specialize=["P", "m"])  # as the scan's
+@triton.jit(do_not_specialize=UNSPECIALISED["_merge_kernel"])
 def _merge_kernel(src_ptr, dst_ptr, slots_ptr, scores_ptr, P, m, W_IN: tl.constexpr, FAN: tl.constexpr,
                   K: tl.constexpr, FINAL: tl.constexpr):
     """Program (i, b): the K best of partials FAN * i .. FAN * (i + 1) of src (B, P, W_IN) for request b -> dst
@@ -290,6 +291,13 @@ def unpacked(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.where(found, bits.view(torch.float32), float("-inf")))
 
 
+def merge_fan(width: int, K: int) -> int:
+    """Partials of `width` keys a merge program keeping K reads: a tile of MERGE_TILE keys (at least K and two
+    partials). Not fewer for fewer partials (masked rows read nothing): the kernel compiles once per width and K,
+    not again for each count of partials a pass happens to leave."""
+    return max(MERGE_TILE // width, K // width, 2)
+
+
 def merge_partials(partial: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """partial (B, P, w) int64 keys -> the m best per request: slots (B, m) int64 (-1 padded), scores (B, m)
     float32 (-inf padded), by score descending then slot ascending."""
@@ -304,7 +312,7 @@ def merge_partials(partial: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.T
     scores = torch.empty((B, m), dtype=torch.float32, device=partial.device)
     while True:
         P, width = partial.shape[1:]
-        fan = max(min(triton.next_power_of_2(P), max(MERGE_TILE // width, 2)), K // width)
+        fan = merge_fan(width, K)
         programs = triton.cdiv(P, fan)
         final = programs == 1
         out = partial if final else partial.new_empty((B, programs, K))
@@ -461,3 +469,23 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     scan(blocks, partial, KEEP_TOP, width)
     slots, scores = merge_partials(partial, m)
     return slots, scores, eligible
+
+
+def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor, vectors: torch.Tensor,
+            scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor, experts: torch.Tensor,
+            keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int) -> None:
+    """Compile every kernel a pass over this table with this head may launch (Triton compiles on a kernel's first
+    launch, seconds, while requests wait): for each power of two a shortlist rounds up to (the only compile-time
+    shape requests change; above MERGE_MAX_K torch merges), the threshold scan and the per-block one (taken when
+    candidates overflow), and the merge of every round (one round, and a first, a middle and a last)."""
+    if status.shape[0] == 0:  # passes skip an empty table: its first ads' first pass compiles
+        return
+    args = (status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
+    for K in (2**j for j in range(max(MERGE_MAX_K, BLOCK).bit_length())):
+        path: dict = {}
+        fused_scan(*args, K, stats=path)
+        if path["path"] == "threshold":
+            fused_scan(*args, K, sample_stride=0)
+        for width in {min(K, BLOCK), BLOCK}:
+            for P in (1, merge_fan(width, K) * merge_fan(K, K) + 1):
+                merge_partials(torch.full((1, P, width), NO_KEY, dtype=torch.int64, device=status.device), K)

@@ -657,3 +657,48 @@ def test_fused_scan_on_cuda_at_realistic_sizes(dtype, m):
     assert all(row[row >= 0].unique().numel() == int((row >= 0).sum()) for row in slots)
     got, counts = clause_match_count(status, start, end, refs, truth, now)
     assert torch.equal(got, ok) and torch.equal(counts, want_eligible)
+
+
+class LaunchRecorder:
+    """Stands in for a @triton.jit kernel: records the compile-time signature of every launch (its constexprs and
+    num_warps, and which of 1, a multiple of 16 or neither each integer it specialises on is: Triton compiles once
+    per signature), then launches the kernel."""
+
+    def __init__(self, kernel, launched: set):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **constants):
+            ints = tuple(name for name, value in zip(self.kernel.arg_names, args)
+                         if isinstance(value, int) and name not in fused.UNSPECIALISED[self.kernel.__name__]
+                         for name in [f"{name}={'1' if value == 1 else '16k' if value % 16 == 0 else 'n'}"])
+            self.launched.add((self.kernel.__name__, ints, tuple(sorted(constants.items()))))
+            return self.kernel[grid](*args, **constants)
+        return launch
+
+
+def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch):
+    """After fused.warm_up over a table, passes over it launch no kernel signature warm_up did not (none waits for a
+    compile): any m (the threshold scan at small m, the per-block one at larger m, merges of one and more rounds,
+    torch's merge past MERGE_MAX_K), one request or several, a table grown by one slot."""
+    launched: set = set()
+    for name in ("_scan_kernel", "_merge_kernel"):
+        monkeypatch.setattr(fused, name, LaunchRecorder(getattr(fused, name), launched))
+    if DEVICE == "cpu":  # small blocks and merges, so that the interpreter gets through them in seconds
+        for name, value in (("BLOCK", 16), ("SAMPLE_STRIDE", 4), ("MIN_CANDIDATES", 256), ("MERGE_MAX_K", 32),
+                            ("MERGE_TILE", 64)):
+            monkeypatch.setattr(fused, name, value)
+    gen = torch.Generator().manual_seed(5)
+    blocks = 3 * fused.SAMPLE_STRIDE + 1  # 3 sampled: the threshold scan up to m = 3, the per-block one beyond
+    table = make_table(gen, blocks * fused.BLOCK + 5, 3, 21, torch.float16)
+    requests = make_requests(gen, 3, 6, 12, 8)
+    fused.warm_up(*on_device(table), *on_device(requests), 20, 2)
+    warmed = set(launched)
+    launched.clear()
+    for B in (1, 3):
+        for m in (1, 3, 9, 100):
+            fused.fused_scan(*on_device(table), *on_device([r[:B] for r in requests]), 20, 2, m)
+    grown = [t[:-1] for t in table[:5]] + [table[5]]  # one slot fewer: other table sizes
+    fused.fused_scan(*on_device(grown), *on_device(requests), 20, 2, 7)
+    assert launched and launched <= warmed, launched - warmed
+    assert {kernel for kernel, _, _ in warmed} == {"_scan_kernel", "_merge_kernel"}

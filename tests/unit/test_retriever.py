@@ -8,8 +8,7 @@ import torch
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.quantization import STORAGE
-from andromeda_core.retriever import (Retriever, TopK, UserQuery, compile_requests, concat_queries, split_topk,
-                                      warm_up_shapes)
+from andromeda_core.retriever import Retriever, TopK, UserQuery, compile_requests, concat_queries, split_topk
 from andromeda_core.types import FLOAT32_MAX, RetrieveResponse, parse_request
 from tests.conftest import apply_events, upsert
 
@@ -45,20 +44,6 @@ def test_warm_up_builds_the_cpu_kernel_even_for_an_empty_table_and_changes_nothi
     before = index.digest()
     Retriever(index, scorer).warm_up()
     assert index.digest() == before
-
-
-@pytest.mark.parametrize("rescore", [0, 1, 2, 3])
-def test_warm_up_on_cuda_meets_every_shape_triton_compiles_for(rescore):
-    """Every k up to the limit gives a shortlist whose width rounds up to the same power of two as a k that
-    warm_up passes (the kernels' only shape that changes with requests); on the CPU one pass builds the kernel
-    for all."""
-    def tile(k: int) -> int:  # the power of two at or above the width, rescore * k + 1
-        return 1 << (max(rescore, 1) * k).bit_length()
-
-    shapes = warm_up_shapes("cuda", 300, rescore)
-    assert {batch for batch, _ in shapes} == {1} and max(k for _, k in shapes) == 300
-    assert {tile(k) for _, k in shapes} == {tile(k) for k in range(1, 301)}
-    assert warm_up_shapes("cpu", 300, rescore) == [(1, 100)] and warm_up_shapes("cpu", 7, rescore) == [(1, 7)]
 
 
 def test_batch_requests_each_get_their_own_k_and_targeting(small_schema, scorer):
