@@ -28,13 +28,19 @@ class SlotBook:
         return max(versions) if versions else None
 
 
+def newer_status(code: int, version: int, status: tuple[int, bool]) -> bool:
+    """Whether a pause or resume at `version` replaces the status (version, active) applied: when newer, or a pause
+    of an ad resumed at the same version (a pause wins the tie, whichever arrived first)."""
+    return version > status[0] or (version == status[0] and code == PAUSE and status[1])
+
+
 class SlotPlan:
     """One batch's effect, worked out on an overlay of a SlotBook that stays untouched until `commit`.
 
     An upsert's content and a pause's or resume's status are versioned apart, so that ops reordered between
     writers converge: an upsert older than the ad's newest pause or resume still brings its content, and takes
     that status (of an ad not indexed yet too); a status change older than the content is stale. At one
-    version the upsert's own status wins."""
+    version the upsert's own status wins, and a pause wins over a resume (whichever came first)."""
 
     def __init__(self, book: SlotBook, capacity: int) -> None:
         self.book, self.capacity = book, capacity
@@ -66,7 +72,8 @@ class SlotPlan:
         """Plan one op; False when it is a no-op (not newer than what it would change)."""
         slot = self.slot_of[ad] if ad in self.slot_of else self.book.slot_of.get(ad)
         status = self.status_of(ad)
-        if version <= self.content_version(ad) or (code in (PAUSE, RESUME) and status and version <= status[0]):
+        stale_status = code in (PAUSE, RESUME) and status is not None and not newer_status(code, version, status)
+        if version <= self.content_version(ad) or stale_status:
             return False
         if code in (PAUSE, RESUME):
             self.status[ad] = (version, code == RESUME)

@@ -104,6 +104,21 @@ def test_a_status_change_not_newer_than_the_content_is_stale(index, scorer):
         assert index.get(1)["status"] == "active" and index.version_of(1) == 2
 
 
+def test_a_pause_wins_over_a_resume_at_one_version_whichever_arrives_first(index, scorer):
+    """Two writers pause and resume an ad at one version: every replica ends paused, in either order, indexed or
+    not yet, and a redelivery of the resume changes nothing."""
+    pause, resume = {"op": "pause", "ad_id": 1, "version": 2}, {"op": "resume", "ad_id": 1, "version": 2}
+    for create_first in (True, False):
+        for first, second in ((pause, resume), (resume, pause)):
+            index = AdIndex(index.schema, scorer.dim, capacity=4)
+            if create_first:
+                apply_events(index, scorer, [upsert(1, 1)])
+            assert apply_events(index, scorer, [first, second]) == [True, second is pause]
+            assert apply_events(index, scorer, [resume]) == [False]
+            if not create_first:
+                apply_events(index, scorer, [upsert(1, 1)])
+            assert index.get(1)["status"] == "paused" and index.version_of(1) == 2 and eligible(index) == []
+
 def test_expiry_between_a_pause_and_the_older_edit_it_overtook_loses_neither(index, scorer):
     """Upsert 1 (over by NOW), pause 3, a sweep, then the edit at version 2 that extends the window: the ad is live
     with the edit's window and paused, as when the edit arrives before the pause."""

@@ -15,13 +15,17 @@ ADS = (1, 2, 3)
 
 @st.composite
 def ad_ops(draw) -> list[dict]:
-    """Ops on ADS, each ad's with distinct versions (two ops at one version conflict by definition)."""
+    """Ops on ADS, each ad's content ops (upserts, deletes) with distinct versions (two at one version conflict by
+    definition); its pauses and resumes at any version, one of them's or another's (ties have a rule)."""
     ops = []
     for ad in ADS:
         count = draw(st.integers(0, 5))
         versions = draw(st.lists(st.integers(1, 9), min_size=count, max_size=count, unique=True))
-        for version in versions:
-            kind = draw(st.sampled_from(["upsert", "upsert", "pause", "resume", "delete"]))
+        kinds = [draw(st.sampled_from(["upsert", "upsert", "pause", "resume", "delete"])) for _ in versions]
+        for version in draw(st.lists(st.sampled_from(versions), max_size=3)) if versions else ():
+            kinds.append(draw(st.sampled_from(["pause", "resume"])))  # a tie with an op of the same version
+            versions.append(version)
+        for version, kind in zip(versions, kinds):
             if kind == "upsert":
                 ops.append(upsert(ad, version, {"country": {"any_of": [draw(st.sampled_from(["US", "CA"]))]}},
                                   status=draw(st.sampled_from(["active", "paused"]))))
