@@ -13,6 +13,7 @@ nothing. `health()` tells a replica's probes how the consumer is.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 import threading
@@ -74,18 +75,32 @@ def trimmed_past(info: dict, last_id: str) -> str | None:
     return oldest if stream_id_key(oldest) > applied else None
 
 
-def went_back(info: dict, last_id: str, entries_added: int | None, held: bool) -> str | None:
+def entry_digest(fields: dict) -> str:
+    """A short hash of a stream entry's fields (bytes or str keys and values), whatever their order."""
+    def raw(x: bytes | str) -> bytes:
+        return x.encode() if isinstance(x, str) else x
+
+    h = hashlib.blake2b(digest_size=8)
+    for key, value in sorted((raw(key), raw(value)) for key, value in fields.items()):
+        h.update(len(key).to_bytes(4, "big") + key + len(value).to_bytes(4, "big") + value)
+    return h.hexdigest()
+
+
+def went_back(info: dict, last_id: str, entries_added: int | None, held: str | None, read: str | None) -> str | None:
     """Why a stream (its XINFO STREAM) no longer holds what was read from it up to last_id, or None: its newest id
-    is before last_id; or it holds entries up to last_id but not the one read there (held: whether it holds an entry
-    at last_id), which it did not delete (XDEL; a trim removes only entries before its first); or fewer entries
-    were ever added to it than when it was last read (entries_added; None: unknown). Either way its entries may
-    now take ids at or before last_id, which reading on after it would skip."""
+    is before last_id; or it holds entries up to last_id but not the one read there (held: entry_digest of the
+    entry it holds at last_id, None: none), which it did not delete (XDEL; a trim removes only entries before its
+    first); or the entry it holds there is not the one read there (read: its entry_digest, None: unknown); or fewer
+    entries were ever added to it than when it was last read (entries_added; None: unknown). Either way its entries
+    may now take ids at or before last_id, which reading on after it would skip."""
     newest, at = text(info["last-generated-id"]), stream_id_key(last_id)
     if stream_id_key(newest) < at:
         return f"its newest id {newest} is before the last applied id {last_id}"
     first, deleted = info.get("first-entry"), text(info.get("max-deleted-entry-id") or "0-0")
-    if first and not held and stream_id_key(text(first[0])) <= at and stream_id_key(deleted) < at:
+    if first and held is None and stream_id_key(text(first[0])) <= at and stream_id_key(deleted) < at:
         return f"it holds entries up to the last applied id {last_id} but not that one, and deleted none since {deleted}"
+    if held is not None and read is not None and held != read:
+        return f"the entry it holds at the last applied id {last_id} is not the one read there"
     if entries_added is not None and info["entries-added"] < entries_added:
         return f"{info['entries-added']} entries were ever added to it, where a read saw {entries_added}"
     return None
@@ -162,6 +177,7 @@ class ShardConsumer:
         self._caught_up = False
         self._gap_snapshot: str | None = None  # newest snapshot when a gap was last found uncovered
         self._entries_added: int | None = None  # the stream's XINFO entries-added at the last read
+        self._last_digest: str | None = None  # entry_digest of the entry at stats.last_id, as read; None: unknown
         self._from_start = False  # reading the stream again from its start (went_back): no gap before its first entry
 
     @property
@@ -218,6 +234,7 @@ class ShardConsumer:
             self.index.adopt(converted)
             self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
             self._entries_added, self._from_start = meta.get("entries_added"), False  # as the stream was then
+            self._last_digest = meta.get("entry_digest")
             self.stats.recoveries += 1
             return True
         return False
@@ -255,13 +272,15 @@ class ShardConsumer:
             if no_stream(exc):
                 return []
             raise
-        if reason := went_back(info, last_id, self._entries_added, bool(at_last)):
+        held = entry_digest(at_last[0][1]) if at_last else None
+        if reason := went_back(info, last_id, self._entries_added, held, self._last_digest):
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
                       "before", self.shard, reason)
             self.client.delete(self.dead_letter_marker)  # before the re-read: its poison entries may take ids below it
             self.stats.stream_resets += 1
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
+            self._last_digest = None
             self._reset_pending = True  # settle_reset, at the end of catch_up and at each turn of the loop
             return self.read()
         self._entries_added = info["entries-added"]
@@ -269,14 +288,16 @@ class ShardConsumer:
             raise self.gap_error(gap)
         return reply[0][1] if reply else []
 
-    def holds(self, stream_id: str) -> bool:
-        """Whether the shard's stream holds an entry at stream_id."""
-        return bool(self.client.xrange(self.source, min=stream_id, max=stream_id, count=1))
+    def held_at(self, stream_id: str) -> str | None:
+        """entry_digest of the entry the shard's stream holds at stream_id; None when it holds none."""
+        held = self.client.xrange(self.source, min=stream_id, max=stream_id, count=1)
+        return entry_digest(held[0][1]) if held else None
 
-    def went_back_from(self, info: dict | None, stream_id: str, entries_added: int | None) -> bool:
+    def went_back_from(self, info: dict | None, stream_id: str, entries_added: int | None, digest: str | None) -> bool:
         """went_back of the shard's stream (info: its XINFO STREAM, None when there is none), for a position read at
-        stream_id (a snapshot's, a replica's)."""
-        return info is not None and went_back(info, stream_id, entries_added, self.holds(stream_id)) is not None
+        stream_id (a snapshot's, a replica's), the entry read there of entry_digest `digest` (None: unknown)."""
+        return info is not None and went_back(info, stream_id, entries_added, self.held_at(stream_id),
+                                              digest) is not None
 
     def settle_reset(self) -> None:
         """After the stream went back (read() has forgotten the shard's dead-letter marker already): set aside the
@@ -287,7 +308,8 @@ class ShardConsumer:
         if self.snapshots is not None:
             info = self.stream_info()
             if stale := self.snapshots.set_aside(
-                    lambda meta: self.went_back_from(info, meta["stream_id"], meta.get("entries_added"))):
+                    lambda meta: self.went_back_from(info, meta["stream_id"], meta.get("entries_added"),
+                                                     meta.get("entry_digest"))):
                 log.error("shard %d: set aside the snapshots the stream went back from: %s", self.shard, stale)
             self._snapshot_now = True
         self._reset_pending = False
@@ -321,6 +343,7 @@ class ShardConsumer:
         servable_ms = time.time() * 1000
         last = entries[-1][0]
         self.stats.last_id, self._from_start = text(last), False
+        self._last_digest = entry_digest(entries[-1][1])
         self.stats.applied += sum(results)
         self.stats.stale += len(results) - sum(results)
         self.stats.index_size = len(self.index)
@@ -385,7 +408,7 @@ class ShardConsumer:
             return None
         return self.index.export_state(copy=copy), self.stats.last_id, {
             "shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source,
-            "entries_added": self._entries_added}
+            "entries_added": self._entries_added, "entry_digest": self._last_digest}
 
     def _write_snapshot(self, state: tuple, stream_id: str, metadata: dict) -> None:
         """Write it, then trim with `trim`; a failure gives the round back (another replica may write it) and raises."""
@@ -454,8 +477,8 @@ class ShardConsumer:
     def report_applied(self) -> None:
         """Tell the shard's other replicas (and their trimming) how far this one has applied."""
         if self.replica_id is not None:
-            self.client.hset(self.applied_key, self.replica_id,
-                             f"{self.stats.last_id} {time.time():.3f} {self._entries_added or ''}")
+            self.client.hset(self.applied_key, self.replica_id, f"{self.stats.last_id} {time.time():.3f} "
+                                                                f"{self._entries_added or ''} {self._last_digest or ''}")
 
     def record_layout(self) -> None:
         """Tell publishers what this replica applies (stream_layout), for LAYOUT_TTL_S: a service that stopped
@@ -477,10 +500,10 @@ class ShardConsumer:
         points = [oldest, self.stats.last_id]
         now, info = time.time(), self.stream_info()
         for replica, value in self.client.hgetall(self.applied_key).items():
-            last_id, at, entries_added = (value.decode().split(" ") + ["", ""])[:3]
+            last_id, at, entries_added, digest = (value.decode().split(" ") + ["", "", ""])[:4]
             if now - float(at or 0) > self.replica_ttl_s:  # gone: a replica that comes back loads a snapshot
                 self.client.hdel(self.applied_key, replica)
-            elif self.went_back_from(info, last_id, int(entries_added) if entries_added else None):
+            elif self.went_back_from(info, last_id, int(entries_added) if entries_added else None, digest or None):
                 return None
             else:
                 points.append(last_id)

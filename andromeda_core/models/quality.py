@@ -392,9 +392,9 @@ def targets(rows: list[Row], ranker_top: np.ndarray, truth_target: float | None,
 
 
 def expected_section(data: RecData, users: np.ndarray, by_name: dict[str, Row], others: list[Row],
-                     p: np.ndarray) -> str:
+                     p: np.ndarray, truth: np.ndarray) -> str:
     """The synthetic world's rows and MoE comparisons on the metrics' expectations over p (U, N), its engagement
-    distribution."""
+    distribution; truth (U, 100): the true top-100."""
     expected = expected_over(p)
     ceiling = Row(CEILING, "-", ranking_by(p, data, users))
     drawn, mean = held_out(ceiling.ranking)["HR@10"], expected(ceiling.ranking)["HR@10"]
@@ -406,8 +406,10 @@ def expected_section(data: RecData, users: np.ndarray, by_name: dict[str, Row], 
             f"probability, averaged over the same users [95% bootstrap interval]: what the table above estimates, "
             f"without the noise of one draw. The ceiling ranks by that probability itself (no ranking does better "
             f"on these; on the held-out draws it reaches HR@10 {format_ci(*bootstrap_ci(drawn))} against "
-            f"{mean.mean():.4f} expected, a check of the probability); the oracle ranks by affinity alone, without "
-            f"the world's exposure, which the models learn from its logs.\n\n"
+            f"{mean.mean():.4f} expected, a check of the probability, and it finds "
+            f"{recall_within(truth, ceiling.ranking.top):.1%} of the true top-100 in its top-1000: a model that "
+            f"learned the logs' next click exactly would find that much); the oracle ranks by affinity alone, "
+            f"without the world's exposure, which the models learn from its logs.\n\n"
             f"{subset_table([ceiling, *by_name.values()], measure=expected)}\n\n"
             f"MoE minus each other row, paired bootstrap as above:\n\n"
             f"{comparisons(by_name['moe'], others, expected)}\n\n")
@@ -463,7 +465,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"Difference of means [95% interval]; significant where the interval excludes 0. With "
             f"{len(others) * len(METRICS)} comparisons, about one may look significant by chance.\n\n"
             f"{comparisons(by_name['moe'], others)}\n\n"
-            f"{expected_section(data, users, by_name, others, p) if p is not None else ''}"
+            f"{expected_section(data, users, by_name, others, p, truth) if p is not None else ''}"
             f"{click_prior_tradeoff(trained.models['moe'], by_name['moe'].ranking, data, users, p, truth) if p is not None else ''}"
             f"### Cold start\n\nNew items: the {int(cold.sum())} users whose held-out item was never engaged in "
             f"training (no learned id: embedded from content alone).\n\n"

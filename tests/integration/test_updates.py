@@ -601,6 +601,35 @@ def test_a_reset_the_newest_id_and_the_count_do_not_show_is_found_by_the_entry_a
     assert len(c.index) == 9 and c.stats.stream_resets == 1
 
 
+def test_a_stream_recreated_with_another_entry_at_exactly_the_applied_id_is_read_again(setup, tmp_path, small_schema,
+                                                                                       scorer):
+    # more entries ever added than a read saw, its newest id past the applied one, and an entry at that id: only the
+    # entry there (not the one read) tells, for the replica, its snapshot and the trimming that waits on it
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    ids = publisher.publish([upsert(i) for i in range(1, 4)])
+    c, other = make(snapshots=store, replica_id="a", trim=True), make(snapshots=store, replica_id="b")
+    for consumer in (c, other):
+        consumer.catch_up()
+    c.trim = False
+    c.snapshot()
+    c.trim = True
+    ms, seq = map(int, ids[2].split("-"))
+    before = [(f"{ms - 100 + k}-0", upsert(20 + k)) for k in range(3)]
+    take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 0,
+                               [*before, (ids[2], upsert(23)), (f"{ms + 5000}-0", upsert(30))])
+    assert client.xinfo_stream(SHARD0)["entries-added"] > 3 and client.xrange(SHARD0, ids[2], ids[2])
+    assert c.trim_point() is None  # b's applied id is of the stream as it was
+    c.catch_up()
+    assert sorted(c.index.ad_ids()) == [1, 2, 3, 20, 21, 22, 23, 30] and c.stats.stream_resets == 1
+    assert store.paths() == []  # it claims ids the new entries took: set aside
+    restarted = make(snapshots=store)
+    assert not restarted.recover()
+    publisher.publish([upsert(4)])
+    c.catch_up()
+    assert len(c.index) == 9 and c.stats.stream_resets == 1  # reading on, nothing looks like a reset again
+
+
 def test_a_background_snapshot_of_the_stream_before_it_went_back_is_set_aside(setup, tmp_path, small_schema, scorer):
     client, publisher, make = setup
     c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), background_snapshots=True)
