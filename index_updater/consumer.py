@@ -139,15 +139,15 @@ class ShardConsumer:
                  block_ms: int = 50, snapshot_every_s: float = 60.0, sweep_every_s: float = 10.0, trim: bool = False,
                  on_applied: Callable[[str], None] | None = None, replica_id: str | None = None,
                  trim_keep_entries: int = 0, trim_every_s: float | None = None, replica_ttl_s: float = 60.0,
-                 background_snapshots: bool | None = None):
+                 background_snapshots: bool = True):
         """`trim`: trim the shard's stream (after each snapshot, and every `trim_every_s`) below what the oldest
         kept snapshot covers, what every live replica has applied (`replica_id` registers this one: it reports
         its applied id to `applied_key(stream, shard)`; a report older than `replica_ttl_s` no longer counts)
         and the newest `trim_keep_entries` entries. With a `replica_id`, the background loop writes a snapshot
         only in the rounds (one per `snapshot_every_s`) it claims first among the shard's replicas, which share
         the directory. `background_snapshots`: the loop writes them from a copy of the table in a thread of
-        their own and goes on applying (None: where the index is on a device, whose export is a host copy
-        anyway; a CPU index exports views of its live table, written before the next apply)."""
+        their own and goes on applying (False: it writes them itself, from views of a CPU table, and applies nothing
+        meanwhile; the copy costs little more, as the vectors' padded rows are copied to be written anyway)."""
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards})")
         self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
@@ -159,7 +159,7 @@ class ShardConsumer:
         self.replica_id, self.trim_keep_entries, self.replica_ttl_s = replica_id, trim_keep_entries, replica_ttl_s
         self.trim_every_s = trim_every_s
         self.applied_key, self.writer_key = applied_key(stream, shard), snapshot_writer_key(stream, shard)
-        self.background_snapshots = index.device.type != "cpu" if background_snapshots is None else background_snapshots
+        self.background_snapshots = background_snapshots
         self._writer: threading.Thread | None = None  # the snapshot being written in the background, if any
         self._write_failure: Exception | None = None  # how the background write failed (read in the loop's thread)
         self._written: Path | None = None  # the file the background write wrote

@@ -442,6 +442,14 @@ def test_an_entry_deleted_on_purpose_past_the_applied_id_is_not_a_gap(setup, tmp
     assert restarted.index.digest() == c.index.digest()
 
 
+def written_round(c: ShardConsumer, claim: bool = True) -> None:
+    """A turn of the loop's snapshots: the round, then (as a later turn does) its background write finished."""
+    c._snapshot_round(claim=claim)
+    if c._writer is not None:
+        c._writer.join(10)
+        c.finish_background_write()
+
+
 def take_over_with_lost_writes(client: redis.Redis, scratch: Publisher, kept: int, new: list[tuple[str, dict]]) -> None:
     """As a Redis that lost acknowledged writes takes over (a failover, or an AOF replayed short): the shard's
     stream holds only its first `kept` entries (at their ids), then the `new` (id, event) entries, appended at those
@@ -486,7 +494,7 @@ def test_a_stream_that_went_back_is_read_again_from_its_start(setup, tmp_path, s
     fresh.catch_up()
     assert sorted(fresh.index.ad_ids()) == [1, 2, 3, 7, 8] and fresh.stats.stream_resets == 0
     c.trim = True
-    c._snapshot_round(claim=False)  # what the loop's next turn does; then trims below the new snapshot
+    written_round(c, claim=False)  # what the loop's next turn does; then trims below the new snapshot
     restarted = make(snapshots=c.snapshots)
     assert restarted.recover() and restarted.stats.last_id == second
     restarted.catch_up()
@@ -546,17 +554,17 @@ def test_one_replica_of_a_shard_writes_each_rounds_snapshot(setup, tmp_path):
     publisher.publish([upsert(1)])
     for c in (first, second):
         c.catch_up()
-        c._snapshot_round()
+        written_round(c)
     assert len(store.paths()) == 1 and client.get(first.writer_key) == b"a"
     assert 299_000 < client.pttl(first.writer_key) <= 300_000  # the claim lasts one round
     client.delete(first.writer_key)  # the round is over
     publisher.publish([upsert(2)])
     second.catch_up()
-    second._snapshot_round()
+    written_round(second)
     assert len(store.paths()) == 2 and client.get(first.writer_key) == b"b"
     client.delete(first.writer_key)
     first.stats.gap_unrecovered = "stream trimmed up to 9-0"  # it could write no snapshot: it leaves the round
-    first._snapshot_round()
+    written_round(first)
     assert client.get(first.writer_key) is None and len(store.paths()) == 2
 
 
@@ -573,7 +581,7 @@ def test_no_trim_while_a_replica_still_reads_the_stream_as_it_was(setup, tmp_pat
     take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 3,
                                list(zip(next_ids(ids[2], 3), [upsert(11), upsert(12), upsert(13)])))
     first.catch_up()  # finds the reset, sets the snapshot aside, asks for one
-    first._snapshot_round(claim=False)  # what its next turn does: a snapshot, then a trim
+    written_round(first, claim=False)  # what its next turn does: a snapshot, then a trim
     assert len(store.paths()) == 1 and client.xlen(SHARD0) == 6  # b's applied id is of the stream as it was
     second.catch_up()
     assert sorted(second.index.ad_ids()) == list(range(1, 14)) and second.stats.stream_resets == 1
