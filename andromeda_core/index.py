@@ -22,7 +22,8 @@ part of a batch.
 Parts, one job each: andromeda_core.ops (batches of ops in columns), andromeda_core.slots (which slot
 holds which ad, versions, tombstones, free slots; a batch's plan), andromeda_core.writer (upsert rows into
 the columns' formats, and the writes of a plan), andromeda_core.clauses (the clause dictionary),
-andromeda_core.locks; this module holds the table, applies batches and serves reads.
+andromeda_core.export (a copy of the table taken while it goes on applying batches), andromeda_core.locks; this
+module holds the table, applies batches and serves reads.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 
 from andromeda_core.clauses import ClauseDictionary
 from andromeda_core.errors import NotFound
+from andromeda_core.export import TableCopy
 from andromeda_core.locks import ReadWriteLock
 from andromeda_core.ops import INT64_MAX, INT64_MIN, IndexOp, OpBatch
 from andromeda_core.quantization import aligned_rows, dequantize, int8_blocks, quantize_int8
@@ -83,6 +85,7 @@ class AdIndex:
         self.clauses = ClauseDictionary(schema, refs_width)
         self._book = SlotBook(capacity)
         self._lock = ReadWriteLock()
+        self._exports: list[TableCopy] = []  # copies being taken (begin_export): each batch's slots are noted
 
     def _filled(self, name: str, n: int) -> torch.Tensor:
         """Column `name` for n slots, every slot at the column's fill; the scan's embedding rows cache-line aligned."""
@@ -249,25 +252,53 @@ class AdIndex:
     def export_state(self, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """(CPU tensors, layout metadata) that `from_state` restores; consistent (no batch is half written). A CPU
         index's columns come as views of its live table, valid until its next write, unless `copy` (a device
-        index's always come copied to the host)."""
+        index's always come copied to the host). To copy a large table without stopping its writes for as long,
+        begin_export and finish_export."""
         with self.reading():
             n = self.high_water
-            tensors = {f"col.{name}": col[:n].to("cpu", copy=copy).contiguous() for name, col in self.columns.items()}
-            tombstones = self._book.tombstones()
-            tensors["tombstones.ad_id"] = torch.tensor(list(tombstones), dtype=torch.int64)
-            tensors["tombstones.version"] = torch.tensor(list(tombstones.values()), dtype=torch.int64)
-            statuses = self._book.status  # with the content version each is newer than (-1: none)
-            tensors["statuses.ad_id"] = torch.tensor(list(statuses), dtype=torch.int64)
-            tensors["statuses.version"] = torch.tensor([v for v, _ in statuses.values()], dtype=torch.int64)
-            tensors["statuses.active"] = torch.tensor([a for _, a in statuses.values()], dtype=torch.bool)
-            tensors["statuses.content_version"] = torch.tensor([self._book.version.get(ad, -1) for ad in statuses],
-                                                               dtype=torch.int64)
-            tensors.update(self.clauses.export_state())
-            layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
-                      "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
-                      "embedding_dtype": dtype_name(self.specs["embedding"].dtype),
-                      "exact_copy": str(self.keeps_exact), "refs_width": str(self.clauses.width)}
-            return tensors, layout
+            return self._state({name: col[:n].to("cpu", copy=copy).contiguous()
+                                for name, col in self.columns.items()}, n)
+
+    def begin_export(self) -> TableCopy:
+        """Begin a copy of the table that batches go on being applied through (andromeda_core.export): run its
+        copy_bulk (in any thread, without the lock), then finish_export, or cancel_export."""
+        with self.reading():
+            copy = TableCopy(self.columns, self.high_water)
+            self._exports.append(copy)
+            return copy
+
+    def finish_export(self, copy: TableCopy) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+        """export_state(copy=True) of the table as it is now, from `copy` (begin_export, its bulk copied): under the
+        lock only the rows written since it began are copied. None when the table was replaced since (adopt)."""
+        with self.reading():
+            self.cancel_export(copy)
+            if copy.dropped:
+                return None
+            n = self.high_water
+            return self._state(copy.finished(self.columns, n), n)
+
+    def cancel_export(self, copy: TableCopy) -> None:
+        """Stop recording the slots written for `copy`."""
+        self._exports = [e for e in self._exports if e is not copy]
+
+    def _state(self, columns: dict[str, torch.Tensor], n: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """export_state from copies or views of the columns' first n rows (name -> CPU tensor); under the lock."""
+        tensors = {f"col.{name}": col for name, col in columns.items()}
+        tombstones = self._book.tombstones()
+        tensors["tombstones.ad_id"] = torch.tensor(list(tombstones), dtype=torch.int64)
+        tensors["tombstones.version"] = torch.tensor(list(tombstones.values()), dtype=torch.int64)
+        statuses = self._book.status  # with the content version each is newer than (-1: none)
+        tensors["statuses.ad_id"] = torch.tensor(list(statuses), dtype=torch.int64)
+        tensors["statuses.version"] = torch.tensor([v for v, _ in statuses.values()], dtype=torch.int64)
+        tensors["statuses.active"] = torch.tensor([a for _, a in statuses.values()], dtype=torch.bool)
+        tensors["statuses.content_version"] = torch.tensor([self._book.version.get(ad, -1) for ad in statuses],
+                                                           dtype=torch.int64)
+        tensors.update(self.clauses.export_state())
+        layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
+                  "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
+                  "embedding_dtype": dtype_name(self.specs["embedding"].dtype),
+                  "exact_copy": str(self.keeps_exact), "refs_width": str(self.clauses.width)}
+        return tensors, layout
 
     @classmethod
     def from_state(cls, schema: Schema, tensors: dict[str, torch.Tensor], layout: dict[str, str],
@@ -308,6 +339,9 @@ class AdIndex:
         with self._lock.exclusive():
             self.specs, self.columns, self._book, self.clauses = other.specs, other.columns, other._book, other.clauses
             self._writer = other._writer
+            for copy in self._exports:  # copies of the table replaced
+                copy.dropped = True
+            self._exports = []
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -348,8 +382,13 @@ class AdIndex:
             for row in plan.row_at.values():
                 refs[row] = self.clauses.refs(staged["clauses"][row])
             staged = {**staged, "refs": torch.from_numpy(refs).to(self.device)}
-        for name, slots, values in self._writer.writes(plan, staged, columns):  # computed in full: nothing fails midway
+        writes = self._writer.writes(plan, staged, columns)  # computed in full: nothing fails midway
+        for name, slots, values in writes:
             columns[name][slots] = values
+        if self._exports and writes:
+            written = torch.cat([slots for _, slots, _ in writes])
+            for copy in self._exports:
+                copy.note_written(written)
         self.clauses.release(replaced.cpu().numpy())
         self.columns = columns
         plan.commit(self.capacity)

@@ -2,8 +2,9 @@
 
 A CPU table of a synthetic world's ads (HashedTwoTower vectors of the MoE's stored width, 113 float32) applies
 a batch of edits at a fixed interval, as a consumer under a steady stream does; meanwhile a snapshot round of
-`ShardConsumer` runs in the applying thread: with background_snapshots (the default: the table is copied, the
-copy written in a thread of its own) and without (written from views of the live table between two applies).
+`ShardConsumer` runs in the applying thread: with background_snapshots (the default: a thread of its own copies
+the table while it applies, the rows written meanwhile are copied again between two applies, and the thread writes
+the copy) and without (written from views of the live table between two applies).
 The pause is the longest time between two applies around the round. Writes its table to docs/benchmarks.md.
 
     python -m benchmarks.snapshot_pause --ads 1000000
@@ -32,30 +33,32 @@ STORED_DIMS = 113  # the MoE's stored vector (models.towers.Dims.stored): what a
 
 
 def pauses(index: AdIndex, batches: list[list], consumer: ShardConsumer, interval: float, seconds: float) -> dict:
-    """Apply batches every `interval` s for `seconds`, a snapshot round a third of the way in: the longest gap
-    between two applies, the round's own time, the median gap and the snapshot file's size."""
-    gaps, started, last, round_s, i = [], time.perf_counter(), time.perf_counter(), None, 0
+    """Apply batches every `interval` s for `seconds`, a snapshot round a third of the way in and the loop's
+    finish_background_write before each apply: the longest gap between two applies, the time spent in the round
+    and in those calls from then on, the median gap and the snapshot file's size."""
+    gaps, started, last, round_s, i = [], time.perf_counter(), time.perf_counter(), 0.0, 0
     while time.perf_counter() - started < seconds:
-        if round_s is None and time.perf_counter() - started > seconds / 3:
-            at = time.perf_counter()
+        at = time.perf_counter()
+        if not round_s and at - started > seconds / 3:
             consumer._snapshot_round(claim=False)
-            round_s = time.perf_counter() - at
+        consumer.finish_background_write()  # as each turn of the loop: finishes the copy once its bulk is copied
+        round_s += time.perf_counter() - at if at - started > seconds / 3 else 0.0
         index.apply(batches[i % len(batches)])
         i += 1
         now = time.perf_counter()
         gaps.append(now - last)
         last = now
         time.sleep(max(0.0, interval - (time.perf_counter() - now)))
-    if consumer._writer is not None:
-        consumer._writer.join()
+    while consumer._writer is not None:
         consumer.finish_background_write()
+        time.sleep(interval)
     gaps.sort()
     return {"longest": gaps[-1], "median": gaps[len(gaps) // 2], "round": round_s,
             "bytes": max(p.stat().st_size for p in consumer.snapshots.paths())}
 
 
 def report(args, ads: int, rows: list[tuple[str, dict]]) -> str:
-    lines = ["| snapshots | round in the applying thread, s | longest pause between applies, s | median gap, ms | "
+    lines = ["| snapshots | snapshot work in the applying thread, s | longest pause between applies, s | median gap, ms | "
              "snapshot size |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {r['round']:.2f} | {r['longest']:.2f} | {r['median'] * 1000:.0f} | "
               f"{r['bytes'] / 1e6:,.0f} MB |" for name, r in rows]
@@ -66,7 +69,8 @@ def report(args, ads: int, rows: list[tuple[str, dict]]) -> str:
 Machine: {machine()}. A CPU table of {ads:,} ads (a synthetic world's, {STORED_DIMS} float32 per vector, what the
 MoE's table holds) applies {args.batch} edits every {args.interval * 1000:.0f} ms in one thread, as a consumer
 does under a steady stream; a third of the way into {args.seconds:g} s, a snapshot round of `ShardConsumer` runs
-in that thread. "background": the default, the table copied and the copy written in a thread of its own;
+in that thread. "background": the default, a thread of its own copies the table while it applies (the rows
+written meanwhile copied again between two applies) and writes the copy;
 "in the applying thread": `background_snapshots=False`, written from views of the live table before the next
 apply. Each row one run, in the order run.
 

@@ -25,6 +25,7 @@ from typing import Callable
 import redis
 
 from andromeda_core.config import redact, tls_hint
+from andromeda_core.export import TableCopy
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
@@ -145,9 +146,10 @@ class ShardConsumer:
         its applied id to `applied_key(stream, shard)`; a report older than `replica_ttl_s` no longer counts)
         and the newest `trim_keep_entries` entries. With a `replica_id`, the background loop writes a snapshot
         only in the rounds (one per `snapshot_every_s`) it claims first among the shard's replicas, which share
-        the directory. `background_snapshots`: the loop writes them from a copy of the table in a thread of
-        their own and goes on applying (False: it writes them itself, from views of a CPU table, and applies nothing
-        meanwhile; the copy costs little more, as the vectors' padded rows are copied to be written anyway)."""
+        the directory. `background_snapshots`: a thread of their own copies the table (AdIndex.begin_export: the
+        bulk while the loop goes on applying, then the rows written meanwhile, between two applies) and writes the
+        copy (False: the loop writes them itself, from views of a CPU table, and applies nothing meanwhile; the
+        copy costs little more memory, as the vectors' padded rows are copied to be written anyway)."""
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards})")
         self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
@@ -161,6 +163,9 @@ class ShardConsumer:
         self.applied_key, self.writer_key = applied_key(stream, shard), snapshot_writer_key(stream, shard)
         self.background_snapshots = background_snapshots
         self._writer: threading.Thread | None = None  # the snapshot being written in the background, if any
+        self._copy: TableCopy | None = None  # the table's copy that writer takes (AdIndex.begin_export)
+        self._taken = threading.Event()  # set once the consumer's thread has finished that copy (or dropped it)
+        self._taken_state: tuple | None = None  # (state, stream id, metadata) the writer writes; None: nothing
         self._write_failure: Exception | None = None  # how the background write failed (read in the loop's thread)
         self._written: Path | None = None  # the file the background write wrote
         self._writer_resets = 0  # stats.stream_resets when the background write's copy was taken
@@ -394,21 +399,23 @@ class ShardConsumer:
     def snapshot(self) -> None:
         """Write a snapshot now (then, with `trim`, trim the shard's stream up to what the oldest kept one covers).
         Not while the index misses updates after an uncovered gap: it must not pass for a complete index."""
-        taken = self._snapshot_state(copy=False)
+        taken = self._snapshot_state()
         if taken is not None:
             self._write_snapshot(*taken)
 
-    def _snapshot_state(self, copy: bool) -> tuple[tuple, str, dict] | None:
-        """(the index's exported state, the stream id it covers, the snapshot's metadata), or None when no snapshot
-        is to be written. Called in the consumer's thread, so that the two agree."""
+    def _snapshot_state(self, copy: TableCopy | None = None) -> tuple[tuple, str, dict] | None:
+        """(the index's exported state: views of a CPU table, or `copy` finished; the stream id it covers; the
+        snapshot's metadata), or None when no snapshot is to be written. Called in the consumer's thread, so
+        that the two agree."""
         if self.snapshots is None:
             return None
         if self.stats.gap_unrecovered:
             log.warning("shard %d: no snapshot while the index misses updates", self.shard)
             return None
-        return self.index.export_state(copy=copy), self.stats.last_id, {
+        state = self.index.export_state() if copy is None else self.index.finish_export(copy)
+        return None if state is None else (state, self.stats.last_id, {
             "shard": self.shard, "shards": self.shards, "model": self.model, "stream": self.source,
-            "entries_added": self._entries_added, "entry_digest": self._last_digest}
+            "entries_added": self._entries_added, "entry_digest": self._last_digest})
 
     def _write_snapshot(self, state: tuple, stream_id: str, metadata: dict) -> None:
         """Write it, then trim with `trim`; a failure gives the round back (another replica may write it) and raises."""
@@ -443,34 +450,54 @@ class ShardConsumer:
         if not self.background_snapshots:
             self.snapshot()
             return
-        taken = self._snapshot_state(copy=True)
-        if taken is not None:
-            self._writer_resets = self.stats.stream_resets
-            self._writer = threading.Thread(target=self._write_in_background, args=taken, daemon=True,
-                                            name=f"snapshot-shard-{self.shard}")
-            self._writer.start()
+        self._copy, self._taken, self._taken_state = self.index.begin_export(), threading.Event(), None
+        self._writer = threading.Thread(target=self._write_in_background, args=(self._copy,), daemon=True,
+                                        name=f"snapshot-shard-{self.shard}")
+        self._writer.start()
 
-    def _write_in_background(self, state: tuple, stream_id: str, metadata: dict) -> None:
-        """The writer thread: the file only; the consumer's thread does the rest (finish_background_write)."""
+    def _write_in_background(self, copy: TableCopy) -> None:
+        """The writer thread: the table's bulk copy, then (once the consumer's thread has finished the copy,
+        take_background_copy) the file; the consumer's thread does the rest (finish_background_write)."""
         try:
-            self._written = self.snapshots.write_state(state, stream_id, metadata)
+            copy.copy_bulk()
+            self._taken.wait()
+            if self._taken_state is not None:
+                self._written = self.snapshots.write_state(*self._taken_state)
         except Exception as exc:
             self._write_failure = exc
 
+    def take_background_copy(self) -> None:
+        """In the consumer's thread, between two applies, once the background copy's bulk is copied: finish it
+        (only the rows written since are copied, under the table's lock: the pause of the updates) with the
+        stream id and metadata it covers, for the writer thread to write; nothing to write when the index misses
+        updates now or was replaced (recovered) meanwhile."""
+        if self._writer is None or self._taken.is_set() or not (self._copy.bulk_done or not self._writer.is_alive()):
+            return
+        taken = self._snapshot_state(self._copy) if self._copy.bulk_done else None
+        self.index.cancel_export(self._copy)
+        self._taken_state, self._writer_resets = taken, self.stats.stream_resets
+        self._taken.set()
+
     def finish_background_write(self) -> None:
-        """In the consumer's thread, once the background write is over: what _snapshot_written does; if it failed,
-        the round given back and the failure raised (the loop counts it in stats.errors); if the stream went back
-        since its copy was taken, the snapshot set aside (it covers the stream as it was)."""
+        """In the consumer's thread: take_background_copy, then once the background write is over what
+        _snapshot_written does; if it failed, the round given back and the failure raised (the loop counts it in
+        stats.errors); if nothing was to be written, the round given back; if the stream went back since its copy
+        was taken, the snapshot set aside (it covers the stream as it was)."""
+        self.take_background_copy()
         if self._writer is None or self._writer.is_alive():
             return
         self._writer, failure, self._write_failure = None, self._write_failure, None
+        written, self._written = self._written, None
         if failure is not None:
             self._give_back_round()
             raise RuntimeError(f"writing a snapshot failed: {type(failure).__name__}: {failure}") from failure
+        if written is None:
+            self._give_back_round()
+            return
         if self.stats.stream_resets != self._writer_resets:
-            self.snapshots.set_aside_file(self._written)
+            self.snapshots.set_aside_file(written)
             log.error("shard %d: the stream went back while a snapshot was written; set it aside: %s", self.shard,
-                      self._written.name)
+                      written.name)
             return
         self._snapshot_written()
 
@@ -607,6 +634,7 @@ class ShardConsumer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._taken.set()  # a writer waiting for a copy the loop will not finish writes nothing
         for thread in (self._thread, self._writer):
             if thread:
                 thread.join(timeout=10)

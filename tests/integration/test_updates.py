@@ -442,12 +442,23 @@ def test_an_entry_deleted_on_purpose_past_the_applied_id_is_not_a_gap(setup, tmp
     assert restarted.index.digest() == c.index.digest()
 
 
+def take_copy(c: ShardConsumer) -> None:
+    """What the loop's turn does once the background round's bulk copy is done: the copy finished, at what the
+    consumer has applied then."""
+    assert wait_until(lambda: c._copy.bulk_done)
+    c.take_background_copy()
+
+
+def finish_write(c: ShardConsumer) -> None:
+    """The loop's next turns until the background snapshot is written (or its failure raised)."""
+    assert wait_until(lambda: (c.finish_background_write(), c._writer is None)[1])
+
+
 def written_round(c: ShardConsumer, claim: bool = True) -> None:
-    """A turn of the loop's snapshots: the round, then (as a later turn does) its background write finished."""
+    """A turn of the loop's snapshots: the round, then (as later turns do) its background write finished."""
     c._snapshot_round(claim=claim)
     if c._writer is not None:
-        c._writer.join(10)
-        c.finish_background_write()
+        finish_write(c)
 
 
 def take_over_with_lost_writes(client: redis.Redis, scratch: Publisher, kept: int, new: list[tuple[str, dict]]) -> None:
@@ -506,21 +517,26 @@ def test_a_stream_that_went_back_is_read_again_from_its_start(setup, tmp_path, s
 
 
 def test_a_background_snapshot_is_written_from_a_copy_while_the_consumer_applies(setup, tmp_path):
+    """The bulk of the copy is taken while the consumer applies; what it applied meanwhile is copied again when
+    the copy is finished (between two applies), and what it applies while the copy is written is not in it."""
     client, publisher, make = setup
     c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), background_snapshots=True)
     publisher.publish([upsert(i) for i in range(1, 4)])
     c.catch_up()
-    covered, digest = c.stats.last_id, c.index.digest()
     release, write = threading.Event(), c.snapshots.write_state
     c.snapshots.write_state = lambda *args: (release.wait(10), write(*args))[1]  # a slow volume
     c._snapshot_round()
+    assert wait_until(lambda: c._copy.bulk_done)
     publisher.publish([upsert(i, version=2, title="edited") for i in range(1, 4)] + [upsert(4)])
-    c.catch_up()  # applies, in place, while the snapshot is being written
-    assert len(c.index) == 4 and c._writer.is_alive() and not c.snapshots.paths()
+    c.catch_up()  # after the bulk copy: rows written in place and a new one
+    take_copy(c)
+    covered, digest = c.stats.last_id, c.index.digest()
+    publisher.publish([upsert(5), upsert(1, version=3, title="later")])
+    c.catch_up()  # applies while the snapshot is being written
+    assert len(c.index) == 5 and c._writer.is_alive() and not c.snapshots.paths()
     c._snapshot_round()  # the last one is still being written: this round is skipped
     release.set()
-    c._writer.join(10)
-    c.finish_background_write()
+    finish_write(c)
     [path] = c.snapshots.paths()
     restored = make(snapshots=c.snapshots)
     assert restored.recover() and restored.stats.last_id == covered and restored.index.digest() == digest
@@ -536,15 +552,28 @@ def test_a_failed_background_snapshot_is_raised_in_the_loop_and_gives_the_round_
     write = c.snapshots.write_state
     c.snapshots.write_state = lambda *args: (_ for _ in ()).throw(OSError("No space left on device"))
     c._snapshot_round()
-    c._writer.join(10)
     with pytest.raises(RuntimeError, match="No space left"):  # in the loop's thread: counted as its errors are
-        c.finish_background_write()
+        finish_write(c)
     assert not c.snapshots.paths() and client.get(c.writer_key) is None  # the round is given back
     c.snapshots.write_state = write
-    c._snapshot_round()
-    c._writer.join(10)
-    c.finish_background_write()
+    written_round(c)
     assert len(c.snapshots.paths()) == 1
+
+
+def test_a_background_copy_of_a_table_recovered_meanwhile_writes_nothing(setup, tmp_path):
+    client, publisher, make = setup
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), replica_id="a")
+    publisher.publish([upsert(1)])
+    c.catch_up()
+    c.snapshot()
+    publisher.publish([upsert(2)])
+    c.catch_up()
+    c._snapshot_round()
+    assert wait_until(lambda: c._copy.bulk_done)
+    assert c.recover()  # the snapshot of ad 1 replaces the table the copy was of
+    finish_write(c)
+    assert len(c.snapshots.paths()) == 1 and client.get(c.writer_key) is None  # the round is given back
+    assert not c.index._exports
 
 
 def test_one_replica_of_a_shard_writes_each_rounds_snapshot(setup, tmp_path):
@@ -645,17 +674,15 @@ def test_a_background_snapshot_of_the_stream_before_it_went_back_is_set_aside(se
     c.catch_up()
     release, write = threading.Event(), c.snapshots.write_state
     c.snapshots.write_state = lambda *args: (release.wait(10), write(*args))[1]
-    c._snapshot_round()  # a copy of ads 1-6 at ad 6's id, being written
+    c._snapshot_round()
+    take_copy(c)  # a copy of ads 1-6 at ad 6's id, being written
     take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 3,
                                list(zip(next_ids(ids[2], 2), [upsert(7), upsert(8)])))
     c.catch_up()
     release.set()
-    c._writer.join(10)
-    c.finish_background_write()
+    finish_write(c)
     assert c.snapshots.paths() == [] and c._snapshot_now  # it landed after the reset: set aside, still asked for
-    c._snapshot_round(claim=False)
-    c._writer.join(10)
-    c.finish_background_write()
+    written_round(c, claim=False)
     assert len(c.snapshots.paths()) == 1 and not c._snapshot_now
 
 
