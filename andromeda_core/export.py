@@ -60,4 +60,5 @@ class TableCopy:
                 stale = again[again < min(self.rows, rows)]
                 buffer[stale] = column[stale.to(column.device)].cpu()
             out[name] = buffer[:rows]
+        self.columns, self.buffers, self.written = {}, {}, []  # the table's old columns and the copy: not kept here
         return out

@@ -28,6 +28,7 @@ module holds the table, applies batches and serves reads.
 from __future__ import annotations
 
 import math
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -86,6 +87,7 @@ class AdIndex:
         self._book = SlotBook(capacity)
         self._lock = ReadWriteLock()
         self._exports: list[TableCopy] = []  # copies being taken (begin_export): each batch's slots are noted
+        self._exports_lock = threading.Lock()  # the list is replaced, never changed in place: _commit reads it whole
 
     def _filled(self, name: str, n: int) -> torch.Tensor:
         """Column `name` for n slots, every slot at the column's fill; the scan's embedding rows cache-line aligned."""
@@ -262,24 +264,28 @@ class AdIndex:
     def begin_export(self) -> TableCopy:
         """Begin a copy of the table that batches go on being applied through (andromeda_core.export): run its
         copy_bulk (in any thread, without the lock), then finish_export, or cancel_export."""
-        with self.reading():
+        with self.reading(), self._exports_lock:
             copy = TableCopy(self.columns, self.high_water)
-            self._exports.append(copy)
+            self._exports = [*self._exports, copy]
             return copy
 
     def finish_export(self, copy: TableCopy) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
         """export_state(copy=True) of the table as it is now, from `copy` (begin_export, its bulk copied): under the
-        lock only the rows written since it began are copied. None when the table was replaced since (adopt)."""
-        with self.reading():
+        lock only the rows written since it began are copied. None when the table was replaced since (adopt). Ends
+        the export, whether it returns or raises (a later finish would miss the batches applied meanwhile)."""
+        try:
+            with self.reading():
+                if copy.dropped:
+                    return None
+                n = self.high_water
+                return self._state(copy.finished(self.columns, n), n)
+        finally:
             self.cancel_export(copy)
-            if copy.dropped:
-                return None
-            n = self.high_water
-            return self._state(copy.finished(self.columns, n), n)
 
     def cancel_export(self, copy: TableCopy) -> None:
         """Stop recording the slots written for `copy`."""
-        self._exports = [e for e in self._exports if e is not copy]
+        with self._exports_lock:
+            self._exports = [e for e in self._exports if e is not copy]
 
     def _state(self, columns: dict[str, torch.Tensor], n: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """export_state from copies or views of the columns' first n rows (name -> CPU tensor); under the lock."""
@@ -339,9 +345,10 @@ class AdIndex:
         with self._lock.exclusive():
             self.specs, self.columns, self._book, self.clauses = other.specs, other.columns, other._book, other.clauses
             self._writer = other._writer
-            for copy in self._exports:  # copies of the table replaced
-                copy.dropped = True
-            self._exports = []
+            with self._exports_lock:
+                for copy in self._exports:  # copies of the table replaced
+                    copy.dropped = True
+                self._exports = []
 
     # -- writing ---------------------------------------------------------------------------------
 

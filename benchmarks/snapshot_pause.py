@@ -67,8 +67,8 @@ def report(args, ads: int, rows: list[tuple[str, dict]]) -> str:
 `python -m benchmarks.snapshot_pause --ads {args.ads} --repeats {args.repeats}`
 
 Machine: {machine()}. A CPU table of {ads:,} ads (a synthetic world's, {STORED_DIMS} float32 per vector, what the
-MoE's table holds) applies {args.batch} edits every {args.interval * 1000:.0f} ms in one thread, as a consumer
-does under a steady stream; a third of the way into {args.seconds:g} s, a snapshot round of `ShardConsumer` runs
+MoE's table holds) applies {args.batch} edits every {args.interval * 1000:.0f} ms in one thread (edits of
+{100 * args.batch:,} ads spread evenly over the table, in turn), as a consumer does under a steady stream; a third of the way into {args.seconds:g} s, a snapshot round of `ShardConsumer` runs
 in that thread. "background": the default, a thread of its own copies the table while it applies (the rows
 written meanwhile copied again between two applies) and writes the copy;
 "in the applying thread": `background_snapshots=False`, written from views of the live table before the next
@@ -95,7 +95,8 @@ def main() -> None:
         index = AdIndex(schema, scorer.dim, capacity=len(corpus))
         for first in tqdm(range(0, len(corpus), 10_000), desc="index"):
             index.apply(corpus[first:first + 10_000])
-        changed = edits(corpus[: 100 * args.batch], 2)
+        edited = 100 * args.batch  # ads, spread evenly over the table: the rows written during a copy are scattered
+        changed = edits(corpus[:: max(1, len(corpus) // edited)][:edited], 2)
         batches = [changed[k:k + args.batch] for k in range(0, len(changed), args.batch)]
         rows = []
         for _ in range(args.repeats):

@@ -442,7 +442,7 @@ class ShardConsumer:
         if self._writer is not None:
             log.warning("shard %d: the last snapshot is still being written; skipping this round", self.shard)
             return
-        if self.snapshots is None or self.stats.gap_unrecovered:
+        if self.snapshots is None or self.stats.gap_unrecovered or self._stop.is_set():
             return  # would write none: the round stays for a replica that can
         if claim and self.replica_id is not None and not self.client.set(
                 self.writer_key, self.replica_id, nx=True, px=max(1, int(self.snapshot_every_s * 1000))):
@@ -450,21 +450,35 @@ class ShardConsumer:
         if not self.background_snapshots:
             self.snapshot()
             return
-        self._copy, self._taken, self._taken_state = self.index.begin_export(), threading.Event(), None
-        self._writer = threading.Thread(target=self._write_in_background, args=(self._copy,), daemon=True,
-                                        name=f"snapshot-shard-{self.shard}")
-        self._writer.start()
+        try:
+            self._copy, self._taken, self._taken_state = self.index.begin_export(), threading.Event(), None
+            self._writer = threading.Thread(target=self._write_in_background, args=(self._copy, self._taken),
+                                            daemon=True, name=f"snapshot-shard-{self.shard}")
+            self._writer.start()
+        except BaseException:
+            self._writer = None
+            self._drop_background_copy()
+            self._give_back_round()
+            raise
 
-    def _write_in_background(self, copy: TableCopy) -> None:
+    def _write_in_background(self, copy: TableCopy, taken: threading.Event) -> None:
         """The writer thread: the table's bulk copy, then (once the consumer's thread has finished the copy,
-        take_background_copy) the file; the consumer's thread does the rest (finish_background_write)."""
+        take_background_copy, and set `taken`) the file; the consumer's thread does the rest
+        (finish_background_write)."""
         try:
             copy.copy_bulk()
-            self._taken.wait()
+            taken.wait()
             if self._taken_state is not None:
                 self._written = self.snapshots.write_state(*self._taken_state)
         except Exception as exc:
             self._write_failure = exc
+
+    def _drop_background_copy(self) -> None:
+        """The writer writes nothing (if it waits for the copy) and the index stops noting slots for it."""
+        if self._copy is not None:
+            self.index.cancel_export(self._copy)
+        self._copy = None
+        self._taken.set()
 
     def take_background_copy(self) -> None:
         """In the consumer's thread, between two applies, once the background copy's bulk is copied: finish it
@@ -473,10 +487,12 @@ class ShardConsumer:
         updates now or was replaced (recovered) meanwhile."""
         if self._writer is None or self._taken.is_set() or not (self._copy.bulk_done or not self._writer.is_alive()):
             return
-        taken = self._snapshot_state(self._copy) if self._copy.bulk_done else None
-        self.index.cancel_export(self._copy)
-        self._taken_state, self._writer_resets = taken, self.stats.stream_resets
-        self._taken.set()
+        taken = None
+        try:  # once: a second finish would miss the batches applied after the first
+            taken = self._snapshot_state(self._copy) if self._copy.bulk_done else None
+        finally:
+            self._taken_state, self._writer_resets = taken, self.stats.stream_resets
+            self._drop_background_copy()
 
     def finish_background_write(self) -> None:
         """In the consumer's thread: take_background_copy, then once the background write is over what
@@ -487,7 +503,7 @@ class ShardConsumer:
         if self._writer is None or self._writer.is_alive():
             return
         self._writer, failure, self._write_failure = None, self._write_failure, None
-        written, self._written = self._written, None
+        written, self._written, self._taken_state = self._written, None, None
         if failure is not None:
             self._give_back_round()
             raise RuntimeError(f"writing a snapshot failed: {type(failure).__name__}: {failure}") from failure
@@ -596,7 +612,7 @@ class ShardConsumer:
         except Exception as exc:  # an unwritable snapshot directory, say: the rest of the turn goes on
             self._count_error(exc, "setting the stale snapshots aside again next turn")
         self.finish_background_write()
-        if self.snapshots is not None and (now >= due["snapshot"] or self._snapshot_now):
+        if self.snapshots is not None and (now >= due["snapshot"] or (self._snapshot_now and self._writer is None)):
             due["snapshot"] = now + self.snapshot_every_s
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
             self._snapshot_round(claim=not self._snapshot_now)  # a reset's stays asked for until one is written
@@ -634,7 +650,8 @@ class ShardConsumer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._taken.set()  # a writer waiting for a copy the loop will not finish writes nothing
-        for thread in (self._thread, self._writer):
-            if thread:
-                thread.join(timeout=10)
+        if self._thread:
+            self._thread.join(timeout=10)
+        self._drop_background_copy()  # a copy the loop will not finish: its writer writes nothing
+        if self._writer:
+            self._writer.join(timeout=10)

@@ -10,6 +10,7 @@ import redis
 import torch
 
 from andromeda_core.errors import InvalidInput
+from andromeda_core.export import TableCopy
 from andromeda_core.index import AdIndex
 from andromeda_core.ops import PreparedAd
 from andromeda_core.ingest import prepare_ops
@@ -665,6 +666,48 @@ def test_a_stream_recreated_with_another_entry_at_exactly_the_applied_id_is_read
     publisher.publish([upsert(4)])
     c.catch_up()
     assert len(c.index) == 9 and c.stats.stream_resets == 1  # reading on, nothing looks like a reset again
+
+
+def test_a_background_copy_that_fails_to_finish_is_dropped_not_finished_again(setup, tmp_path, monkeypatch):
+    """A finish that raises (memory, say) ends the copy: finished again at a later turn it would miss the batches
+    applied in between (a torn snapshot that passes its checksum). The round is given back and the next one
+    writes the table as it is; nothing of the copy is kept."""
+    client, publisher, make = setup
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), replica_id="a")
+    publisher.publish([upsert(1), upsert(2)])
+    c.catch_up()
+    c._snapshot_round()
+    assert wait_until(lambda: c._copy.bulk_done)
+    finished = TableCopy.finished
+    monkeypatch.setattr(TableCopy, "finished", lambda *args: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(MemoryError):
+        c.take_background_copy()
+    monkeypatch.setattr(TableCopy, "finished", finished)
+    publisher.publish([upsert(1, version=2, title="edited"), {"op": "delete", "ad_id": 2, "version": 5}])
+    c.catch_up()
+    finish_write(c)
+    assert not c.snapshots.paths() and client.get(c.writer_key) is None and not c.index._exports
+    written_round(c)
+    restored = make(snapshots=c.snapshots)
+    assert restored.recover() and restored.index.digest() == c.index.digest()
+    assert c._copy is None and c._taken_state is None  # the copy is not kept once written
+
+
+def test_stopping_drops_a_background_copy_in_progress(setup, tmp_path):
+    _, publisher, make = setup
+    c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), snapshot_every_s=0.01)
+    publisher.publish([upsert(i) for i in range(1, 50)])
+    for _ in range(5):  # stops that land at any point of the rounds
+        c.start()
+        time.sleep(0.05)
+        c.stop()
+        assert not (c._writer and c._writer.is_alive()) and not c.index._exports
+    other = make(snapshots=SnapshotStore(tmp_path / "other"))
+    other.catch_up()
+    other._snapshot_round(claim=False)  # a copy the loop never finishes
+    assert wait_until(lambda: other._copy.bulk_done)
+    other.stop()
+    assert not other._writer.is_alive() and not other.index._exports and not other.snapshots.paths()
 
 
 def test_a_background_snapshot_of_the_stream_before_it_went_back_is_set_aside(setup, tmp_path, small_schema, scorer):
