@@ -325,6 +325,7 @@ class AdIndex:
         ad_ids = index.columns["ad_id"][live].tolist()
         book.slot_of = dict(zip(ad_ids, live))
         book.version = dict(zip(tensors["tombstones.ad_id"].tolist(), tensors["tombstones.version"].tolist()))
+        book.dead = set(book.version).difference(book.slot_of)
         book.version.update(zip(ad_ids, index.columns["version"][live].tolist()))  # the newest: content, but
         if "statuses.ad_id" in tensors:  # where a newer pause or resume set it (snapshots before these have none)
             statuses = zip(*(tensors[f"statuses.{name}"].tolist() for name in ("ad_id", "version", "active", "content_version")))
@@ -334,6 +335,7 @@ class AdIndex:
                     book.version[ad] = content
                 else:
                     book.version.pop(ad, None)
+                    book.dead.discard(ad)
         used = set(live)
         book.free = [s for s in range(index.capacity - 1, -1, -1) if s not in used]
         return index

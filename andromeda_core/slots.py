@@ -17,10 +17,11 @@ class SlotBook:
         self.status: dict[int, tuple[int, bool]] = {}  # ad -> (version, active) of a pause / resume newer than version
         self.free: list[int] = list(range(capacity - 1, -1, -1))  # popped from the end: lowest slot first
         self.high_water = 0  # slots >= high_water have never held an ad; scans stop there
+        self.dead: set[int] = set()  # the ads of `version` not in slot_of (deleted or expired), kept as they change
 
     def tombstones(self) -> dict[int, int]:
-        """ad_id -> the version that deleted or expired it."""
-        return {ad: v for ad, v in self.version.items() if ad not in self.slot_of}
+        """ad_id -> the version that deleted or expired it (as many steps as there are tombstones, not ads)."""
+        return {ad: self.version[ad] for ad in self.dead}
 
     def newest(self, ad: int) -> int | None:
         """The newest version applied for `ad` (content or status), None if never seen."""
@@ -120,6 +121,11 @@ class SlotPlan:
             else:
                 book.slot_of[ad] = slot
         book.version.update(self.version)
+        for ad in self.version:  # every ad whose slot changed is here too
+            if ad in book.slot_of:
+                book.dead.discard(ad)
+            else:
+                book.dead.add(ad)
         for ad, status in self.status.items():
             if status is None:
                 book.status.pop(ad, None)

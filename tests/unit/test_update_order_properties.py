@@ -39,7 +39,10 @@ def version_of(op: dict) -> int:
 
 
 def state(index: AdIndex) -> dict:
-    """What a reader sees of every ad, and the version the index remembers for it."""
+    """What a reader sees of every ad, and the version the index remembers for it; the tombstones the index keeps
+    as batches apply are those of its versions (every ad deleted or expired, whatever the order)."""
+    book = index._book
+    assert book.tombstones() == {ad: v for ad, v in book.version.items() if ad not in book.slot_of}
     ads = {ad: {k: v for k, v in index.get(ad).items() if k != "slot"} if ad in index else None for ad in ADS}
     return {"ads": ads, "versions": {ad: index.version_of(ad) for ad in ADS}, "digest": index.digest()}
 
