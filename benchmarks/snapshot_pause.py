@@ -24,6 +24,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
+from andromeda_cli.args import POSITIVE, non_negative_float
 from benchmarks.common import machine, write_section
 from benchmarks.freshness import edits, load_corpus
 from index_updater.consumer import ShardConsumer
@@ -36,13 +37,14 @@ def pauses(index: AdIndex, batches: list[list], consumer: ShardConsumer, interva
     """Apply batches every `interval` s for `seconds`, a snapshot round a third of the way in and the loop's
     finish_background_write before each apply: the longest gap between two applies, the time spent in the round
     and in those calls from then on, the median gap and the snapshot file's size."""
-    gaps, started, last, round_s, i = [], time.perf_counter(), time.perf_counter(), 0.0, 0
-    while time.perf_counter() - started < seconds:
+    gaps, started, last, round_s, i, taken = [], time.perf_counter(), time.perf_counter(), 0.0, 0, False
+    while time.perf_counter() - started < seconds or not taken:
         at = time.perf_counter()
-        if not round_s and at - started > seconds / 3:
+        if not taken and at - started >= seconds / 3:
             consumer._snapshot_round(claim=False)
+            taken = True
         consumer.finish_background_write()  # as each turn of the loop: finishes the copy once its bulk is copied
-        round_s += time.perf_counter() - at if at - started > seconds / 3 else 0.0
+        round_s += time.perf_counter() - at if taken else 0.0
         index.apply(batches[i % len(batches)])
         i += 1
         now = time.perf_counter()
@@ -80,11 +82,12 @@ apply. Each row one run, in the order run.
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ads", type=int, default=1_000_000)
-    p.add_argument("--batch", type=int, default=50, help="edits per apply")
-    p.add_argument("--interval", type=float, default=0.02, help="seconds between applies")
-    p.add_argument("--seconds", type=float, default=12.0, help="length of each run")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each way")
+    p.add_argument("--ads", type=POSITIVE, default=1_000_000)
+    p.add_argument("--batch", type=POSITIVE, default=50, help="edits per apply")
+    p.add_argument("--interval", type=non_negative_float, default=0.02, help="seconds between applies")
+    p.add_argument("--seconds", type=non_negative_float, default=12.0,
+                   help="length of each run (at least until its snapshot is taken)")
+    p.add_argument("--repeats", type=POSITIVE, default=2, help="runs of each way")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)  # what a shard replica gets

@@ -87,6 +87,11 @@ def entry_digest(fields: dict) -> str:
     return h.hexdigest()
 
 
+def held_digest(reply: list) -> str | None:
+    """entry_digest of the entry an XRANGE from one id to the same id replied; None when the stream holds none."""
+    return entry_digest(reply[0][1]) if reply else None
+
+
 def went_back(info: dict, last_id: str, entries_added: int | None, held: str | None, read: str | None) -> str | None:
     """Why a stream (its XINFO STREAM) no longer holds what was read from it up to last_id, or None: its newest id
     is before last_id; or it holds entries up to last_id but not the one read there (held: entry_digest of the
@@ -277,8 +282,7 @@ class ShardConsumer:
             if no_stream(exc):
                 return []
             raise
-        held = entry_digest(at_last[0][1]) if at_last else None
-        if reason := went_back(info, last_id, self._entries_added, held, self._last_digest):
+        if reason := went_back(info, last_id, self._entries_added, held_digest(at_last), self._last_digest):
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
                       "before", self.shard, reason)
@@ -295,8 +299,7 @@ class ShardConsumer:
 
     def held_at(self, stream_id: str) -> str | None:
         """entry_digest of the entry the shard's stream holds at stream_id; None when it holds none."""
-        held = self.client.xrange(self.source, min=stream_id, max=stream_id, count=1)
-        return entry_digest(held[0][1]) if held else None
+        return held_digest(self.client.xrange(self.source, min=stream_id, max=stream_id, count=1))
 
     def went_back_from(self, info: dict | None, stream_id: str, entries_added: int | None, digest: str | None) -> bool:
         """went_back of the shard's stream (info: its XINFO STREAM, None when there is none), for a position read at
