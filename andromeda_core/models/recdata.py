@@ -26,20 +26,6 @@ CLICK_SMOOTHING = 2.0  # impressions at the overall click rate added to each ite
 EVENTS = ("impression", "click", "like", "share", "conversion", "hide")
 
 
-def _logodds(seen: np.ndarray, clicked: np.ndarray, rate: float, smoothing: float) -> np.ndarray:
-    """Click log-odds (RecData.click_logodds) of counts seen, clicked (n,) at the overall rate: 0 where seen is 0
-    or the rate is not strictly between 0 and 1."""
-    if not 0 < rate < 1:
-        return np.zeros(len(seen), np.float32)
-    odds = (clicked + smoothing * rate) / (seen - clicked + smoothing * (1 - rate))
-    return (np.log(odds) - np.log(rate / (1 - rate))).astype(np.float32)
-
-
-def _stats(seen: np.ndarray, clicked: np.ndarray, rate: float) -> np.ndarray:
-    """(n, 2) float32 impression statistics (RecData.impression_stats) of counts seen, clicked (n,)."""
-    return np.stack([_logodds(seen, clicked, rate, CLICK_SMOOTHING), np.log1p(seen)], 1).astype(np.float32)
-
-
 @dataclass
 class Items:
     ids: np.ndarray  # (N,) external ids (ad_id / movieId)
@@ -87,7 +73,7 @@ class RecData:
         """Per user the items engaged before their validation engagement: all that models and baselines fit on."""
         return [seq[: max(self.split(u)[0], 0)] for u, seq in enumerate(self.users.items)]
 
-    def impression_counts(self) -> tuple[np.ndarray, np.ndarray, float]:
+    def _impressions(self) -> tuple[np.ndarray, np.ndarray, float]:
         """(seen (N,), clicked (N,), overall click rate) over the impressions logged before the held-out
         engagements (Users.shown); the rate is 0 when none are logged."""
         n = len(self.items.ids)
@@ -101,28 +87,18 @@ class RecData:
         engagements (Users.shown), each item's counts smoothed toward the overall click rate by `smoothing`
         impressions, minus the log-odds of that rate; 0 for an item never shown, and for every item when no
         impressions are logged (MovieLens) or none or all of them were clicked."""
-        seen, clicked, rate = self.impression_counts()
-        return _logodds(seen, clicked, rate, smoothing)
+        seen, clicked, rate = self._impressions()
+        if not 0 < rate < 1:
+            return np.zeros(len(self.items.ids), np.float32)
+        odds = (clicked + smoothing * rate) / (seen - clicked + smoothing * (1 - rate))
+        return (np.log(odds) - np.log(rate / (1 - rate))).astype(np.float32)
 
     def impression_stats(self) -> np.ndarray:
         """(N, 2) float32 per item, what the ad tower reads of the logs: its click log-odds (click_logodds at
         CLICK_SMOOTHING) and log(1 + its impressions), both over the impressions logged before the held-out
         engagements; zeros for an item never shown (every item when no impressions are logged)."""
-        return _stats(*self.impression_counts())
-
-    def impression_stats_without(self, users: np.ndarray, rows: np.ndarray,
-                                 counts: tuple[np.ndarray, np.ndarray, float]) -> np.ndarray:
-        """(R, 2) float32: the impression statistics of item rows[r] over every user's impressions but users[r]'s
-        (counts: impression_counts()). A training positive reads these, as the held-out item, whose engagement
-        is never among the impressions counted, reads its own: counted with the user's own click, every positive
-        has one, and the tower learned that an ad nobody clicked is never engaged with."""
-        seen, clicked, rate = counts
-        own = np.zeros((len(rows), 2))
-        for r, (u, item) in enumerate(zip(users, rows)):
-            shown = self.users.shown[u] if u < len(self.users.shown) else np.zeros((0, 2), np.int64)
-            mine = shown[shown[:, 0] == item]
-            own[r] = len(mine), mine[:, 1].sum()
-        return _stats(seen[rows] - own[:, 0], clicked[rows] - own[:, 1], rate)
+        seen, _, _ = self._impressions()
+        return np.stack([self.click_logodds(), np.log1p(seen)], 1).astype(np.float32)
 
     def train_items(self, at_least: int = 1) -> np.ndarray:
         """Sorted item rows engaged in training at least `at_least` times (repeats counted). With 1: every item

@@ -127,28 +127,24 @@ class RetrievalModel(nn.Module):
         return torch.where(found, self.click_logodds[rows] if len(self.click_ids) else 0.0, 0.0)
 
     def embed_ads(self, text: torch.Tensor, category: torch.Tensor, advertiser: torch.Tensor, bid: torch.Tensor,
-                  ids: torch.Tensor, known: torch.Tensor | None = None, shown: torch.Tensor | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
         """(n, S) stored vectors: the ad tower's (text (n, 384), category, advertiser, bid, external ids (n,)),
         its bias raised by dims.click_weight x the ad's click prior. known (n,) bool, when given: False embeds
-        the ad as one created after training (no learned identity, no prior, no impressions). shown (n, 2), when
-        given: the impression statistics the tower reads instead of those held (training's leave-one-user-out)."""
-        id_rows, prior = self.id_rows(ids), self.click_prior(ids)
-        shown = self.impression_stats(ids) if shown is None else shown
+        the ad as one created after training (no learned identity, no prior, no impressions)."""
+        id_rows, prior, shown = self.id_rows(ids), self.click_prior(ids), self.impression_stats(ids)
         if known is not None:
             id_rows, prior = torch.where(known, id_rows, -1), torch.where(known, prior, 0.0)
             shown = torch.where(known[:, None], shown, 0.0)
         stored = self.ad_tower(text, category, advertiser, bid, id_rows, shown)
         return torch.cat([stored[:, :-1], stored[:, -1:] + self.dims.click_weight * prior[:, None]], 1)
 
-    def item_vectors(self, items: Items, rows: np.ndarray | None = None, known: torch.Tensor | None = None,
-                     shown: torch.Tensor | None = None) -> torch.Tensor:
-        """(n, S) stored vectors of the items at `rows` (every item when None); known (n,) bool, when given, keeps
-        the learned identity, click prior and impression statistics only where True (False: as an ad created after
-        training); shown (n, 2): as embed_ads."""
+    def item_vectors(self, items: Items, rows: np.ndarray | None = None, known: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, S) stored vectors of the items at `rows` (every item when None); known (n,) bool, when
+        given, keeps the learned identity and click prior only where True (False: as an ad created after training)."""
         rows = np.arange(len(items.ids)) if rows is None else rows
         return self.embed_ads(torch.from_numpy(items.text[rows]), torch.from_numpy(items.category[rows]),
                               torch.from_numpy(items.advertiser[rows]), torch.from_numpy(items.bid[rows]),
-                              torch.from_numpy(items.ids[rows]), known, shown)
+                              torch.from_numpy(items.ids[rows]), known)
 
     def users(self, inputs: UserInputs) -> UserState:
         return self.user_towers(inputs)

@@ -8,9 +8,9 @@ Item identity: a and b are content (MiniLM text, category, advertiser, bid, and 
 the training logs: its click log-odds and log impressions, RecData.impression_stats; zeros for an ad never
 shown) plus a learned residual per
 ad id engaged often enough in training (TrainConfig.min_id_engagements). An ad the model has no id row for
-(created after training, or rarer) gets the content part alone; training drops each ad's id row and
-impression statistics with some probability (`id_dropout`), so the content tower learns to stand in for them,
-as for an ad created after training (the fallback is content-only, not hashing).
+(created after training, or rarer) gets the content part alone; training drops each ad's id row with some
+probability (`id_dropout`), so the content tower learns to stand in for the id (the fallback is
+content-only, not hashing).
 
 User experts (E = interests + 4), each an embedding u_e (D) and a gating key k_e (G):
   sequence expert: causal self-attention (SASRec style) over the engagement sequence, read at its

@@ -18,9 +18,7 @@ SASRec-style two-tower (STARTS_FROM: the same weights, its ad tower and sequence
 caller compares the result with where it started (quality.train_all chooses the MoE's distillation weight, 0
 included, on validation).
 The ad tower reads each ad's impression statistics in the data's logs (RecData.impression_stats), which the model
-holds from the start (a model going on from another keeps that one's); a row's positive reads them without the
-row's user's own impressions (RecData.impression_stats_without), as a held-out engagement is never counted in them,
-and an ad whose id is dropped loses its statistics too, as a new ad has none. Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
+holds from the start (a model going on from another keeps that one's). Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
 takes the data's prior, its smoothing and weight chosen on the validation split (choose_click_prior), or at a
 weight the caller sets (TrainConfig.click_weights).
 """
@@ -64,7 +62,7 @@ class TrainConfig:
     teacher_rows: int = 128  # distillation rows per step (used only with a teacher)
     logq: bool = True  # correct every candidate's logit by log of its expected count in the candidate set
     balanced: bool = False  # sample users uniformly (then one of their engagements), not engagements
-    id_dropout: float = 0.1  # share of ads embedded from content alone (no id, no impression statistics) each step
+    id_dropout: float = 0.1  # share of ads embedded from content alone in each step
     min_id_engagements: int = 10  # training engagements an ad needs for a learned identity; rarer ads are content
     # alone (on the synthetic world, where an ad averages 2 engagements, ids from 1 up cut the two-tower's expected
     # HR@10 2.5x)
@@ -380,7 +378,6 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     taught = None if teacher is None else np.bincount(teacher.top.ravel(), minlength=n_items) / teacher.top.size
     text = torch.from_numpy(data.items.text).float()
     pair = PairFeatures.fit(data) if model.pair_features else None
-    counts = data.impression_counts()
     learn_mode(model, frozen)
     label = f"train {kind} on {data.name}" + (f" (distilled, {cfg.distill:g})" if teacher is not None else "")
     bar = tqdm(range(cfg.steps), desc=label, disable=not progress)
@@ -398,10 +395,6 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
         cross = pair.pairs(data, users, positions, candidates) if pair is not None else None
         logq = log_q(candidates, engaged, taught, cfg, n_items) if cfg.logq else torch.zeros(len(candidates))
         candidate_vectors = stored[candidates]
-        # Each row's positive reads its ad's impression statistics without the row's user: as the held-out one will.
-        candidate_vectors[: len(positives)] = model.item_vectors(
-            data.items, positives, with_id[np.searchsorted(needed, positives)],
-            torch.from_numpy(data.impression_stats_without(users, positives, counts)))
         logits = model.score(state, candidate_vectors, text[candidates], cross) - logq
         rows = torch.arange(len(users))
         hit = _accidental_hits(known, torch.from_numpy(candidates), n_items)

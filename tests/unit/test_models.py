@@ -169,27 +169,6 @@ def test_impression_stats_count_each_items_logged_impressions_and_clicks():
         assert np.allclose(stats[row], expected.get(row, (0.0, 0.0)), atol=1e-6), row
 
 
-def test_a_training_positive_reads_its_ads_impression_stats_without_its_users_own():
-    """impression_stats_without(users, rows): row by row, the statistics of the item's impressions by every user but
-    that one, counted by hand (the overall click rate stays that of every impression), so a positive's own click
-    never counts, as the held-out one's never does."""
-    data = tiny_data()
-    rng = np.random.default_rng(3)
-    data.users.shown = [np.stack([rng.integers(0, 6, 5), rng.integers(0, 2, 5)], 1) for _ in data.users.items]
-    users, rows = np.array([0, 0, 1, 5, 11, 2]), np.array([0, 3, 3, 5, 39, 2])
-    got = data.impression_stats_without(users, rows, data.impression_counts())
-    every = np.concatenate(data.users.shown)
-    rate, s = every[:, 1].mean(), CLICK_SMOOTHING
-    for r, (u, item) in enumerate(zip(users, rows)):
-        others = np.concatenate([shown for v, shown in enumerate(data.users.shown) if v != u])
-        of_item = others[others[:, 0] == item]
-        seen, clicked = len(of_item), of_item[:, 1].sum()
-        logodds = np.log((clicked + s * rate) / (seen - clicked + s * (1 - rate))) - np.log(rate / (1 - rate))
-        assert np.allclose(got[r], (logodds, np.log1p(seen)), atol=1e-6), r
-    assert not got[4].any()  # item 39: never shown
-    assert not np.allclose(got[0], data.impression_stats()[0])  # user 0's own impressions of item 0 left out
-
-
 def test_the_ad_tower_reads_the_impression_stats_held_for_an_ad_and_zeros_for_a_new_one():
     """Training holds the data's impression statistics by external id; an ad shown in the logs embeds otherwise than
     the same content never shown; an ad embedded as new (known False) or not held reads zeros, as a tower given
@@ -212,7 +191,6 @@ def test_the_ad_tower_reads_the_impression_stats_held_for_an_ad_and_zeros_for_a_
     assert torch.allclose(new, model.item_vectors(data.items, known=torch.zeros(40, dtype=torch.bool)))
     again = train(tiny_data(), "moe", cfg, init=train(data, "moe", cfg, progress=False), progress=False)
     assert torch.equal(again.shown_stats, torch.from_numpy(stats[shown]))
-    assert torch.equal(again.shown_ids, torch.from_numpy(data.items.ids[shown]))
 
 
 def test_a_click_weight_set_for_training_is_the_models_and_must_be_finite():
