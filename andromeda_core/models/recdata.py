@@ -73,32 +73,19 @@ class RecData:
         """Per user the items engaged before their validation engagement: all that models and baselines fit on."""
         return [seq[: max(self.split(u)[0], 0)] for u, seq in enumerate(self.users.items)]
 
-    def _impressions(self) -> tuple[np.ndarray, np.ndarray, float]:
-        """(seen (N,), clicked (N,), overall click rate) over the impressions logged before the held-out
-        engagements (Users.shown); the rate is 0 when none are logged."""
-        n = len(self.items.ids)
-        shown = np.concatenate(self.users.shown or [np.zeros((0, 2), np.int64)])
-        rate = float(shown[:, 1].mean()) if len(shown) else 0.0
-        return (np.bincount(shown[:, 0], minlength=n),
-                np.bincount(shown[:, 0], weights=shown[:, 1], minlength=n), rate)
-
     def click_logodds(self, smoothing: float = CLICK_SMOOTHING) -> np.ndarray:
         """(N,) float32 per item: the log-odds of a click per impression logged before the held-out
         engagements (Users.shown), each item's counts smoothed toward the overall click rate by `smoothing`
         impressions, minus the log-odds of that rate; 0 for an item never shown, and for every item when no
         impressions are logged (MovieLens) or none or all of them were clicked."""
-        seen, clicked, rate = self._impressions()
+        n = len(self.items.ids)
+        shown = np.concatenate(self.users.shown or [np.zeros((0, 2), np.int64)])
+        rate = shown[:, 1].mean() if len(shown) else 0.0
         if not 0 < rate < 1:
-            return np.zeros(len(self.items.ids), np.float32)
+            return np.zeros(n, np.float32)
+        seen, clicked = np.bincount(shown[:, 0], minlength=n), np.bincount(shown[:, 0], weights=shown[:, 1], minlength=n)
         odds = (clicked + smoothing * rate) / (seen - clicked + smoothing * (1 - rate))
         return (np.log(odds) - np.log(rate / (1 - rate))).astype(np.float32)
-
-    def impression_stats(self) -> np.ndarray:
-        """(N, 2) float32 per item, what the ad tower reads of the logs: its click log-odds (click_logodds at
-        CLICK_SMOOTHING) and log(1 + its impressions), both over the impressions logged before the held-out
-        engagements; zeros for an item never shown (every item when no impressions are logged)."""
-        seen, _, _ = self._impressions()
-        return np.stack([self.click_logodds(), np.log1p(seen)], 1).astype(np.float32)
 
     def train_items(self, at_least: int = 1) -> np.ndarray:
         """Sorted item rows engaged in training at least `at_least` times (repeats counted). With 1: every item

@@ -3,9 +3,7 @@
 The model knows the external ids of the ads it learned an identity for (`item_ids`, sorted); any
 other ad is embedded from its content alone. It also holds a click prior per ad shown in training
 (`click_ids`, sorted, and `click_logodds`: RecData.click_logodds), set after training and added,
-times dims.click_weight, to the bias of the ad's stored vector; an ad it holds none for gets 0. And it holds the
-impression statistics the ad tower reads (`shown_ids`, sorted, and `shown_stats`: RecData.impression_stats), fixed
-before training; an ad it holds none for (never shown, or created after training) reads zeros."""
+times dims.click_weight, to the bias of the ad's stored vector; an ad it holds none for gets 0."""
 from __future__ import annotations
 
 import contextlib
@@ -25,12 +23,11 @@ from andromeda_core.models.heads import HEADS
 from andromeda_core.models.recdata import Items, RecData
 from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.text import TEXT_DIM
-from andromeda_core.models.towers import IMPRESSION_STATS, AdTower, Dims, UserInputs, UserState, UserTowers
+from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
-MODEL_VERSION = "8"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
+MODEL_VERSION = "7"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
 # 5: the ranker reads pair features (head.cross and a wider first layer); 6: click prior in the bias, which
-# the user towers and the ranker's deep part no longer read; 7: the segment expert reads the text of described values;
-# 8: the ad tower reads the ad's impression statistics
+# the user towers and the ranker's deep part no longer read; 7: the segment expert reads the text of described values
 CO_ITEMS = 8
 UNLOADABLE = (OSError, ValueError, KeyError, SafetensorError)  # what RetrievalModel.load raises for a checkpoint this
 # code cannot use: missing or corrupt, of another model version, lacking a tensor
@@ -44,11 +41,9 @@ def served_name(kind: str) -> str:
 class RetrievalModel(nn.Module):
     def __init__(self, kind: str, dims: Dims, item_ids: np.ndarray | torch.Tensor = (),
                  click_ids: np.ndarray | torch.Tensor = (), click_logodds: np.ndarray | torch.Tensor = (),
-                 described: tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor] | None = None,
-                 shown_ids: np.ndarray | torch.Tensor = (), shown_stats: np.ndarray | torch.Tensor = ()):
+                 described: tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor] | None = None):
         """described: (hashes (V,), texts (V, 384)) of the described values the segment expert reads
-        (segments.described_table); None: it reads none. shown_ids (n,), shown_stats (n, 2): the impression
-        statistics of the ads shown in training (set_impression_stats)."""
+        (segments.described_table); None: it reads none."""
         super().__init__()
         if kind not in HEADS:
             raise ValueError(f"model must be one of {sorted(HEADS)}, got {kind!r}")
@@ -57,9 +52,6 @@ class RetrievalModel(nn.Module):
         self.register_buffer("click_ids", torch.zeros(0, dtype=torch.int64))
         self.register_buffer("click_logodds", torch.zeros(0))
         self.set_click_prior(click_ids, click_logodds)
-        self.register_buffer("shown_ids", torch.zeros(0, dtype=torch.int64))
-        self.register_buffer("shown_stats", torch.zeros((0, IMPRESSION_STATS)))
-        self.set_impression_stats(shown_ids, shown_stats)
         self.ad_tower = AdTower(dims, len(self.item_ids))
         self.user_towers = UserTowers(dims, 0 if described is None else len(described[0]))
         if described is not None:
@@ -94,23 +86,6 @@ class RetrievalModel(nn.Module):
         self.click_ids = torch.as_tensor(ids[order], device=self.click_ids.device)
         self.click_logodds = torch.as_tensor(logodds[order], device=self.click_logodds.device)
 
-    @torch.no_grad()
-    def set_impression_stats(self, ids: np.ndarray | torch.Tensor, stats: np.ndarray | torch.Tensor) -> None:
-        """Holds the impression statistics (n, 2) of the ads with external ids (n,) (none: every ad reads zeros)."""
-        ids = np.asarray(ids, np.int64).reshape(-1)
-        stats = np.asarray(stats, np.float32).reshape(-1, IMPRESSION_STATS)
-        if len(ids) != len(stats):
-            raise ValueError(f"{len(ids)} ids but {len(stats)} rows of impression statistics")
-        order = np.argsort(ids, kind="stable")
-        self.shown_ids = torch.as_tensor(ids[order], device=self.shown_ids.device)
-        self.shown_stats = torch.as_tensor(stats[order], device=self.shown_stats.device)
-
-    def impression_stats(self, ids: torch.Tensor) -> torch.Tensor:
-        """(n,) external ad ids -> (n, 2) float32 impression statistics held for them, zeros for the others."""
-        rows, found = find_sorted(self.shown_ids, ids)
-        held = self.shown_stats[rows] if len(self.shown_ids) else self.shown_stats.new_zeros((len(ids), IMPRESSION_STATS))
-        return torch.where(found[:, None], held, 0.0)
-
     @contextlib.contextmanager
     def without_click_prior(self) -> Iterator["RetrievalModel"]:
         """The model with no click prior inside; the one it held is restored after."""
@@ -130,12 +105,11 @@ class RetrievalModel(nn.Module):
                   ids: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
         """(n, S) stored vectors: the ad tower's (text (n, 384), category, advertiser, bid, external ids (n,)),
         its bias raised by dims.click_weight x the ad's click prior. known (n,) bool, when given: False embeds
-        the ad as one created after training (no learned identity, no prior, no impressions)."""
-        id_rows, prior, shown = self.id_rows(ids), self.click_prior(ids), self.impression_stats(ids)
+        the ad as one created after training (no learned identity, no prior)."""
+        id_rows, prior = self.id_rows(ids), self.click_prior(ids)
         if known is not None:
             id_rows, prior = torch.where(known, id_rows, -1), torch.where(known, prior, 0.0)
-            shown = torch.where(known[:, None], shown, 0.0)
-        stored = self.ad_tower(text, category, advertiser, bid, id_rows, shown)
+        stored = self.ad_tower(text, category, advertiser, bid, id_rows)
         return torch.cat([stored[:, :-1], stored[:, -1:] + self.dims.click_weight * prior[:, None]], 1)
 
     def item_vectors(self, items: Items, rows: np.ndarray | None = None, known: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,8 +149,7 @@ class RetrievalModel(nn.Module):
         tensors = load_file(str(path))
         model = cls(config["model"], Dims(**config["dims"]), tensors["item_ids"], tensors["click_ids"],
                     tensors["click_logodds"],
-                    (tensors["user_towers.described_hashes"], tensors["user_towers.described_text"]),
-                    tensors["shown_ids"], tensors["shown_stats"])
+                    (tensors["user_towers.described_hashes"], tensors["user_towers.described_text"]))
         model.load_state_dict(tensors)
         return model.eval(), config
 

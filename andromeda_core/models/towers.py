@@ -4,9 +4,7 @@ Stored ad vector (S = D + G + M + 1): [a (D) ad embedding | q (G) gating query |
 semantic projection of the creative's MiniLM text embedding | b (1) ad bias]. The index stores it;
 user towers read the stored vectors of the ads a user engaged with, so serving needs no other per-ad data.
 
-Item identity: a and b are content (MiniLM text, category, advertiser, bid, and the ad's impression statistics in
-the training logs: its click log-odds and log impressions, RecData.impression_stats; zeros for an ad never
-shown) plus a learned residual per
+Item identity: a and b are content (MiniLM text, category, advertiser, bid) plus a learned residual per
 ad id engaged often enough in training (TrainConfig.min_id_engagements). An ad the model has no id row for
 (created after training, or rarer) gets the content part alone; training drops each ad's id row with some
 probability (`id_dropout`), so the content tower learns to stand in for the id (the fallback is
@@ -117,7 +115,6 @@ class UserState(Tensors):
         return UserState(self.experts[rows], self.keys[rows], self.mask[rows])
 
 
-IMPRESSION_STATS = 2  # per ad: click log-odds and log(1 + impressions) in the training logs (RecData.impression_stats)
 BID_FEATURE_MAX = 1000.0  # bids above it read as it: the tower never trains on such bids (the synthetic worlds' stay
 # under 100, MovieLens's is constant), and unbounded, log1p(3.4e38) = 88 put one ad above every other for every user
 
@@ -132,7 +129,7 @@ class AdTower(nn.Module):
         self.text = nn.Linear(TEXT_DIM, 128)
         self.category = nn.Embedding(d.categories, 32)
         self.advertiser = nn.Embedding(d.advertiser_buckets, 16)
-        self.mlp = nn.Sequential(nn.Linear(128 + 32 + 16 + 1 + IMPRESSION_STATS, 128), nn.GELU(), nn.Linear(128, d.dim + d.gate + 1))
+        self.mlp = nn.Sequential(nn.Linear(128 + 32 + 16 + 1, 128), nn.GELU(), nn.Linear(128, d.dim + d.gate + 1))
         self.semantic = nn.Linear(TEXT_DIM, d.semantic)
         self.identity = nn.Embedding(ids + 1, d.dim + 1, padding_idx=ids)  # last row: no id (content only)
         nn.init.normal_(self.identity.weight, std=0.01)
@@ -140,14 +137,12 @@ class AdTower(nn.Module):
             self.identity.weight[ids] = 0
 
     def forward(self, text: torch.Tensor, category: torch.Tensor, advertiser: torch.Tensor, bid: torch.Tensor,
-                id_rows: torch.Tensor, shown: torch.Tensor | None = None) -> torch.Tensor:
-        """text (N, 384), category/advertiser (N,) int64, bid (N,), id_rows (N,) int64 (-1: no id), shown (N, 2)
-        impression statistics (None: never shown) -> (N, S)."""
+                id_rows: torch.Tensor) -> torch.Tensor:
+        """text (N, 384), category/advertiser (N,) int64, bid (N,), id_rows (N,) int64 (-1: no id) -> (N, S)."""
         d, text = self.d, text.float()
-        shown = text.new_zeros((len(text), IMPRESSION_STATS)) if shown is None else shown.float()
         h = torch.cat([F.gelu(self.text(text)), self.category(category.clamp(0, d.categories - 1)),
                        self.advertiser(advertiser % d.advertiser_buckets),
-                       torch.log1p(bid.clamp(0, BID_FEATURE_MAX))[:, None], shown], 1)
+                       torch.log1p(bid.clamp(0, BID_FEATURE_MAX))[:, None]], 1)
         out = self.mlp(h)
         no_id = self.identity.num_embeddings - 1
         ident = self.identity(torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id))

@@ -17,8 +17,7 @@ may go on from one of its own kind (the distilled MoE goes on from the undistill
 SASRec-style two-tower (STARTS_FROM: the same weights, its ad tower and sequence expert trained); the
 caller compares the result with where it started (quality.train_all chooses the MoE's distillation weight, 0
 included, on validation).
-The ad tower reads each ad's impression statistics in the data's logs (RecData.impression_stats), which the model
-holds from the start (a model going on from another keeps that one's). Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
+Training and validation run without the click prior (RetrievalModel.click_prior); after them the model
 takes the data's prior, its smoothing and weight chosen on the validation split (choose_click_prior), or at a
 weight the caller sets (TrainConfig.click_weights).
 """
@@ -169,13 +168,6 @@ def hold_click_prior(model: RetrievalModel, ids: np.ndarray, logodds: np.ndarray
     """The model holds the click log-odds (N,) of the items with ids (N,), those that are not 0 (what an ad it
     holds none for gets)."""
     model.set_click_prior(ids[logodds != 0], logodds[logodds != 0])
-
-
-def hold_impression_stats(model: RetrievalModel, data: RecData) -> None:
-    """The model holds the impression statistics (RecData.impression_stats) of the items shown in data's logs."""
-    stats = data.impression_stats()
-    shown = stats.any(1)
-    model.set_impression_stats(data.items.ids[shown], stats[shown])
 
 
 CLICK_WEIGHTS = (0.0, 1.0, 2.0, 4.0, 8.0)  # weights of the click prior tried (choose_click_prior)
@@ -349,11 +341,8 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
     frozen = init is not None and kind == "ranker"
-    if init is not None:  # the prior and impression statistics it holds, so its state loads as it is
+    if init is not None:  # the prior it holds, so its state loads as it is
         model.set_click_prior(init.click_ids.cpu(), init.click_logodds.cpu())
-        model.set_impression_stats(init.shown_ids.cpu(), init.shown_stats.cpu())
-    else:
-        hold_impression_stats(model, data)
     if init is not None and not frozen:  # training goes on from all the weights of a model it may start from
         check_start(kind, init.kind)
         model.load_state_dict(init.state_dict())

@@ -11,7 +11,7 @@ import torch
 from andromeda_core.quantization import quantize_int8, round_trip
 from andromeda_core.models.features import N_FEATURES
 from andromeda_core.models.heads import MoEHead
-from andromeda_core.models.recdata import CLICK_SMOOTHING, Items, RecData, Users
+from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import BID_FEATURE_MAX, Dims, SequenceEncoder, UserState
 from andromeda_core.models.train import (CLICK_SMOOTHINGS, CLICK_WEIGHTS, TrainConfig, choose_click_prior, default_config,
@@ -149,48 +149,6 @@ def test_training_adds_the_datas_click_prior_after_training():
     assert torch.equal(again.click_logodds, model.click_logodds)
     plain = train(tiny_data(), "moe", cfg, progress=False)
     assert not len(plain.click_ids)  # no impressions logged: no prior
-
-
-def test_impression_stats_count_each_items_logged_impressions_and_clicks():
-    """Against a count by hand: an item's click log-odds at CLICK_SMOOTHING (smoothed toward the overall rate, less
-    that rate's log-odds) and log(1 + impressions); zeros for an item never shown and for logs without impressions."""
-    data = tiny_data()
-    data.users.shown = [np.zeros((0, 2), np.int64) for _ in data.users.items]
-    assert not data.impression_stats().any()
-    data.users.shown[0] = np.array([[5, 1], [5, 0], [5, 0], [9, 1]])  # item 5: 1 click in 3; item 9: 1 in 1
-    data.users.shown[3] = np.array([[9, 0], [12, 0]])  # item 9: 1 in 2; item 12: 0 in 1
-    rate, s = 2 / 6, CLICK_SMOOTHING
-    base = np.log(rate / (1 - rate))
-    expected = {5: (np.log((1 + s * rate) / (2 + s * (1 - rate))) - base, np.log(4)),
-                9: (np.log((1 + s * rate) / (1 + s * (1 - rate))) - base, np.log(3)),
-                12: (np.log((0 + s * rate) / (1 + s * (1 - rate))) - base, np.log(2))}
-    stats = data.impression_stats()
-    for row in range(40):
-        assert np.allclose(stats[row], expected.get(row, (0.0, 0.0)), atol=1e-6), row
-
-
-def test_the_ad_tower_reads_the_impression_stats_held_for_an_ad_and_zeros_for_a_new_one():
-    """Training holds the data's impression statistics by external id; an ad shown in the logs embeds otherwise than
-    the same content never shown; an ad embedded as new (known False) or not held reads zeros, as a tower given
-    none; a model going on from another keeps that one's statistics."""
-    torch.manual_seed(0)
-    data = tiny_data()
-    data.users.shown = [np.array([[(u * 3 + 7) % 40, u % 2]]) for u in range(len(data.users.items))]
-    cfg = TrainConfig(steps=2, batch=8, negatives=4, validate_every=0)
-    model = train(data, "moe", cfg, progress=False)
-    stats = data.impression_stats()
-    shown = stats.any(1)
-    assert model.shown_ids.tolist() == data.items.ids[shown].tolist()
-    assert torch.equal(model.impression_stats(torch.from_numpy(data.items.ids)), torch.from_numpy(stats))
-    with torch.no_grad(), model.without_click_prior():
-        held = model.item_vectors(data.items)
-        new = model.item_vectors(data.items, known=torch.zeros(40, dtype=torch.bool))
-        model.set_impression_stats((), ())
-        bare = model.item_vectors(data.items)
-    assert not torch.equal(held[shown], bare[shown]) and torch.equal(held[~shown], bare[~shown])
-    assert torch.allclose(new, model.item_vectors(data.items, known=torch.zeros(40, dtype=torch.bool)))
-    again = train(tiny_data(), "moe", cfg, init=train(data, "moe", cfg, progress=False), progress=False)
-    assert torch.equal(again.shown_stats, torch.from_numpy(stats[shown]))
 
 
 def test_a_click_weight_set_for_training_is_the_models_and_must_be_finite():
@@ -397,7 +355,6 @@ def test_checkpoint_round_trip(tmp_path):
     assert model.item_ids.tolist() == data.items.ids[data.train_items(2)].tolist()
     assert torch.equal(loaded.item_ids, model.item_ids)
     assert torch.equal(loaded.click_logodds, model.click_logodds) and model.click_logodds.any()  # the prior travels
-    assert torch.equal(loaded.shown_stats, model.shown_stats) and torch.equal(loaded.shown_ids, model.shown_ids)
     assert not model.ad_tower.identity.weight[-1].any()  # the "no id" row stays zero through training
     with torch.no_grad():
         assert torch.equal(model.item_vectors(data.items), loaded.item_vectors(data.items))
