@@ -39,7 +39,8 @@ class Ranking:
 def rescored(model: RetrievalModel, state, scan: torch.Tensor, exact: torch.Tensor, m: int) -> torch.Tensor:
     """scan (B, N) scores -> (B, N): the scan's top m rescored from exact (N, S) vectors, the rest -inf."""
     short = scan.topk(min(m, scan.shape[1]), dim=1)
-    scores = score_each(model.score, state, exact[short.indices]).masked_fill(short.values == float("-inf"), float("-inf"))
+    found = short.values != float("-inf")
+    scores = score_each(model.score, state, exact[short.indices], found).masked_fill(~found, float("-inf"))
     return torch.full_like(scan, float("-inf")).scatter(1, short.indices, scores)
 
 
