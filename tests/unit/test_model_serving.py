@@ -131,3 +131,20 @@ def test_warm_up_loads_the_sentence_model(scorer):
     text._model.cache_clear()  # the next test to embed loads it again (seconds): the price of a test that can fail
     scorer.warm_up()
     assert text._model.cache_info().currsize == 1
+
+
+def test_a_batched_request_gets_the_ads_it_gets_alone(default_schema, scorer, events):
+    """The user towers run on the whole batch (their floats may round otherwise in the last bits), but each request
+    keeps its own targeting, k and rescoring: batched with a request of another history, country and k, it gets the
+    same ads in the same order as alone, the scores within rounding."""
+    index = indexed(default_schema, scorer, events, "int8")
+    other = parse_request({"user": {"user_id": 2, "attributes": {"country": "US"},
+                                    "history": [{"ad_id": a, "event": "click", "ts": 10 * a} for a in (3, 6, 9, 2)]},
+                           "context": {"ts": 3600 * 30}, "k": 8})
+    retriever = Retriever(index, scorer, rescore=2)
+    alone = [retriever.retrieve([r])[0] for r in (request(3), other)]
+    together = retriever.retrieve([request(3), other])
+    for a, t in zip(alone, together):
+        assert [x.ad_id for x in t.ads] == [x.ad_id for x in a.ads] and t.eligible == a.eligible
+        assert [x.score for x in t.ads] == pytest.approx([x.score for x in a.ads], rel=1e-5, abs=1e-6)
+    assert together[1].eligible == len(TITLES)  # the US user is eligible for every ad
