@@ -135,9 +135,10 @@ class Retriever:
             k = max(1, min(max(query.k), self.index.high_water))  # no request gets more than the table holds
             wanted = [max(self.rescore, 1) * min(kb, k) for kb in query.k]
             slots, eligible = self.shortlist(self.index.request_inputs(query.values, query.now), head, wanted)
-            scores = score_each(self.scorer.score, users, self.index.vectors_at(slots), slots >= 0)
-            ids = torch.where(slots >= 0, self.index.columns["ad_id"][slots.clamp(min=0)], NO_ID)
-            ids, scores = topk_by_score_then_id(scores, ids, slots >= 0, k)
+            found = slots >= 0
+            scores = score_each(self.scorer.score, users, self.index.vectors_at(slots), found)
+            ids = torch.where(found, self.index.columns["ad_id"][slots.clamp(min=0)], NO_ID)
+            ids, scores = topk_by_score_then_id(scores, ids, found, k)
         return TopK(ids.cpu(), scores.cpu(), eligible.cpu())
 
     def shortlist(self, inputs: tuple[torch.Tensor, torch.Tensor], head: KernelHead,
