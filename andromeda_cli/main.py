@@ -224,13 +224,16 @@ def check_layout(publisher, args: argparse.Namespace) -> None:
 
 
 def cmd_token(args: argparse.Namespace) -> None:
-    from deployments.auth import add_token
+    from deployments.auth import NAME, add_token
 
+    if not NAME.match(args.name):
+        raise InvalidInput("must be 1-64 letters, digits, '_' or '-'", "--name")
     if args.role == "advertiser" and args.advertiser is None:
         raise InvalidInput("--role advertiser needs --advertiser (the advertiser_id the token may write for)",
                            "--advertiser")
     if args.role != "advertiser" and args.advertiser is not None:
-        raise InvalidInput(f"only --role advertiser takes --advertiser (a {args.role} token is not tied to one)",
+        article = "an" if args.role[0] in "aeiou" else "a"
+        raise InvalidInput(f"only --role advertiser takes --advertiser ({article} {args.role} token is not tied to one)",
                            "--advertiser")
     try:
         token = add_token(args.file, args.name, args.role, args.advertiser)

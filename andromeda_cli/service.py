@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from andromeda_cli.args import checkpoint, input_file
+from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file
 from andromeda_core.config import load_settings, redact, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
@@ -65,20 +65,65 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
     return config.model_copy(update={k: str(Path(v).resolve()) for k, v in paths.items() if v})  # Ray workers' cwd may differ
 
 
+def check_port(config: ServiceConfig) -> None:
+    """Fail fast, in one line, when the HTTP port is taken (Ray Serve's proxy would share a port that another
+    service already serves on) or the host is not this machine's."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((config.host, config.port))
+        except OSError as exc:
+            raise AndromedaError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+
+
 def check_reachable(config: ServiceConfig) -> None:
-    """Fail fast, in one line, when Redis does not answer or the HTTP port is taken (Ray Serve's
-    proxy would share a port that another service already serves on)."""
+    """check_port, and fail fast when Redis does not answer."""
     import redis
 
     try:
         redis.Redis.from_url(config.redis_url, socket_connect_timeout=3).ping()
     except (redis.RedisError, OSError) as exc:
         raise AndromedaError(f"cannot reach Redis at {redact(config.redis_url)}: {redact(exc)}{tls_hint(exc)}") from None
-    with socket.socket() as probe:
-        try:
-            probe.bind((config.host, config.port))
-        except OSError as exc:
-            raise AndromedaError(f"cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
+    check_port(config)
+
+
+SHARD_PROBE = 64  # entries read from the head of each shard stream to tell the shard count they were published for
+MAX_SHARDS_PROBED = 256  # streams past the configured shards checked for entries (a larger count published before)
+
+
+def published_for_other_shards(config: ServiceConfig) -> str | None:
+    """Why the shard streams hold ads published for another shard count than config.shards (a replica would set
+    them aside as belonging to another shard and serve without them), or None: a stream past the last shard holds
+    entries, or one of the first SHARD_PROBE entries of a shard's stream belongs to another shard."""
+    import redis
+
+    from andromeda_core.sharding import shard_of
+    from index_updater.records import shard_stream
+
+    client = redis.Redis.from_url(config.redis_url)
+    pipe = client.pipeline(transaction=False)
+    for s in range(config.shards, MAX_SHARDS_PROBED):
+        pipe.xlen(shard_stream(config.stream, s))
+    beyond = [config.shards + i for i, n in enumerate(pipe.execute()) if n]
+    if beyond:
+        return f"the stream of shard {beyond[0]} holds entries"
+    for s in range(config.shards):
+        for _, fields in client.xrange(shard_stream(config.stream, s), count=SHARD_PROBE):
+            try:
+                ad_id = int(fields[b"ad_id"])
+            except (KeyError, ValueError):
+                continue  # a malformed entry: the replica sets it aside with its own reason
+            if shard_of(ad_id, config.shards) != s:
+                return f"ad {ad_id} in the stream of shard {s} belongs to shard {shard_of(ad_id, config.shards)}"
+    return None
+
+
+def refuse_other_shard_count(config: ServiceConfig, start_over: str) -> None:
+    """AndromedaError naming --shards when the streams were published for another shard count."""
+    why = published_for_other_shards(config)
+    if why:
+        raise InvalidInput(f"{config.shards} shard(s), but the streams at {redact(config.redis_url)} were published for "
+                           f"another shard count ({why} of {config.shards}): serve them with the shard count they were "
+                           f"published for, or {start_over}", "--shards")
 
 
 def streams_empty(config: ServiceConfig) -> bool:
@@ -199,6 +244,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise InvalidInput("REDIS_URL is not set (`andromeda up` starts a local redis-server for you)")
     config = service_config(args, settings.redis_url)
     check_reachable(config)
+    refuse_other_shard_count(config, "republish them to empty streams with `andromeda publish --shards "
+                                     f"{config.shards}`")
     world = demo_world(args.demo_ads) if args.demo_ads else None
     if world is not None and streams_empty(config):
         publish_demo(config, world)
@@ -255,7 +302,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     from index_updater.local_redis import LocalRedis
 
     settings = load_settings()
-    service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0")  # bad flags fail before any work
+    check_port(service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0"))  # bad flags and a taken
+    # port fail before any work, and before a second redis-server would open a running one's files
     world = demo_world(args.demo_ads)
     demo, retrained = args.model is None, False
     if demo:
@@ -279,6 +327,8 @@ def cmd_up(args: argparse.Namespace) -> None:
             clear_demo_state(redis.Redis.from_url(redis_url), Path(config.snapshot_dir))
             print(f"cleared var/redis and {config.snapshot_dir}: their demo ads were embedded by the previous demo "
                   "model", file=sys.stderr)
+        refuse_other_shard_count(config, f"start over from no ads: delete var/redis and {config.snapshot_dir}"
+                                 if server is not None else "republish them to empty streams")
         if streams_empty(config):
             publish_demo(config, world)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "
@@ -314,12 +364,13 @@ def add_service_flags(s: argparse.ArgumentParser) -> None:
 def add_commands(sub) -> None:
     s = sub.add_parser("serve", help="run the Ray Serve service in the foreground against REDIS_URL")
     add_service_flags(s)
-    s.add_argument("--demo-ads", type=int, default=0, help="synthesise and publish N demo ads when the streams are empty")
+    s.add_argument("--demo-ads", type=NON_NEGATIVE, default=0,
+                   help="synthesise and publish N demo ads when the streams are empty (0: none)")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("up", help="everything local: redis-server, a trained demo model, demo ads, the service")
     add_service_flags(s)
-    s.add_argument("--demo-ads", type=int, default=10000, help="demo corpus size")
+    s.add_argument("--demo-ads", type=POSITIVE, default=10000, help="demo corpus size")
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("serve-config", help="write the Ray Serve config YAML (serve run / serve deploy / KubeRay)")

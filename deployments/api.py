@@ -304,6 +304,12 @@ class Guard:
         return replay
 
 
+def json_media_type(content_type: str) -> bool:
+    """Whether a Content-Type names JSON as FastAPI reads it: application/json or application/*+json, in any case."""
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def create_app(on_error: Callable[[str], None]) -> FastAPI:
     """The app with its error handlers and guard; `on_error(cause)` counts each error response by cause.
 
@@ -333,7 +339,7 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
         err = exc.errors()[0]
         if err.get("type") == "json_invalid" and (refusal := await auth_refusal(request)):
             return refusal
-        if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        if request.method == "POST" and not json_media_type(request.headers.get("content-type", "")):
             on_error("unsupported_media_type")
             return error_response(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json",
                                   "Content-Type")

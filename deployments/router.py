@@ -31,7 +31,7 @@ from andromeda_core.models.serving import ModelScorer, load_scorer
 from andromeda_core.retriever import CompiledRequest, UserQuery, compile_requests, merge_topks
 from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
-from andromeda_core.types import AdEvent, RetrieveRequest, RetrieveResponse, UpsertEvent
+from andromeda_core.types import INT64, AdEvent, RetrieveRequest, RetrieveResponse, UpsertEvent
 from deployments.api import (BODY_ERRORS, ERRORS, WRITE_ERRORS, AdState, BatchResponse, GuardSettings, Health,
                              PublishResponse, bearer_token, create_app, current_deadline, remaining_s)
 from deployments.auth import Principal, TokenStore
@@ -125,7 +125,8 @@ def decimal_id(text: object) -> object:
     return text
 
 
-AD_ID = Annotated[int, BeforeValidator(decimal_id), Path(ge=0, lt=2**63)]
+AD_ID = Annotated[INT64, BeforeValidator(decimal_id), Path()]  # INT64's bounds: Path's own are floats, which
+# misprinted 2**63 in the error and gave the schema no JSON Schema keywords
 
 
 class ShardUnavailable(AndromedaError):

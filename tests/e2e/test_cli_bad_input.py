@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -108,7 +109,8 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("token", "--file", "{d}/list.json", "--name", "x", "--advertiser", "1"), {}, ("list.json", "tokens")),
     (("token", "--file", "{d}", "--name", "x", "--advertiser", "1"), {}, ("--file", "Is a directory")),
     (("token", "--file", "{d}/t.json", "--name", "x", "--role", "admin", "--advertiser", "4"), {},
-     ("--advertiser", "only --role advertiser")),
+     ("--advertiser", "only --role advertiser", "an admin token")),
+    (("token", "--file", "{d}/t.json", "--name", "bad name", "--role", "admin"), {}, ("--name", "letters")),
     (("train", "--data", "synthetic", "--model", "moe", "--distill", "nan"), {}, ("argument --distill", "finite")),
     (("train", "--data", "synthetic", "--model", "moe", "--distill", "-1"), {}, ("argument --distill", ">= 0")),
     (("train", "--data", "synthetic", "--model", "moe", "--out", "{d}"), {}, ("argument --out", "is a directory")),
@@ -128,6 +130,9 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("synth", "--ads", "5", "--users", "3", "--out", "{d}/a_file"), {}, ("argument --out", "not a directory")),
     (("synth", "--ads", "5", "--users", "3", "--workers", "0", "--out", "{d}/w"), {}, ("argument --workers",)),
     (("demo", "--out", "{d}/w", "--show", "-1"), {}, ("argument --show",)),
+    (("up", "--demo-ads", "0"), {}, ("argument --demo-ads", ">= 1")),
+    (("up", "--demo-ads", "-5"), {}, ("argument --demo-ads",)),
+    (("serve", "--demo-ads", "-5"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("argument --demo-ads", ">= 0")),
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "-1"), {}, ("argument --steps",)),
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "0"), {}, ("argument --steps",)),
     (("train", "--data", "synthetic", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors",
@@ -174,6 +179,17 @@ def redis_url(tmp_path_factory):
     server = LocalRedis(tmp_path_factory.mktemp("redis")).start()
     yield server.url
     server.stop()
+
+
+def test_up_on_a_taken_port_says_so_before_starting_redis(tmp_path, capsys, monkeypatch):
+    """A second `up` must not start a redis-server on the running one's files (var/redis) before it fails."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert_refused(andromeda(capsys, "up", "--port", taken.getsockname()[1]), "cannot listen on 127.0.0.1")
+    assert not (tmp_path / "var").exists()
 
 
 def test_publish_to_a_redis_that_is_not_listening_fails_fast(d, capsys):

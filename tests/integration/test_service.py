@@ -262,6 +262,15 @@ def test_raw_garbage_is_a_422_not_a_500(service):
     as_text = requests.post(f"{service.url}/two/v1/retrieve", data='{"user": {"user_id": 1}}',
                             headers={"Content-Type": "text/plain"}, timeout=10)
     assert as_text.status_code == 415 and as_text.json()["error"]["field"] == "Content-Type"
+    too_large = requests.get(f"{service.url}/two/v1/ads/{2**63}", timeout=10)
+    assert too_large.status_code == 422 and str(2**63) in too_large.json()["error"]["message"]  # not a float's 9...6000
+    for json_type in ("APPLICATION/JSON", "application/vnd.andromeda+json; charset=utf-8"):  # JSON to FastAPI too
+        malformed = requests.post(f"{service.url}/two/v1/retrieve", data="not json", headers={"Content-Type": json_type},
+                                  timeout=10)
+        assert malformed.status_code == 422 and malformed.json()["error"]["field"] == "body", (json_type, malformed.text)
+        fine = requests.post(f"{service.url}/two/v1/retrieve", data='{"user": {"user_id": 1}}',
+                             headers={"Content-Type": json_type}, timeout=10)
+        assert fine.status_code == 200, (json_type, fine.text)
     for method, path, status in (("GET", "/v1/retrieve", 405), ("DELETE", "/v1/ads/5", 405), ("GET", "/v2/nothing", 404)):
         got = requests.request(method, f"{service.url}/two{path}", timeout=10)
         assert got.status_code == status and set(got.json()["error"]) == {"category", "field", "message"}

@@ -1,11 +1,18 @@
-"""`andromeda up` keeps its private Redis's demo ads only while the demo model that embedded them serves."""
+"""`andromeda up` keeps its private Redis's demo ads only while the demo model that embedded them serves, and
+`up` and `serve` refuse streams published for another shard count (a replica would set aside the ads that hash to
+another shard, and serve without them)."""
 from __future__ import annotations
 
 import os
 
 import redis
 
-from andromeda_cli.service import clear_demo_state, embedded_by_another
+import pytest
+
+from andromeda_cli.service import (clear_demo_state, embedded_by_another, published_for_other_shards,
+                                   refuse_other_shard_count)
+from andromeda_core.errors import InvalidInput
+from andromeda_core.sharding import shard_of
 from deployments.config import ServiceConfig
 from index_updater.publisher import Publisher
 from tests.conftest import upsert
@@ -34,3 +41,22 @@ def test_a_replaced_demo_model_clears_redis_and_the_shards_snapshots(redis_serve
     other.write_text("kept")
     clear_demo_state(client, tmp_path)
     assert client.dbsize() == 0 and not snapshot.exists() and other.exists()
+
+
+def test_streams_published_for_another_shard_count_are_refused(redis_server, small_schema, scorer):
+    server, client = redis_server
+    url = server.url if server else os.environ["REDIS_URL"]
+    ads = [parse_event(upsert(i)) for i in range(1, 9)]
+    assert {shard_of(i, 2) for i in range(1, 9)} != {0}  # with two shards, some of them belong to shard 1
+    Publisher(client, small_schema, scorer, shards=1, stream="up-one").publish(ads)
+    assert published_for_other_shards(ServiceConfig(redis_url=url, shards=1, stream="up-one")) is None
+    assert published_for_other_shards(ServiceConfig(redis_url=url, shards=3, stream="up-none")) is None  # no entries
+    why = published_for_other_shards(ServiceConfig(redis_url=url, shards=2, stream="up-one"))
+    assert why and "in the stream of shard 0 belongs to shard 1" in why
+    Publisher(client, small_schema, scorer, shards=3, stream="up-three").publish(ads)
+    assert published_for_other_shards(ServiceConfig(redis_url=url, shards=3, stream="up-three")) is None
+    assert published_for_other_shards(ServiceConfig(redis_url=url, shards=2, stream="up-three")) == \
+        "the stream of shard 2 holds entries"
+    with pytest.raises(InvalidInput) as refused:
+        refuse_other_shard_count(ServiceConfig(redis_url=url, shards=2, stream="up-one"), "republish them")
+    assert refused.value.field == "--shards" and "republish them" in refused.value.message
