@@ -40,6 +40,7 @@ from deployments.limits import TokenBuckets, check_requests, over_limit
 from deployments.metrics import ServiceMetrics
 from deployments.shared_limits import SharedTokenBuckets, limiter_client
 from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
+from index_updater.owners import ADMIN, Writer
 from index_updater.publisher import Publisher
 
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
@@ -318,11 +319,11 @@ class Router:
         if len(events) > self.config.max_events_per_request:
             raise InvalidInput(f"at most {self.config.max_events_per_request} events per request "
                                f"(max_events_per_request), got {len(events)}", "body")
-        if principal.role == "advertiser":
-            await self.check_ownership(principal, events)
-        ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, [f"[{i}]" for i in range(len(events))])
+        writer = await self.writer_of(principal, events)
+        where = [f"[{i}]" for i in range(len(events))]
+        ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, where)
         try:
-            ids = await asyncio.to_thread(self.publisher.publish_ops, ops)
+            ids = await asyncio.to_thread(self.publisher.publish_ops, ops, writer, where)
         except redis.RedisError as exc:
             raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); retry the whole "
                                     "batch (re-sent events are harmless: they apply by version)", "redis") from None
@@ -335,28 +336,23 @@ class Router:
         self.metrics.stage(endpoint, "total", time.perf_counter() - started)
         self.metrics.requests.labels(endpoint).inc()
 
-    async def check_ownership(self, principal: Principal, events: Sequence[AdEvent]) -> None:
-        """Forbidden (naming the event) unless every event touches only `principal`'s ads: an upsert must name
-        its advertiser, and an ad already indexed (read from one replica of its shard) must be its own; a
-        delete, pause or resume needs the ad indexed as its own or created earlier in the batch."""
+    async def writer_of(self, principal: Principal, events: Sequence[AdEvent]) -> Writer:
+        """Who appends `events`: an admin, or an advertiser whose upserts must name it (Forbidden naming the event
+        otherwise), with the owners the index reports for the ads (read from one replica of each shard), which
+        the owner registry falls back on for an ad it has no entry for (owners.APPEND decides the rest)."""
+        if principal.role != "advertiser":
+            return ADMIN
         mine = principal.advertiser_id
+        for i, event in enumerate(events):
+            if isinstance(event, UpsertEvent) and event.ad.advertiser_id != mine:
+                raise Forbidden(f"token {principal.name} writes only advertiser {mine}'s ads", f"[{i}].ad.advertiser_id")
         ids = sorted({e.ad.ad_id if isinstance(e, UpsertEvent) else e.ad_id for e in events})
         by_shard: dict[int, list[int]] = {}
         for ad_id in ids:
             by_shard.setdefault(shard_of(ad_id, len(self.shards)), []).append(ad_id)
         replies = await asyncio.gather(*(self.call(s, "owners", shard_ids) for s, shard_ids in by_shard.items()))
-        owner = {ad_id: o for shard_ids, reply in zip(by_shard.values(), replies) for ad_id, o in zip(shard_ids, reply)}
-        for i, event in enumerate(events):
-            if isinstance(event, UpsertEvent):
-                ad_id = event.ad.ad_id
-                if event.ad.advertiser_id != mine:
-                    raise Forbidden(f"token {principal.name} writes only advertiser {mine}'s ads",
-                                    f"[{i}].ad.advertiser_id")
-                if owner[ad_id] not in (None, mine):
-                    raise Forbidden(f"ad {ad_id} belongs to another advertiser (an ad cannot be moved)", f"[{i}].ad.ad_id")
-                owner[ad_id] = mine
-            elif owner[event.ad_id] != mine:
-                raise Forbidden(f"ad {event.ad_id} is not indexed as advertiser {mine}'s", f"[{i}].ad_id")
+        return Writer(mine, {ad_id: o for shard_ids, reply in zip(by_shard.values(), replies)
+                             for ad_id, o in zip(shard_ids, reply)})
 
     @app.get("/v1/ads/{ad_id}", response_model=AdState, responses=ERRORS)
     async def get_ad(self, ad_id: AD_ID, _: Principal | None = Depends(reader)) -> AdState:

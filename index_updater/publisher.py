@@ -1,9 +1,10 @@
 """Publisher: validate, compile and embed ad events, then XADD each to the stream of its shard.
 
 A batch (and a whole file, by `publish_file`) is validated and compiled in full before anything is
-written, so a bad event changes nothing. Each shard's part of the batch goes to its stream in one MULTI/EXEC transaction (one key per
-transaction, so the shard streams may live on different Redis Cluster nodes); on a connection error
-that part is sent again (with backoff) until acknowledged. A resend after a lost reply can duplicate
+written, so a bad event changes nothing. Each shard's part of the batch goes to its stream in one atomic Lua
+script that also keeps the shard's owner registry (index_updater/owners.py: its keys share the stream's Redis
+Cluster slot, so the shard streams may live on different nodes); on a connection error that part is sent again
+(with backoff) until acknowledged. A resend after a lost reply can duplicate
 entries, which is harmless: consumers apply events idempotently by (ad_id, version). A batch that
 spans shards is not atomic across them; each shard's part is.
 """
@@ -22,6 +23,7 @@ from andromeda_core.ingest import compile_upserts, prepare_ops, read_events
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.types import parse_event
+from index_updater.owners import ADMIN, Writer, run_append
 from index_updater.records import encode, layout_key, shard_stream, stream_layout, text
 
 DEFAULT_STREAM = Settings.stream
@@ -57,26 +59,25 @@ class Publisher:
         parsed = [e if hasattr(e, "op") else parse_event(e, f"{where}[{i}]") for i, e in enumerate(events)]
         return self.publish_ops(prepare_ops(self.schema, self.scorer, parsed))
 
-    def publish_ops(self, ops: Sequence) -> list[str]:
-        """Append already prepared ops: one transaction per shard stream, each retried until acknowledged.
-        Returns the stream ids in the order of `ops`."""
+    def publish_ops(self, ops: Sequence, writer: Writer = ADMIN, where: Sequence[str] | None = None) -> list[str]:
+        """Append already prepared ops: one atomic script per shard stream (owners.APPEND: the entries and the
+        owner registry), each retried until acknowledged. Returns the stream ids in the order of `ops`. For an
+        advertiser (`writer`), every shard's part is checked before any is appended; owners.Refused names the
+        event (`where[i]`, default "[i]") that touches another's ad. Only an ad claimed by another writer between
+        the check and its shard's append can still leave the other shards' parts appended."""
         now_ms = int(time.time() * 1000)
         entries = [encode(op, self.shards, self.schema, self.scorer.name, self.scorer.dim, now_ms) for op in ops]
         by_stream: dict[str, list[int]] = {}
         for i, fields in enumerate(entries):
             by_stream.setdefault(shard_stream(self.stream, fields["shard"]), []).append(i)
-        ids = [""] * len(entries)
-        for stream, positions in by_stream.items():
-            sent = retry(partial(self._append, stream, [entries[i] for i in positions]), self.attempts)
-            for i, entry_id in zip(positions, sent):
-                ids[i] = text(entry_id)
+        where, ids = where or [f"[{i}]" for i in range(len(ops))], [""] * len(entries)
+        for check_only in ([True, False] if writer.advertiser is not None else [False]):
+            for stream, positions in by_stream.items():
+                append = partial(run_append, self.client, stream, [ops[i] for i in positions],
+                                 [entries[i] for i in positions], writer, check_only, [where[i] for i in positions])
+                for i, entry_id in zip(positions, retry(append, self.attempts)):
+                    ids[i] = text(entry_id)
         return ids
-
-    def _append(self, stream: str, entries: list[dict]) -> list:
-        pipe = self.client.pipeline(transaction=True)
-        for fields in entries:
-            pipe.xadd(stream, fields)
-        return pipe.execute()
 
     def check_streams(self) -> None:
         """Raise InvalidInput when a shard stream's key holds another Redis type; a connection error is
