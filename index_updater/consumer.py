@@ -51,6 +51,14 @@ redis.call('SET', KEYS[2], ARGV[1] .. '-' .. ARGV[2])
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
 """
 RELEASE_ROUND = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# The stream's state, the entry at the last applied id and the entries after it, read at one moment (a script is
+# atomic). Not a MULTI/EXEC: Redis refuses every command queued in one, reads too, once its memory passes maxmemory,
+# and a replica must still read (and start) then. None when the stream does not exist.
+READ = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+return {redis.call('XINFO', 'STREAM', KEYS[1]), redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1], 'COUNT', 1),
+        redis.call('XREAD', 'COUNT', ARGV[2], 'STREAMS', KEYS[1], ARGV[1])}
+"""
 
 
 class StreamGap(RuntimeError):
@@ -85,6 +93,12 @@ def entry_digest(fields: dict) -> str:
     for key, value in sorted((raw(key), raw(value)) for key, value in fields.items()):
         h.update(len(key).to_bytes(4, "big") + key + len(value).to_bytes(4, "big") + value)
     return h.hexdigest()
+
+
+def entries_of(reply: list) -> list[Entry]:
+    """Stream entries as a script returns them ([id, [field, value, ...]] each) -> [(id, {field: value})], as
+    redis-py parses XRANGE and XREAD."""
+    return [(entry_id, dict(zip(flat[::2], flat[1::2]))) for entry_id, flat in reply]
 
 
 def held_digest(reply: list) -> str | None:
@@ -181,6 +195,7 @@ class ShardConsumer:
         self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
         self._dead_letter_once = client.register_script(DEAD_LETTER_ONCE)
         self._release_claim = client.register_script(RELEASE_ROUND)
+        self._read = client.register_script(READ)
         self._layout = stream_layout(shards, index.schema, model, index.dim)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -272,16 +287,11 @@ class ShardConsumer:
         updates: it then applies what the stream still holds). When the stream went back (went_back), the read
         starts again from its first entry."""
         last_id = self.stats.last_id
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xinfo_stream(self.source)
-        pipe.xrange(self.source, min=last_id, max=last_id, count=1)
-        pipe.xread({self.source: last_id}, count=self.count)
-        try:
-            info, at_last, reply = pipe.execute()
-        except redis.ResponseError as exc:
-            if no_stream(exc):
-                return []
-            raise
+        state = self._read(keys=[self.source], args=[last_id, self.count])
+        if state is None:
+            return []
+        info = {text(key): value for key, value in zip(state[0][::2], state[0][1::2])}  # as redis-py parses XINFO
+        at_last, reply = entries_of(state[1]), [(name, entries_of(read)) for name, read in state[2] or []]
         if reason := went_back(info, last_id, self._entries_added, held_digest(at_last), self._last_digest):
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
@@ -397,7 +407,10 @@ class ShardConsumer:
         while retry(lambda: self.poll(block_ms=0)):
             pass
         retry(self.settle_reset)
-        retry(self.report_applied)  # registered before it serves: trimming now waits for this replica
+        try:
+            retry(self.report_applied)  # registered before it serves: trimming now waits for this replica
+        except redis.exceptions.OutOfMemoryError as exc:  # a full Redis refuses the report: serve what was read, and
+            self._count_error(exc, "reporting again each second")  # report from the loop once it takes writes
 
     def snapshot(self) -> None:
         """Write a snapshot now (then, with `trim`, trim the shard's stream up to what the oldest kept one covers).
@@ -618,7 +631,10 @@ class ShardConsumer:
         if self.snapshots is not None and (now >= due["snapshot"] or (self._snapshot_now and self._writer is None)):
             due["snapshot"] = now + self.snapshot_every_s
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
-            self._snapshot_round(claim=not self._snapshot_now)  # a reset's stays asked for until one is written
+            try:
+                self._snapshot_round(claim=not self._snapshot_now)  # a reset's stays asked for until one is written
+            except redis.exceptions.OutOfMemoryError as exc:  # a full Redis refuses the claim: trimming, next, frees memory
+                self._count_error(exc, "the snapshot waits for its next round")
         if self.trim and now >= due["trim"]:
             due["trim"] = now + (self.trim_every_s or self.snapshot_every_s)
             self.trim_stream()

@@ -754,3 +754,33 @@ def test_a_reset_forgets_the_dead_letter_marker_and_retries_what_failed(setup, t
     c.snapshots.set_aside = set_aside
     c.settle_reset()
     assert not c._reset_pending and old not in c.snapshots.paths() and old.with_name(f"stale-{old.name}").exists()
+
+
+def test_a_full_redis_still_lets_replicas_read_start_and_trim(setup, tmp_path):
+    """Past maxmemory (noeviction, as docs/operations.md sets it) Redis refuses writes and every command queued in a
+    MULTI/EXEC, reads too: a replica must still read what the stream holds, a new one must still start, and the
+    loop's turn must still reach the trim, which frees memory."""
+    client, publisher, make = setup
+    publisher.publish([upsert(i) for i in range(1, 6)])
+    store = SnapshotStore(tmp_path / "snapshots", keep=1)
+    running = make(snapshots=store, trim=True, replica_id="running")
+    running.catch_up()
+    running.snapshot()
+    publisher.publish([upsert(i) for i in range(6, 9)])
+    policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", max(1, client.info("memory")["used_memory"] // 2))
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            publisher.publish([upsert(9)])  # refused, as documented: publish answers 503
+        started = make(snapshots=store, replica_id="new")
+        assert started.recover()
+        started.catch_up()  # reads, though it cannot register its applied position yet
+        assert sorted(started.index.ad_ids()) == list(range(1, 9)) and started.stats.errors == 1
+        running._turn({"sweep": 0.0, "snapshot": 0.0, "trim": 0.0, "report": float("inf")})
+        assert sorted(running.index.ad_ids()) == list(range(1, 9))
+        assert "OutOfMemoryError" in running.stats.last_error  # the round's claim was refused, and the trim still
+        assert running.trimmed == 4 and client.xlen(SHARD0) == 4  # done: the entries before the one the snapshot covers
+    finally:
+        client.config_set("maxmemory", 0)
+        client.config_set("maxmemory-policy", policy)
