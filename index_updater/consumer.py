@@ -37,18 +37,19 @@ log = logging.getLogger(__name__)
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
 LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every second) by this much
 DEAD_LETTERS_KEPT = 100_000  # the dead-letter stream keeps about this many of the newest (XADD MAXLEN ~)
-# KEYS: the dead-letter stream, the shard's marker (the newest source id dead-lettered); ARGV: the entry's id (ms,
-# seq), the stream's length kept, the record's fields and values. Replicas read the shard's stream in order, so the
-# first to meet an entry adds it and moves the marker past it; the others add nothing.
+# Dead-letter an entry once, whichever replicas of the shard meet it and however often. KEYS: the dead-letter stream,
+# the shard's sorted set of the entries dead-lettered ("<source id> <entry digest>", scored by the id's
+# milliseconds: the newest ARGV[2] kept; a key of another type, mangled, counts as none); ARGV: that member, the
+# length kept, its score, the record's fields and values. The digest tells a new entry that a stream gone back
+# (went_back) put at an id from the one dead-lettered there before, with nothing to forget at the reset, so a
+# replica that notices the reset later adds nothing again.
 DEAD_LETTER_ONCE = """
-local ms, seq = string.match(redis.call('GET', KEYS[2]) or '', '^(%d+)-(%d+)$')
-if ms then  -- (a marker that is not an id counts as none)
-  ms, seq = tonumber(ms), tonumber(seq)
-  local ems, eseq = tonumber(ARGV[1]), tonumber(ARGV[2])
-  if ems < ms or (ems == ms and eseq <= seq) then return false end
-end
-redis.call('SET', KEYS[2], ARGV[1] .. '-' .. ARGV[2])
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+local kind = redis.call('TYPE', KEYS[2]).ok
+if kind ~= 'zset' and kind ~= 'none' then redis.call('DEL', KEYS[2]) end
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return false end
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[2]) - 1)
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
 """
 RELEASE_ROUND = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # The stream's state, the entry at the last applied id and the entries after it, read at one moment (a script is
@@ -173,7 +174,7 @@ class ShardConsumer:
             raise ValueError(f"shard must be in [0, {shards})")
         self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
         self.stream, self.source, self.dead_letter_stream = stream, shard_stream(stream, shard), dead_letter_stream(stream)
-        self.dead_letter_marker = f"{self.dead_letter_stream}:{self.source}"  # the newest source id dead-lettered
+        self.dead_lettered = f"{self.dead_letter_stream}:{self.source}:once"  # DEAD_LETTER_ONCE's set
         self.snapshots, self.count, self.block_ms = snapshots, count, block_ms
         self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
         self.on_applied = on_applied
@@ -296,7 +297,6 @@ class ShardConsumer:
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
                       "before", self.shard, reason)
-            self.client.delete(self.dead_letter_marker)  # before the re-read: its poison entries may take ids below it
             self.stats.stream_resets += 1
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
             self._last_digest = None
@@ -318,9 +318,9 @@ class ShardConsumer:
                                               digest) is not None
 
     def settle_reset(self) -> None:
-        """After the stream went back (read() has forgotten the shard's dead-letter marker already): set aside the
-        snapshots it went back from (they claim ids its new entries may take) and ask for a snapshot. Retried at
-        each turn until it succeeds; until then, and until that snapshot is written, nothing is trimmed."""
+        """After the stream went back: set aside the snapshots it went back from (they claim ids its new entries may
+        take) and ask for a snapshot. Retried at each turn until it succeeds; until then, and until that snapshot is
+        written, nothing is trimmed."""
         if not self._reset_pending:
             return
         if self.snapshots is not None:
@@ -356,8 +356,8 @@ class ShardConsumer:
         now_ms = time.time() * 1000
         self.stats.behind_since = min(read.published_ms, default=now_ms) / 1000  # these wait until applied
         results, rejected = self._apply(read)
-        for position, exc in sorted([*read.dead, *rejected], key=lambda dead: dead[0]):  # in stream order: the
-            self._dead_letter(entries[position], exc)  # shard's marker moves forward only
+        for position, exc in sorted([*read.dead, *rejected], key=lambda dead: dead[0]):  # in stream order
+            self._dead_letter(entries[position], exc)
         servable_ms = time.time() * 1000
         last = entries[-1][0]
         self.stats.last_id, self._from_start = text(last), False
@@ -396,8 +396,9 @@ class ShardConsumer:
         entry_id = text(entry_id)
         record = {"source_id": entry_id, "stream": self.source, "reason": exc.message, "field": exc.field or "",
                   "shard": self.shard, "event": fields.get(b"event", b"")}
-        args = [*stream_id_key(entry_id), DEAD_LETTERS_KEPT, *(x for item in record.items() for x in item)]
-        retry(lambda: self._dead_letter_once(keys=[self.dead_letter_stream, self.dead_letter_marker], args=args))
+        args = [f"{entry_id} {entry_digest(fields)}", DEAD_LETTERS_KEPT, stream_id_key(entry_id)[0],
+                *(x for item in record.items() for x in item)]
+        retry(lambda: self._dead_letter_once(keys=[self.dead_letter_stream, self.dead_lettered], args=args))
         self.stats.dead_letters += 1
         log.warning("dead-lettered %s: %s", entry_id, exc)
 

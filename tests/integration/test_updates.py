@@ -97,7 +97,7 @@ def test_poison_entry_goes_to_dead_letters_and_the_next_good_one_applies(setup):
     other = make()  # another replica of the shard meets the same entries: it counts them, and adds none
     other.catch_up()
     assert other.stats.dead_letters == 4 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 4
-    client.set(f"{DEFAULT_STREAM}:dead-letters:{SHARD0}", "not a stream id")  # the shard's marker, mangled
+    client.set(f"{DEFAULT_STREAM}:dead-letters:{SHARD0}:once", "not a sorted set")  # the shard's record, mangled
     client.xadd(SHARD0, {"garbage": b"\xff"})
     c.catch_up()
     assert c.stats.dead_letters == 5 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 5
@@ -729,12 +729,15 @@ def test_a_background_snapshot_of_the_stream_before_it_went_back_is_set_aside(se
     assert len(c.snapshots.paths()) == 1 and not c._snapshot_now
 
 
-def test_a_reset_forgets_the_dead_letter_marker_and_retries_what_failed(setup, tmp_path, small_schema, scorer):
+def test_after_a_reset_a_poison_entry_at_an_old_id_is_dead_lettered_once_and_what_failed_is_retried(
+        setup, tmp_path, small_schema, scorer):
     client, publisher, make = setup
     c = make(snapshots=SnapshotStore(tmp_path / "snapshots"), replica_id="a")
+    late = make()  # another replica, which notices the reset only after c has dead-lettered what it brought
     ids = publisher.publish([upsert(i) for i in range(1, 4)])
     client.xadd(SHARD0, {"garbage": b"\xff"})
     c.catch_up()
+    late.catch_up()
     c.snapshot()
     [old] = c.snapshots.paths()
     take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 1, [])
@@ -746,7 +749,10 @@ def test_a_reset_forgets_the_dead_letter_marker_and_retries_what_failed(setup, t
         c.catch_up()  # found the reset; setting the snapshots aside failed: it is still to do
     assert c._reset_pending and len(c.snapshots.paths()) == 1
     sources = [f[b"source_id"].decode() for _, f in client.xrange(f"{DEFAULT_STREAM}:dead-letters")]
-    assert sources.count(poison) == 1  # the marker was forgotten before the stream was read again
+    assert sources.count(poison) == 1  # a new entry at an id below the first poison entry's
+    late.catch_up()
+    assert late.stats.stream_resets == 1 and late.stats.dead_letters == 2  # it met both poison entries: it counts
+    assert client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 2  # them, and adds neither again
     publisher.publish([upsert(4)])
     c._turn({name: 0.0 for name in ("sweep", "snapshot", "report", "trim")})  # the failure costs the turn nothing else
     assert c.stats.errors == 1 and "Read-only" in c.stats.last_error and 4 in c.index
