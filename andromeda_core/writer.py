@@ -19,6 +19,12 @@ from kernels.reference.match import ACTIVE
 CORE_ROW_COLUMNS = ("ad_id", "advertiser_id", "start", "end", "bid", "status", "embedding")  # in every upsert row
 
 
+def bits_within(size: int, words: int) -> np.ndarray:
+    """(words,) uint32: per word of a bitset, the bits of value indices below `size`."""
+    return np.array([0xFFFFFFFF if 32 * (w + 1) <= size else (1 << max(0, size - 32 * w)) - 1 for w in range(words)],
+                    dtype=np.uint32)
+
+
 class RowWriter:
     """Writes for a table of `specs` (column -> ColumnSpec) holding `dim`-wide embeddings on `device`."""
 
@@ -30,6 +36,10 @@ class RowWriter:
                           "embedding": ColumnSpec((dim,), torch.float32, 0), **self.targeting}
         # value indices a list column may hold: -1 (padding) up to the category's size (exclusive)
         self.list_sizes = {f"{c.name}.{side}": c.size for c in schema.list_categories for side in ("pos", "neg")}
+        # bits a bitset column may set, per int32 word: the category's values only (a bit past them reads as no value
+        # a compiler writes: a forged or corrupt entry)
+        self.bitset_bits = {f"{c.name}.{side}": (c.size, bits_within(c.size, c.words))
+                            for c in schema.bitset_categories for side in ("pos", "neg")}
 
     def stage(self, rows: dict[str, np.ndarray]) -> dict[str, Any]:
         """Upsert rows -> device tensors in the columns' dtypes (the embedding in the storage format, with its
@@ -66,6 +76,10 @@ class RowWriter:
             size = self.list_sizes.get(name)
             if size is not None and ((values < -1) | (values >= size)).any():
                 raise InvalidInput(f"value indices outside [-1, {size})", name)
+            if name in self.bitset_bits:
+                size, allowed = self.bitset_bits[name]
+                if (np.ascontiguousarray(values).view(np.uint32) & ~allowed).any():
+                    raise InvalidInput(f"bits past the category's {size} values", name)
         if not np.isfinite(rows["embedding"]).all():
             raise InvalidInput("embeddings must be finite", "embedding")
 

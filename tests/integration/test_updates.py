@@ -274,6 +274,23 @@ def test_an_entry_the_index_rejects_is_dead_lettered_and_the_rest_of_its_batch_a
     assert garbage[1][b"field"] == b"shard"
 
 
+@pytest.mark.parametrize("word", [2**31 - 1, -5, 1 << 5])
+def test_a_forged_bitset_with_bits_past_its_values_is_dead_lettered(setup, small_schema, scorer, word):
+    """country has 5 values: bit 5 and up name none. Read as set, a bit could match users of no value, or (a
+    scan indexing by it) another category's; the index refuses the row, and the entry goes to the dead letters."""
+    client, publisher, make = setup
+    (op,) = prepare_ops(small_schema, scorer, [parse_event(upsert(667, targeting={"country": {"any_of": ["US"]}}))])
+    rows = {**op.targeting.rows, "country.pos": np.full_like(op.targeting.rows["country.pos"], word)}
+    client.xadd(SHARD0, encode(PreparedAd(op.ad, CompiledTargeting(rows, True), op.embedding), 1, small_schema,
+                               scorer.name, scorer.dim))
+    publisher.publish([upsert(1)])
+    c = make()
+    c.catch_up()
+    assert 667 not in c.index and eligible(c.index, {"country": "US"}) == [1] and c.stats.dead_letters == 1
+    (_, dead), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
+    assert b"country.pos" in dead[b"reason"] and b"past the category's 5 values" in dead[b"reason"]
+
+
 @pytest.mark.parametrize("payload", [b"", b"\x05\x00\x00\x00{bad}", b"\x0e\x00\x00\x00{\"arrays\":[]}xx",
                                      b"\x2a\x00\x00\x00{\"arrays\":[[\"embedding\",\"f4\",[9999]]]}"])
 def test_malformed_payloads_are_dead_lettered(setup, payload):
