@@ -103,9 +103,10 @@ def published_for_other_shards(config: ServiceConfig) -> str | None:
     pipe = client.pipeline(transaction=False)
     for s in range(config.shards, MAX_SHARDS_PROBED):
         pipe.xlen(shard_stream(config.stream, s))
-    beyond = [config.shards + i for i, n in enumerate(pipe.execute()) if n]
+    beyond = [config.shards + i for i, n in enumerate(pipe.execute(raise_on_error=False))
+              if n and not isinstance(n, Exception)]  # a key of another type is not a stream of this service's
     if beyond:
-        return f"the stream of shard {beyond[0]} holds entries"
+        return f"the stream of shard {beyond[0]} holds entries, past the last of {config.shards}"
     for s in range(config.shards):
         for _, fields in client.xrange(shard_stream(config.stream, s), count=SHARD_PROBE):
             try:
@@ -113,17 +114,17 @@ def published_for_other_shards(config: ServiceConfig) -> str | None:
             except (KeyError, ValueError):
                 continue  # a malformed entry: the replica sets it aside with its own reason
             if shard_of(ad_id, config.shards) != s:
-                return f"ad {ad_id} in the stream of shard {s} belongs to shard {shard_of(ad_id, config.shards)}"
+                return (f"ad {ad_id} in the stream of shard {s} belongs to shard {shard_of(ad_id, config.shards)} "
+                        f"of {config.shards}")
     return None
 
 
-def refuse_other_shard_count(config: ServiceConfig, start_over: str) -> None:
-    """AndromedaError naming --shards when the streams were published for another shard count."""
+def other_shard_count(config: ServiceConfig, start_over: str) -> str | None:
+    """What to say when the streams were published for another shard count (published_for_other_shards), or None."""
     why = published_for_other_shards(config)
-    if why:
-        raise InvalidInput(f"{config.shards} shard(s), but the streams at {redact(config.redis_url)} were published for "
-                           f"another shard count ({why} of {config.shards}): serve them with the shard count they were "
-                           f"published for, or {start_over}", "--shards")
+    return why and (f"{config.shards} shard(s), but the streams at {redact(config.redis_url)} were published for "
+                    f"another shard count ({why}): serve them with the shard count they were published for, or "
+                    f"{start_over}")
 
 
 def streams_empty(config: ServiceConfig) -> bool:
@@ -244,8 +245,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise InvalidInput("REDIS_URL is not set (`andromeda up` starts a local redis-server for you)")
     config = service_config(args, settings.redis_url)
     check_reachable(config)
-    refuse_other_shard_count(config, "republish them to empty streams with `andromeda publish --shards "
-                                     f"{config.shards}`")
+    if warning := other_shard_count(config, f"republish them to empty streams with `andromeda publish --shards "
+                                            f"{config.shards}`"):  # a warning, not a refusal: a few entries of
+        print(f"warning: --shards: {warning}", file=sys.stderr)  # another count, dead-lettered since, stay until trimmed
     world = demo_world(args.demo_ads) if args.demo_ads else None
     if world is not None and streams_empty(config):
         publish_demo(config, world)
@@ -327,8 +329,9 @@ def cmd_up(args: argparse.Namespace) -> None:
             clear_demo_state(redis.Redis.from_url(redis_url), Path(config.snapshot_dir))
             print(f"cleared var/redis and {config.snapshot_dir}: their demo ads were embedded by the previous demo "
                   "model", file=sys.stderr)
-        refuse_other_shard_count(config, f"start over from no ads: delete var/redis and {config.snapshot_dir}"
-                                 if server is not None else "republish them to empty streams")
+        if refusal := other_shard_count(config, f"start over from no ads: delete var/redis and {config.snapshot_dir}"
+                                        if server is not None else "republish them to empty streams"):
+            raise InvalidInput(refusal, "--shards")
         if streams_empty(config):
             publish_demo(config, world)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "

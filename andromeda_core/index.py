@@ -226,6 +226,11 @@ class AdIndex:
                 "bid": float(c["bid"]), "slot": slot,
             }
 
+    def content_version_of(self, ad_id: int) -> int | None:
+        """Version of `ad_id`'s content: its newest upsert, or the delete or expiry that removed it (None if never
+        seen); an upsert or delete applies only when newer."""
+        return self._book.version.get(ad_id)
+
     def version_of(self, ad_id: int) -> int | None:
         """Newest version applied for `ad_id` (live, deleted or expired; its content or its status), or None if
         never seen."""

@@ -78,7 +78,7 @@ class RowWriter:
                 raise InvalidInput(f"value indices outside [-1, {size})", name)
             if name in self.bitset_bits:
                 size, allowed = self.bitset_bits[name]
-                if (np.ascontiguousarray(values).view(np.uint32) & ~allowed).any():
+                if (values.astype(np.int64) & 0xFFFFFFFF & ~allowed.astype(np.int64)).any():  # any integer width
                     raise InvalidInput(f"bits past the category's {size} values", name)
         if not np.isfinite(rows["embedding"]).all():
             raise InvalidInput("embeddings must be finite", "embedding")

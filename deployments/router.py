@@ -321,8 +321,10 @@ class Router:
                                f"(max_events_per_request), got {len(events)}", "body")
         writer = await self.writer_of(principal, events)
         where = [f"[{i}]" for i in range(len(events))]
-        ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, where)
         try:
+            if writer.advertiser is not None:  # before the batch is embedded: a refusal costs no ad tower
+                await asyncio.to_thread(self.publisher.check_writer, events, writer, where)
+            ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, where)
             ids = await asyncio.to_thread(self.publisher.publish_ops, ops, writer, where)
         except redis.RedisError as exc:
             raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); retry the whole "
@@ -338,8 +340,8 @@ class Router:
 
     async def writer_of(self, principal: Principal, events: Sequence[AdEvent]) -> Writer:
         """Who appends `events`: an admin, or an advertiser whose upserts must name it (Forbidden naming the event
-        otherwise), with the owners the index reports for the ads (read from one replica of each shard), which
-        the owner registry falls back on for an ad it has no entry for (owners.APPEND decides the rest)."""
+        otherwise), with the owners and versions the index reports for the ads (read from one replica of each
+        shard), which the owner registry falls back on for an ad it has no entry for (owners.APPEND decides)."""
         if principal.role != "advertiser":
             return ADMIN
         mine = principal.advertiser_id
@@ -351,8 +353,8 @@ class Router:
         for ad_id in ids:
             by_shard.setdefault(shard_of(ad_id, len(self.shards)), []).append(ad_id)
         replies = await asyncio.gather(*(self.call(s, "owners", shard_ids) for s, shard_ids in by_shard.items()))
-        return Writer(mine, {ad_id: o for shard_ids, reply in zip(by_shard.values(), replies)
-                             for ad_id, o in zip(shard_ids, reply)})
+        return Writer(mine, {ad_id: tuple(state) for shard_ids, reply in zip(by_shard.values(), replies)
+                             for ad_id, state in zip(shard_ids, reply)})
 
     @app.get("/v1/ads/{ad_id}", response_model=AdState, responses=ERRORS)
     async def get_ad(self, ad_id: AD_ID, _: Principal | None = Depends(reader)) -> AdState:

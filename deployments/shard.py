@@ -122,14 +122,16 @@ class ShardReplica:
             out[i] = ShardAnswer(part, watermark, took, scanned)
         return out
 
-    def owners(self, ad_ids: Sequence[int]) -> list[int | None]:
-        """The indexed advertiser of each ad (None where not indexed): the router's write authorisation."""
-        out = []
+    def owners(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None]]:
+        """(indexed advertiser or None where not live, content version or None where never seen) of each ad: what
+        the owner registry falls back on for an ad it has no entry for (index_updater/owners.py)."""
+        index, out = self.retriever.index, []
         for ad_id in ad_ids:
             try:
-                out.append(int(self.retriever.index.get(ad_id)["advertiser_id"]))
+                owner = int(index.get(ad_id)["advertiser_id"])
             except NotFound:
-                out.append(None)
+                owner = None
+            out.append((owner, index.content_version_of(ad_id)))
         return out
 
     def vectors(self, ad_ids: Sequence[int]) -> HistoryVectors:

@@ -1,55 +1,73 @@
 """The owner registry: which advertiser owns each ad, decided where the ad's events are appended.
 
-Per shard stream `S`, the hash `S:owners{S}` maps ad id -> "version advertiser_id" (advertiser "" once deleted:
-the id is free again). Its name starts with the stream's, so an ACL pattern for the streams covers it, and its
-hash tag is the stream's whole name, so Redis Cluster keeps it in the stream's slot: one script reads and writes
-both. Every publish goes through `APPEND` (one Lua script per shard stream, atomic like the MULTI/EXEC
-it replaces): it appends the entries and records, for each upsert or delete at least as new as the recorded
-version, the new owner. Given an advertiser, it first checks every event of the batch against the registry and
-appends nothing if one touches another's ad: an upsert needs the ad free or its own, a delete, pause or resume
-its own. So two advertisers racing for one id, or one claiming an ad published but not yet applied, cannot both
-pass: Redis orders the two scripts. An ad published before the registry existed has no entry: the check then
-reads the owner the index reported (`index_owners`), and the first write records it.
+Per shard stream `S`, the hash `S:owners{S}` maps ad id -> "version owner previous": the newest upsert or delete
+version appended, the advertiser whose ad it is ("" once deleted: the id is free again) and, after a delete, the
+advertiser it was deleted from. Its name starts with the stream's, so an ACL pattern for the streams covers it,
+and its hash tag is the stream's whole name, so Redis Cluster keeps it in the stream's slot: one script reads and
+writes both. Versions stay decimal strings (compared by length, then digits): they reach 2**63 - 1, past what a
+Lua number holds exactly.
+
+Every publish goes through `APPEND` (one Lua script per shard stream, atomic): it appends the entries and records,
+for each upsert or delete strictly newer than the recorded version (as the index applies them), the new owner.
+Given an advertiser, it first checks every event of the batch and appends nothing if one touches another's ad:
+an upsert needs the ad free or its own, a delete, pause or resume its own (or, once deleted, deleted from it: a
+resent delete passes). So two advertisers racing for one id, or one claiming an ad published but not yet applied,
+cannot both pass: Redis orders the two scripts. An ad the registry has no entry for (published before it
+existed) falls back on the owner and version its shard's index reports (`Writer.indexed`), recorded at its next
+write. A malformed entry, or a key of another type, counts as none.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import redis
 
 from andromeda_core.errors import Forbidden
-from andromeda_core.ops import PreparedAd
 
 APPEND = """
 local mine, check_only, n = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3])
+local kind_of_key = redis.call('TYPE', KEYS[2]).ok
+local usable = kind_of_key == 'hash' or kind_of_key == 'none'
+local function newer(a, b)
+  if b == '' then return true end
+  if #a ~= #b then return #a > #b end
+  return a > b
+end
 local at, known, events = 4, {}, {}
-local function owner_of(ad, index_owner)
+local function state_of(ad, fallback_version, fallback_owner)
   if known[ad] then return known[ad] end
-  local stored = redis.call('HGET', KEYS[2], ad)
-  if not stored then return {-1, index_owner} end
-  local space = string.find(stored, ' ', 1, true)
-  return {tonumber(string.sub(stored, 1, space - 1)), string.sub(stored, space + 1)}
+  local stored = usable and redis.call('HGET', KEYS[2], ad)
+  if stored then
+    local version, owner, previous = string.match(stored, '^(%d+) (%d*) (%d*)$')
+    if version then return {version, owner, previous} end
+  end
+  return {fallback_version, fallback_owner, ''}
 end
 for i = 1, n do
-  local kind, ad, version, advertiser = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2]), ARGV[at + 3]
-  local owner, fields = owner_of(ad, ARGV[at + 4]), tonumber(ARGV[at + 5])
-  if mine ~= '' and owner[2] ~= mine and (kind ~= 'upsert' or owner[2] ~= '') then
-    return {'refused', i - 1, owner[2]}
+  local kind, ad, version, advertiser = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
+  local state, fields = state_of(ad, ARGV[at + 4], ARGV[at + 5]), tonumber(ARGV[at + 6])
+  if mine ~= '' and state[2] ~= mine and
+      not (state[2] == '' and (kind == 'upsert' or state[3] == mine)) then
+    return {'refused', i - 1, state[2]}
   end
-  if (kind == 'upsert' or kind == 'delete') and version >= owner[1] then
-    known[ad] = {version, kind == 'upsert' and advertiser or ''}
+  if kind == 'upsert' and newer(version, state[1]) then
+    state = {version, advertiser, ''}
+  elseif kind == 'delete' and newer(version, state[1]) then
+    state = {version, '', state[2] ~= '' and state[2] or state[3]}
   end
-  events[i] = {at + 6, at + 5 + 2 * fields}
-  at = at + 6 + 2 * fields
+  known[ad] = state
+  events[i] = {at + 7, at + 6 + 2 * fields}
+  at = at + 7 + 2 * fields
 end
 if check_only then return {'ok'} end
+if not usable then redis.call('DEL', KEYS[2]) end
 local ids = {}
 for i = 1, n do
   ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, events[i][1], events[i][2]))
 end
-for ad, owner in pairs(known) do
-  redis.call('HSET', KEYS[2], ad, owner[1] .. ' ' .. owner[2])
+for ad, state in pairs(known) do  -- a state with no version yet: an ad never upserted nor deleted
+  if state[1] ~= '' then redis.call('HSET', KEYS[2], ad, state[1] .. ' ' .. state[2] .. ' ' .. state[3]) end
 end
 return {'ok', ids}
 """
@@ -62,25 +80,32 @@ def owners_key(stream: str) -> str:
 
 @dataclass(frozen=True)
 class Writer:
-    """Who appends: `advertiser` None for an admin (no check); else the advertiser id every event must stay within,
-    with `index_owners` (ad id -> owner the index reported, None: not indexed) for ads the registry lacks."""
+    """Who appends: `advertiser` None for an admin (no check); else the advertiser every event must stay within, with
+    `indexed` (ad id -> (owner or None, version or None) as the index reports it) for ads the registry lacks."""
 
     advertiser: int | None = None
-    index_owners: dict[int, int | None] | None = None
+    indexed: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
 
 
 ADMIN = Writer()
 
 
-def script_args(ops: Sequence, entries: Sequence[dict], writer: Writer, check_only: bool) -> list:
-    """APPEND's ARGV for ops (n,) and their stream entries (n,)."""
-    args: list = ["" if writer.advertiser is None else str(writer.advertiser), "1" if check_only else "0", len(ops)]
-    for op, fields in zip(ops, entries):
-        upsert = isinstance(op, PreparedAd)
-        ad_id = op.ad.ad_id if upsert else op.ad_id
-        indexed = (writer.index_owners or {}).get(ad_id)
-        args += [fields["op"], ad_id, fields["version"], op.ad.advertiser_id if upsert else "",
-                 "" if indexed is None else indexed, len(fields)]
+def claim_of(event: Any) -> tuple[str, int, int, Any]:
+    """(kind, ad id, version, advertiser or "") of an ad event or a prepared op (an upsert has `ad`)."""
+    if hasattr(event, "ad"):
+        return "upsert", event.ad.ad_id, event.ad.version, event.ad.advertiser_id
+    return event.op, event.ad_id, event.version, ""
+
+
+def script_args(events: Sequence, entries: Sequence[dict] | None, writer: Writer) -> list:
+    """APPEND's ARGV for events (n,) and their stream entries (n,; None: check only, no fields sent)."""
+    args: list = ["" if writer.advertiser is None else writer.advertiser, "1" if entries is None else "0", len(events)]
+    for i, event in enumerate(events):
+        kind, ad_id, version, advertiser = claim_of(event)
+        owner, indexed_version = writer.indexed.get(ad_id) or (None, None)
+        fields = {} if entries is None else entries[i]
+        args += [kind, ad_id, version, advertiser, "" if indexed_version is None else indexed_version,
+                 "" if owner is None else owner, len(fields)]
         for name, value in fields.items():
             args += [name, value]
     return args
@@ -90,16 +115,15 @@ class Refused(Forbidden):
     """An event of the batch touches another advertiser's ad; nothing was appended to its shard."""
 
 
-def run_append(client: redis.Redis, stream: str, ops: Sequence, entries: Sequence[dict], writer: Writer,
-               check_only: bool = False, where: Sequence[str] | None = None) -> list:
-    """APPEND on one shard stream -> the new entries' ids (n,) ([] when check_only); Refused naming the event
-    (`where[i]`, default "[i]") when the writer may not touch its ad."""
-    reply = client.eval(APPEND, 2, stream, owners_key(stream), *script_args(ops, entries, writer, check_only))
+def run_append(client: redis.Redis, stream: str, events: Sequence, entries: Sequence[dict] | None, writer: Writer,
+               where: Sequence[str]) -> list:
+    """APPEND on one shard stream: events (n,) with their entries (n,) -> the new entries' ids (n,); entries None:
+    only check, -> []. Refused naming the event (where[i]) when the writer may not touch its ad."""
+    reply = client.eval(APPEND, 2, stream, owners_key(stream), *script_args(events, entries, writer))
     if reply[0] in (b"refused", "refused"):
         i, owner = int(reply[1]), reply[2].decode() if isinstance(reply[2], bytes) else reply[2]
-        field = "ad.ad_id" if isinstance(ops[i], PreparedAd) else "ad_id"
-        name = where[i] if where else f"[{i}]"
-        ad_id = ops[i].ad.ad_id if isinstance(ops[i], PreparedAd) else ops[i].ad_id
+        kind, ad_id, _, _ = claim_of(events[i])
+        field = "ad.ad_id" if kind == "upsert" else "ad_id"
         raise Refused(f"ad {ad_id} " + ("belongs to another advertiser (an ad cannot be moved)" if owner else
-                                        f"is not advertiser {writer.advertiser}'s"), f"{name}.{field}")
-    return [] if check_only else list(reply[1])
+                                        f"is not advertiser {writer.advertiser}'s"), f"{where[i]}.{field}")
+    return [] if entries is None else list(reply[1])

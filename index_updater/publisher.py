@@ -22,8 +22,9 @@ from andromeda_core.errors import InvalidInput
 from andromeda_core.ingest import compile_upserts, prepare_ops, read_events
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
+from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_event
-from index_updater.owners import ADMIN, Writer, run_append
+from index_updater.owners import ADMIN, Writer, claim_of, run_append
 from index_updater.records import encode, layout_key, shard_stream, stream_layout, text
 
 DEFAULT_STREAM = Settings.stream
@@ -62,22 +63,35 @@ class Publisher:
     def publish_ops(self, ops: Sequence, writer: Writer = ADMIN, where: Sequence[str] | None = None) -> list[str]:
         """Append already prepared ops: one atomic script per shard stream (owners.APPEND: the entries and the
         owner registry), each retried until acknowledged. Returns the stream ids in the order of `ops`. For an
-        advertiser (`writer`), every shard's part is checked before any is appended; owners.Refused names the
-        event (`where[i]`, default "[i]") that touches another's ad. Only an ad claimed by another writer between
-        the check and its shard's append can still leave the other shards' parts appended."""
+        advertiser (`writer`), every shard's part is checked first (check_writer); owners.Refused names the event
+        (`where[i]`, default "[i]") that touches another's ad. Only an ad claimed by another writer between that
+        check and its shard's append can leave the other shards' parts appended."""
+        where = where or [f"[{i}]" for i in range(len(ops))]
+        if writer.advertiser is not None:
+            self.check_writer(ops, writer, where)
         now_ms = int(time.time() * 1000)
         entries = [encode(op, self.shards, self.schema, self.scorer.name, self.scorer.dim, now_ms) for op in ops]
-        by_stream: dict[str, list[int]] = {}
-        for i, fields in enumerate(entries):
-            by_stream.setdefault(shard_stream(self.stream, fields["shard"]), []).append(i)
-        where, ids = where or [f"[{i}]" for i in range(len(ops))], [""] * len(entries)
-        for check_only in ([True, False] if writer.advertiser is not None else [False]):
-            for stream, positions in by_stream.items():
-                append = partial(run_append, self.client, stream, [ops[i] for i in positions],
-                                 [entries[i] for i in positions], writer, check_only, [where[i] for i in positions])
-                for i, entry_id in zip(positions, retry(append, self.attempts)):
-                    ids[i] = text(entry_id)
+        ids = [""] * len(entries)
+        for stream, positions in self._by_stream(ops).items():
+            append = partial(run_append, self.client, stream, [ops[i] for i in positions],
+                             [entries[i] for i in positions], writer, [where[i] for i in positions])
+            for i, entry_id in zip(positions, retry(append, self.attempts)):
+                ids[i] = text(entry_id)
         return ids
+
+    def check_writer(self, events: Sequence, writer: Writer, where: Sequence[str]) -> None:
+        """owners.Refused naming the first event (ad events or prepared ops) of each shard's part that `writer` may
+        not touch; appends nothing. Cheap (no payloads): callers run it before embedding a batch."""
+        for stream, positions in self._by_stream(events).items():
+            retry(partial(run_append, self.client, stream, [events[i] for i in positions], None, writer,
+                          [where[i] for i in positions]), self.attempts)
+
+    def _by_stream(self, events: Sequence) -> dict[str, list[int]]:
+        """Shard stream -> positions of the events (ad events or prepared ops) that go to it."""
+        by_stream: dict[str, list[int]] = {}
+        for i, event in enumerate(events):
+            by_stream.setdefault(shard_stream(self.stream, shard_of(claim_of(event)[1], self.shards)), []).append(i)
+        return by_stream
 
     def check_streams(self) -> None:
         """Raise InvalidInput when a shard stream's key holds another Redis type; a connection error is

@@ -17,14 +17,15 @@ from tests.conftest import upsert
 
 @pytest.fixture
 def publish(redis_server, small_schema, scorer, request):
-    """publish(events, advertiser=None, index_owners=None) on a 2-shard stream of this test's own."""
+    """publish(events, advertiser=None, indexed=None) on a 2-shard stream of this test's own; indexed: ad id ->
+    (owner, version) as the index would report it."""
     _, client = redis_server
     stream = f"owners-{request.node.name}"
     publisher = Publisher(client, small_schema, scorer, shards=2, stream=stream)
 
-    def run(events: list[dict], advertiser: int | None = None, index_owners: dict | None = None) -> list[str]:
+    def run(events: list[dict], advertiser: int | None = None, indexed: dict | None = None) -> list[str]:
         ops = prepare_ops(small_schema, scorer, [parse_event(e) for e in events])
-        return publisher.publish_ops(ops, Writer(advertiser, index_owners))
+        return publisher.publish_ops(ops, Writer(advertiser, indexed or {}))
 
     run.client, run.stream = client, stream
     return run
@@ -35,7 +36,7 @@ def ad(ad_id: int, version: int, advertiser: int) -> dict:
 
 
 def owner(publish, ad_id: int) -> str | None:
-    """The registry's "version advertiser" of an ad, None without an entry."""
+    """The registry's "version owner previous" of an ad, None without an entry."""
     got = publish.client.hget(owners_key(shard_stream(publish.stream, shard_of(ad_id, 2))), ad_id)
     return got.decode() if got is not None else None
 
@@ -47,38 +48,74 @@ def lengths(publish) -> list[int]:
 def test_an_ad_published_but_not_applied_cannot_be_claimed(publish):
     """No replica reads these streams: the index knows none of the ads, as in the second before an apply."""
     publish([ad(11, 1, 7)], advertiser=7)
-    assert owner(publish, 11) == "1 7"
+    assert owner(publish, 11) == "1 7 "
     with pytest.raises(Refused) as refused:
-        publish([ad(11, 2, 8)], advertiser=8, index_owners={11: None})
+        publish([ad(11, 2, 8)], advertiser=8, indexed={11: (None, None)})
     assert refused.value.field == "[0].ad.ad_id" and "belongs to another advertiser" in refused.value.message
     for op in ("pause", "resume", "delete"):
         with pytest.raises(Refused) as refused:
             publish([{"op": op, "ad_id": 11, "version": 3}], advertiser=8)
         assert refused.value.field == "[0].ad_id"
-    assert lengths(publish) == [1 if shard_of(11, 2) == s else 0 for s in range(2)] and owner(publish, 11) == "1 7"
+    assert lengths(publish) == [1 if shard_of(11, 2) == s else 0 for s in range(2)] and owner(publish, 11) == "1 7 "
     publish([{"op": "pause", "ad_id": 11, "version": 2}], advertiser=7)
 
 
-def test_the_registry_follows_versions_and_a_delete_frees_the_id(publish):
+def test_the_registry_follows_versions_as_the_index_applies_them(publish):
     publish([ad(12, 3, 9)])  # an admin writes any ad, and the registry records it
-    publish([ad(12, 2, 8)])  # a stale version: the index will not apply it, and the owner stays
-    assert owner(publish, 12) == "3 9"
+    publish([ad(12, 2, 8), ad(12, 3, 8)])  # not newer: the index will not apply them, and the owner stays
+    assert owner(publish, 12) == "3 9 "
     with pytest.raises(Refused):
         publish([ad(12, 4, 8)], advertiser=8)
+    publish([{"op": "delete", "ad_id": 12, "version": 3}], advertiser=9)  # not newer than the upsert: a no-op
+    assert owner(publish, 12) == "3 9 "
     publish([{"op": "delete", "ad_id": 12, "version": 4}], advertiser=9)
-    assert owner(publish, 12) == "4 "
+    assert owner(publish, 12) == "4  9"  # free, deleted from 9
+    publish([{"op": "delete", "ad_id": 12, "version": 4}], advertiser=9)  # a resent delete passes
+    with pytest.raises(Refused):
+        publish([{"op": "delete", "ad_id": 12, "version": 4}], advertiser=8)
     publish([ad(12, 5, 8)], advertiser=8)  # a deleted id is free, as in the index
-    assert owner(publish, 12) == "5 8"
+    assert owner(publish, 12) == "5 8 "
 
 
-def test_without_an_entry_the_index_owner_decides_and_is_recorded(publish):
-    """Ads published before the registry existed: the owner the index reported stands in for it."""
+def test_versions_past_a_lua_number_are_compared_exactly(publish):
+    """Versions reach 2**63 - 1: as Lua numbers they would round (1700000000123460 to 1.7000000001235e+15), and a
+    delete could be recorded newer than the upsert that follows it."""
+    base = 1_700_000_000_123_000
+    publish([ad(14, base, 7)], advertiser=7)
+    publish([{"op": "delete", "ad_id": 14, "version": base + 460}], advertiser=7)
+    publish([ad(14, base + 470, 8)], advertiser=8)  # newer than the delete: the index applies it, 8's now
+    assert owner(publish, 14) == f"{base + 470} 8 "
     with pytest.raises(Refused):
-        publish([ad(13, 2, 8)], advertiser=8, index_owners={13: 7})
+        publish([ad(14, base + 480, 9)], advertiser=9)
+    top = 2**63 - 1
+    publish([ad(15, top - 1, 7)], advertiser=7)
+    publish([ad(15, top, 7)], advertiser=7)
+    assert owner(publish, 15) == f"{top} 7 "
+
+
+def test_without_an_entry_the_index_decides_and_is_recorded(publish):
+    """Ads published before the registry existed: the owner and version the index reported stand in for it."""
     with pytest.raises(Refused):
-        publish([{"op": "pause", "ad_id": 13, "version": 2}], advertiser=8, index_owners={13: None})
-    publish([ad(13, 2, 7)], advertiser=7, index_owners={13: 7})
-    assert owner(publish, 13) == "2 7"
+        publish([ad(13, 101, 8)], advertiser=8, indexed={13: (7, 100)})
+    with pytest.raises(Refused):
+        publish([{"op": "pause", "ad_id": 13, "version": 101}], advertiser=8, indexed={13: (None, None)})
+    publish([{"op": "delete", "ad_id": 13, "version": 50}], advertiser=7, indexed={13: (7, 100)})  # stale: the
+    assert owner(publish, 13) == "100 7 "  # index ignores it, so the ad stays 7's, now recorded
+    with pytest.raises(Refused):
+        publish([ad(13, 101, 8)], advertiser=8)
+    publish([ad(13, 101, 7)], advertiser=7)
+    assert owner(publish, 13) == "101 7 "
+
+
+def test_a_malformed_registry_counts_as_none(publish):
+    publish.client.hset(owners_key(shard_stream(publish.stream, shard_of(16, 2))), 16, "garbage")
+    publish([ad(16, 1, 7)], advertiser=7)
+    assert owner(publish, 16) == "1 7 "
+    stream = shard_stream(publish.stream, shard_of(17, 2))
+    publish.client.delete(owners_key(stream))
+    publish.client.set(owners_key(stream), "not a hash")
+    publish([ad(17, 1, 7)])  # an admin's write still goes through, and the registry starts again
+    assert owner(publish, 17) == "1 7 "
 
 
 def test_a_refused_batch_appends_nothing_on_any_shard(publish):

@@ -7,14 +7,11 @@ import os
 
 import redis
 
-import pytest
-
-from andromeda_cli.service import (clear_demo_state, embedded_by_another, published_for_other_shards,
-                                   refuse_other_shard_count)
-from andromeda_core.errors import InvalidInput
+from andromeda_cli.service import clear_demo_state, embedded_by_another, other_shard_count, published_for_other_shards
 from andromeda_core.sharding import shard_of
 from deployments.config import ServiceConfig
 from index_updater.publisher import Publisher
+from index_updater.records import shard_stream
 from tests.conftest import upsert
 from andromeda_core.types import parse_event
 
@@ -56,7 +53,8 @@ def test_streams_published_for_another_shard_count_are_refused(redis_server, sma
     Publisher(client, small_schema, scorer, shards=3, stream="up-three").publish(ads)
     assert published_for_other_shards(ServiceConfig(redis_url=url, shards=3, stream="up-three")) is None
     assert published_for_other_shards(ServiceConfig(redis_url=url, shards=2, stream="up-three")) == \
-        "the stream of shard 2 holds entries"
-    with pytest.raises(InvalidInput) as refused:
-        refuse_other_shard_count(ServiceConfig(redis_url=url, shards=2, stream="up-one"), "republish them")
-    assert refused.value.field == "--shards" and "republish them" in refused.value.message
+        "the stream of shard 2 holds entries, past the last of 2"
+    client.set(shard_stream("up-one", 5), "another service's key")  # not a stream: not counted
+    assert published_for_other_shards(ServiceConfig(redis_url=url, shards=1, stream="up-one")) is None
+    said = other_shard_count(ServiceConfig(redis_url=url, shards=2, stream="up-one"), "republish them")
+    assert said.startswith("2 shard(s)") and said.endswith("republish them")

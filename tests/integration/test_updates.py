@@ -790,6 +790,7 @@ def test_a_full_redis_still_lets_replicas_read_start_and_trim(setup, tmp_path):
     running.catch_up()
     running.snapshot()
     publisher.publish([upsert(i) for i in range(6, 9)])
+    client.xadd(SHARD0, {"garbage": b"\xff"})  # poison, whose dead-letter record a full Redis refuses
     policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
     client.config_set("maxmemory-policy", "noeviction")
     client.config_set("maxmemory", max(1, client.info("memory")["used_memory"] // 2))
@@ -798,12 +799,13 @@ def test_a_full_redis_still_lets_replicas_read_start_and_trim(setup, tmp_path):
             publisher.publish([upsert(9)])  # refused, as documented: publish answers 503
         started = make(snapshots=store, replica_id="new")
         assert started.recover()
-        started.catch_up()  # reads, though it cannot register its applied position yet
-        assert sorted(started.index.ad_ids()) == list(range(1, 9)) and started.stats.errors == 1
+        started.catch_up()  # reads past the poison, though it can neither record it nor register its position yet
+        assert sorted(started.index.ad_ids()) == list(range(1, 9)) and started.stats.errors == 2
+        assert started.stats.dead_letters == 1 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 0
         running._turn({"sweep": 0.0, "snapshot": 0.0, "trim": 0.0, "report": float("inf")})
-        assert sorted(running.index.ad_ids()) == list(range(1, 9))
+        assert sorted(running.index.ad_ids()) == list(range(1, 9)) and running.stats.dead_letters == 1
         assert "OutOfMemoryError" in running.stats.last_error  # the round's claim was refused, and the trim still
-        assert running.trimmed == 4 and client.xlen(SHARD0) == 4  # done: the entries before the one the snapshot covers
+        assert running.trimmed == 4 and client.xlen(SHARD0) == 5  # done: the entries before the one the snapshot covers
     finally:
         client.config_set("maxmemory", 0)
         client.config_set("maxmemory-policy", policy)
