@@ -1,20 +1,20 @@
 """The owner registry: which advertiser owns each ad, decided where the ad's events are appended.
 
-Per shard stream `S`, the hash `S:owners{S}` maps ad id -> "version owner previous": the newest upsert or delete
-version appended, the advertiser whose ad it is ("" once deleted: the id is free again) and, after a delete, the
-advertiser it was deleted from. Its name starts with the stream's, so an ACL pattern for the streams covers it,
-and its hash tag is the stream's whole name, so Redis Cluster keeps it in the stream's slot: one script reads and
-writes both. Versions stay decimal strings (compared by length, then digits): they reach 2**63 - 1, past what a
-Lua number holds exactly.
+Per shard stream `S`, the hash `S:owners{S}` maps ad id -> "version owner": the newest upsert or delete version
+appended and the advertiser whose ad it is ("" once deleted: the id is free again). Its name starts with the
+stream's, so an ACL pattern for the streams covers it, and its hash tag is the stream's whole name, so Redis
+Cluster keeps it in the stream's slot: one script reads and writes both. Versions stay decimal strings (compared
+by length, then digits): they reach 2**63 - 1, past what a Lua number holds exactly.
 
 Every publish goes through `APPEND` (one Lua script per shard stream, atomic): it appends the entries and records,
 for each upsert or delete strictly newer than the recorded version (as the index applies them), the new owner.
 Given an advertiser, it first checks every event of the batch and appends nothing if one touches another's ad:
-an upsert needs the ad free or its own, a delete, pause or resume its own (or, once deleted, deleted from it: a
-resent delete passes). So two advertisers racing for one id, or one claiming an ad published but not yet applied,
-cannot both pass: Redis orders the two scripts. An ad the registry has no entry for (published before it
-existed) falls back on the owner and version its shard's index reports (`Writer.indexed`), recorded at its next
-write. A malformed entry, or a key of another type, counts as none.
+an upsert must name the advertiser and needs the ad free or its own; a delete, pause or resume needs the ad its
+own, unless its version is not newer than the recorded one: the index ignores it then, so a resend passes
+whoever owns the ad now. So two advertisers racing for one id, or one claiming an ad published but not yet
+applied, cannot both pass: Redis orders the two scripts. An ad the registry has no entry for (published before
+it existed) falls back on the owner and content version its shard's index reports (`Writer.indexed`), recorded
+at its next write. A malformed entry, or a key of another type, counts as none.
 """
 from __future__ import annotations
 
@@ -39,22 +39,25 @@ local function state_of(ad, fallback_version, fallback_owner)
   if known[ad] then return known[ad] end
   local stored = usable and redis.call('HGET', KEYS[2], ad)
   if stored then
-    local version, owner, previous = string.match(stored, '^(%d+) (%d*) (%d*)$')
-    if version then return {version, owner, previous} end
+    local version, owner = string.match(stored, '^(%d+) (%d*)$')
+    if version then return {version, owner} end
   end
-  return {fallback_version, fallback_owner, ''}
+  return {fallback_version, fallback_owner}
 end
 for i = 1, n do
   local kind, ad, version, advertiser = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
   local state, fields = state_of(ad, ARGV[at + 4], ARGV[at + 5]), tonumber(ARGV[at + 6])
-  if mine ~= '' and state[2] ~= mine and
-      not (state[2] == '' and (kind == 'upsert' or state[3] == mine)) then
-    return {'refused', i - 1, state[2]}
+  if mine ~= '' then
+    local allowed
+    if kind == 'upsert' then
+      allowed = advertiser == mine and (state[2] == mine or state[2] == '')
+    else
+      allowed = state[2] == mine or not newer(version, state[1])
+    end
+    if not allowed then return {'refused', i - 1, state[2]} end
   end
-  if kind == 'upsert' and newer(version, state[1]) then
-    state = {version, advertiser, ''}
-  elseif kind == 'delete' and newer(version, state[1]) then
-    state = {version, '', state[2] ~= '' and state[2] or state[3]}
+  if (kind == 'upsert' or kind == 'delete') and newer(version, state[1]) then
+    state = {version, kind == 'upsert' and advertiser or ''}
   end
   known[ad] = state
   events[i] = {at + 7, at + 6 + 2 * fields}
@@ -67,7 +70,7 @@ for i = 1, n do
   ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, events[i][1], events[i][2]))
 end
 for ad, state in pairs(known) do  -- a state with no version yet: an ad never upserted nor deleted
-  if state[1] ~= '' then redis.call('HSET', KEYS[2], ad, state[1] .. ' ' .. state[2] .. ' ' .. state[3]) end
+  if state[1] ~= '' then redis.call('HSET', KEYS[2], ad, state[1] .. ' ' .. state[2]) end
 end
 return {'ok', ids}
 """
@@ -119,7 +122,7 @@ def run_append(client: redis.Redis, stream: str, events: Sequence, entries: Sequ
                where: Sequence[str]) -> list:
     """APPEND on one shard stream: events (n,) with their entries (n,) -> the new entries' ids (n,); entries None:
     only check, -> []. Refused naming the event (where[i]) when the writer may not touch its ad."""
-    reply = client.eval(APPEND, 2, stream, owners_key(stream), *script_args(events, entries, writer))
+    reply = client.register_script(APPEND)(keys=[stream, owners_key(stream)], args=script_args(events, entries, writer))
     if reply[0] in (b"refused", "refused"):
         i, owner = int(reply[1]), reply[2].decode() if isinstance(reply[2], bytes) else reply[2]
         kind, ad_id, _, _ = claim_of(events[i])
