@@ -20,9 +20,9 @@ CORE_ROW_COLUMNS = ("ad_id", "advertiser_id", "start", "end", "bid", "status", "
 
 
 def bits_within(size: int, words: int) -> np.ndarray:
-    """(words,) uint32: per word of a bitset, the bits of value indices below `size`."""
+    """(words,) int64: per int32 word of a bitset, the bits of value indices below `size` (as unsigned 32 bits)."""
     return np.array([0xFFFFFFFF if 32 * (w + 1) <= size else (1 << max(0, size - 32 * w)) - 1 for w in range(words)],
-                    dtype=np.uint32)
+                    dtype=np.int64)
 
 
 class RowWriter:
@@ -78,7 +78,7 @@ class RowWriter:
                 raise InvalidInput(f"value indices outside [-1, {size})", name)
             if name in self.bitset_bits:
                 size, allowed = self.bitset_bits[name]
-                if (values.astype(np.int64) & 0xFFFFFFFF & ~allowed.astype(np.int64)).any():  # any integer width
+                if (values.astype(np.int64) & 0xFFFFFFFF & ~allowed).any():  # any integer width
                     raise InvalidInput(f"bits past the category's {size} values", name)
         if not np.isfinite(rows["embedding"]).all():
             raise InvalidInput("embeddings must be finite", "embedding")

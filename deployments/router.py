@@ -325,7 +325,7 @@ class Router:
             if writer.advertiser is not None:  # before the batch is embedded: a refusal costs no ad tower
                 await asyncio.to_thread(self.publisher.check_writer, events, writer, where)
             ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, where)
-            ids = await asyncio.to_thread(self.publisher.publish_ops, ops, writer, where)
+            ids = await asyncio.to_thread(self.publisher.publish_ops, ops, writer, where, checked=True)
         except redis.RedisError as exc:
             raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); retry the whole "
                                     "batch (re-sent events are harmless: they apply by version)", "redis") from None

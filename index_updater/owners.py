@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import redis
+from redis.commands.core import Script
 
 from andromeda_core.errors import Forbidden
 
@@ -118,11 +118,12 @@ class Refused(Forbidden):
     """An event of the batch touches another advertiser's ad; nothing was appended to its shard."""
 
 
-def run_append(client: redis.Redis, stream: str, events: Sequence, entries: Sequence[dict] | None, writer: Writer,
+def run_append(append: Script, stream: str, events: Sequence, entries: Sequence[dict] | None, writer: Writer,
                where: Sequence[str]) -> list:
-    """APPEND on one shard stream: events (n,) with their entries (n,) -> the new entries' ids (n,); entries None:
-    only check, -> []. Refused naming the event (where[i]) when the writer may not touch its ad."""
-    reply = client.register_script(APPEND)(keys=[stream, owners_key(stream)], args=script_args(events, entries, writer))
+    """APPEND (`append`: it registered with a client) on one shard stream: events (n,) with their entries (n,) ->
+    the new entries' ids (n,); entries None: only check, -> []. Refused naming the event (where[i]) when the writer
+    may not touch its ad."""
+    reply = append(keys=[stream, owners_key(stream)], args=script_args(events, entries, writer))
     if reply[0] in (b"refused", "refused"):
         i, owner = int(reply[1]), reply[2].decode() if isinstance(reply[2], bytes) else reply[2]
         kind, ad_id, _, _ = claim_of(events[i])

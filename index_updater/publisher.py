@@ -24,7 +24,7 @@ from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_event
-from index_updater.owners import ADMIN, Writer, claim_of, run_append
+from index_updater.owners import ADMIN, APPEND, Writer, claim_of, run_append
 from index_updater.records import encode, layout_key, shard_stream, stream_layout, text
 
 DEFAULT_STREAM = Settings.stream
@@ -54,26 +54,29 @@ class Publisher:
             raise ValueError("shards must be >= 1")
         self.client, self.schema, self.scorer, self.shards, self.stream = client, schema, scorer, shards, stream
         self.attempts = attempts
+        self._append = client.register_script(APPEND)
 
     def publish(self, events: Sequence[dict | str | Any], where: str = "events") -> list[str]:
         """Validate, compile and append events; returns their stream ids. Raises InvalidInput, writing nothing."""
         parsed = [e if hasattr(e, "op") else parse_event(e, f"{where}[{i}]") for i, e in enumerate(events)]
         return self.publish_ops(prepare_ops(self.schema, self.scorer, parsed))
 
-    def publish_ops(self, ops: Sequence, writer: Writer = ADMIN, where: Sequence[str] | None = None) -> list[str]:
+    def publish_ops(self, ops: Sequence, writer: Writer = ADMIN, where: Sequence[str] | None = None,
+                    checked: bool = False) -> list[str]:
         """Append already prepared ops: one atomic script per shard stream (owners.APPEND: the entries and the
         owner registry), each retried until acknowledged. Returns the stream ids in the order of `ops`. For an
-        advertiser (`writer`), every shard's part is checked first (check_writer); owners.Refused names the event
-        (`where[i]`, default "[i]") that touches another's ad. Only an ad claimed by another writer between that
-        check and its shard's append can leave the other shards' parts appended."""
+        advertiser (`writer`), every shard's part is checked first (check_writer; `checked`: the caller just did,
+        before embedding the batch); owners.Refused names the event (`where[i]`, default "[i]") that touches
+        another's ad. Only an ad claimed by another writer between that check and its shard's append can leave the
+        other shards' parts appended."""
         where = where or [f"[{i}]" for i in range(len(ops))]
-        if writer.advertiser is not None:
+        if writer.advertiser is not None and not checked:
             self.check_writer(ops, writer, where)
         now_ms = int(time.time() * 1000)
         entries = [encode(op, self.shards, self.schema, self.scorer.name, self.scorer.dim, now_ms) for op in ops]
         ids = [""] * len(entries)
         for stream, positions in self._by_stream(ops).items():
-            append = partial(run_append, self.client, stream, [ops[i] for i in positions],
+            append = partial(run_append, self._append, stream, [ops[i] for i in positions],
                              [entries[i] for i in positions], writer, [where[i] for i in positions])
             for i, entry_id in zip(positions, retry(append, self.attempts)):
                 ids[i] = text(entry_id)
@@ -83,7 +86,7 @@ class Publisher:
         """owners.Refused naming the first event (ad events or prepared ops) of each shard's part that `writer` may
         not touch; appends nothing. Cheap (no payloads): callers run it before embedding a batch."""
         for stream, positions in self._by_stream(events).items():
-            retry(partial(run_append, self.client, stream, [events[i] for i in positions], None, writer,
+            retry(partial(run_append, self._append, stream, [events[i] for i in positions], None, writer,
                           [where[i] for i in positions]), self.attempts)
 
     def _by_stream(self, events: Sequence) -> dict[str, list[int]]:
