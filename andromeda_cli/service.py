@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import secrets
@@ -27,6 +28,7 @@ from deployments.config import APP_NAME, ServiceConfig
 
 DEMO_USERS = 1000
 DEMO_TRAIN_STEPS = 150
+DEMO_MARK = "andromeda:demo"  # in up's private Redis: the demo_identity its streams were published for
 
 
 def read_config_file(path: Path | None) -> dict:
@@ -136,15 +138,18 @@ def streams_empty(config: ServiceConfig) -> bool:
     return all(client.xlen(shard_stream(config.stream, s)) == 0 for s in range(config.shards))
 
 
-def embedded_by_another(config: ServiceConfig, model: str) -> bool:
-    """Whether a shard stream's first entry was embedded by a model other than `model`."""
+def demo_identity(world: Path, model: Path) -> str:
+    """Which demo world `up` publishes and which checkpoint (by content) embeds its ads."""
+    return f"{world.name} {hashlib.sha256(model.read_bytes()).hexdigest()[:16]}"
+
+
+def stale_demo_state(config: ServiceConfig, identity: str) -> bool:
+    """Whether up's private Redis holds ads published for another demo world or model than `identity` (or by a
+    version of up that recorded none): the shards would serve them, embedded by another ad tower."""
     import redis
 
-    from index_updater.records import shard_stream
-
     client = redis.Redis.from_url(config.redis_url)
-    firsts = [client.xrange(shard_stream(config.stream, s), count=1) for s in range(config.shards)]
-    return any(f and f[0][1].get(b"model", b"").decode() != model for f in firsts)
+    return not streams_empty(config) and client.get(DEMO_MARK) != identity.encode()
 
 
 def demo_world(ads: int) -> Path:
@@ -269,8 +274,8 @@ def cached_model_loads(path: Path) -> bool:
     return True
 
 
-def demo_model(world: Path) -> tuple[Path, bool]:
-    """A small MoE trained on the demo world's engagements (cached) -> (its path, trained now). Loading the
+def demo_model(world: Path) -> Path:
+    """A small MoE trained on the demo world's engagements (cached) -> its path. Loading the
     world's data also keeps its ads' text embeddings in memory, so publishing the demo ads needs no second
     MiniLM pass."""
     from andromeda_core.models.quality import checkpoint_meta
@@ -280,11 +285,11 @@ def demo_model(world: Path) -> tuple[Path, bool]:
     path = world / "moe.safetensors"
     data = load_synthetic(world)
     if cached_model_loads(path):
-        return path, False
+        return path
     print(f"training the demo MoE on {world} ({DEMO_TRAIN_STEPS} steps)", file=sys.stderr)
     model = train(data, "moe", TrainConfig(steps=DEMO_TRAIN_STEPS))
     model.save(path, checkpoint_meta(data, 0))
-    return path, True
+    return path
 
 
 def clear_demo_state(client, snapshot_dir: Path) -> None:
@@ -300,16 +305,17 @@ def clear_demo_state(client, snapshot_dir: Path) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from andromeda_core.models.retrieval import served_name
+    import redis
+
     from index_updater.local_redis import LocalRedis
 
     settings = load_settings()
     check_port(service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0"))  # bad flags and a taken
     # port fail before any work, and before a second redis-server would open a running one's files
     world = demo_world(args.demo_ads)
-    demo, retrained = args.model is None, False
-    if demo:
-        args.model, retrained = demo_model(world)
+    if args.model is None:
+        args.model = demo_model(world)
+    identity = demo_identity(world, Path(args.model))
     token = settings.write_token or secrets.token_urlsafe(16)
     os.environ["ANDROMEDA_WRITE_TOKEN"] = token  # Ray workers inherit it; never written to a config
     server = None
@@ -321,19 +327,17 @@ def cmd_up(args: argparse.Namespace) -> None:
     try:
         config = service_config(args, redis_url)
         check_reachable(config)
-        if server is not None and demo and (retrained or embedded_by_another(config, served_name("moe"))) \
-                and not streams_empty(config):
-            # up's own Redis holds the demo ads as a replaced model embedded them: shards would refuse them
-            import redis
-
+        if server is not None and stale_demo_state(config, identity):
             clear_demo_state(redis.Redis.from_url(redis_url), Path(config.snapshot_dir))
-            print(f"cleared var/redis and {config.snapshot_dir}: their demo ads were embedded by the previous demo "
-                  "model", file=sys.stderr)
+            print(f"cleared var/redis and {config.snapshot_dir}: their ads were published for another demo world "
+                  "or model", file=sys.stderr)
         if refusal := other_shard_count(config, f"start over from no ads: delete var/redis and {config.snapshot_dir}"
                                         if server is not None else "republish them to empty streams"):
             raise InvalidInput(refusal, "--shards")
         if streams_empty(config):
             publish_demo(config, world)
+            if server is not None:
+                redis.Redis.from_url(redis_url).set(DEMO_MARK, identity)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "
                                    f"is set): {token}\nor publish a file of ad events: "
                                    f"{publish_command(config, None if settings.redis_url else redis_url)}")

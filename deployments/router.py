@@ -377,11 +377,13 @@ class Router:
                 return None
         return list(await asyncio.gather(*(one(s) for s in range(len(self.shards)))))
 
+    @app.head("/healthz", include_in_schema=False)  # load balancers' checks often send HEAD
     @app.get("/healthz", response_model=Health)
     async def healthz(self) -> Health:
         """The router is up (Serve restarts unhealthy shard replicas by their own check_health)."""
         return Health(status="ok")
 
+    @app.head("/readyz", include_in_schema=False)
     @app.get("/readyz", response_model=Health, responses={503: {"model": Health}})
     async def readyz(self):
         """200 once every shard answers and has caught up with its stream."""

@@ -278,6 +278,9 @@ def test_raw_garbage_is_a_422_not_a_500(service):
 
 def test_health_readiness_and_metrics(service):
     assert requests.get(f"{service.url}/two/healthz", timeout=10).status_code == 200
+    for path in ("healthz", "readyz"):  # a load balancer's HEAD check: the status, no body
+        head = requests.head(f"{service.url}/two/{path}", timeout=10)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
     ready = requests.get(f"{service.url}/two/readyz", timeout=10)
     assert ready.status_code == 200 and [s["shard"] for s in ready.json()["shards"]] == [0, 1]
     assert all(s["errors"] == 0 and s["last_error"] == "" and s["reason"] == "ok" for s in ready.json()["shards"])

@@ -1,4 +1,4 @@
-"""`andromeda up` keeps its private Redis's demo ads only while the demo model that embedded them serves, and
+"""`andromeda up` keeps its private Redis's demo ads only while the demo world and model that published them serve, and
 `up` and `serve` refuse streams published for another shard count (a replica would set aside the ads that hash to
 another shard, and serve without them)."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ import os
 
 import redis
 
-from andromeda_cli.service import clear_demo_state, embedded_by_another, other_shard_count, published_for_other_shards
+from andromeda_cli.service import (DEMO_MARK, clear_demo_state, demo_identity, other_shard_count, published_for_other_shards,
+                                   stale_demo_state)
 from andromeda_core.sharding import shard_of
 from deployments.config import ServiceConfig
 from index_updater.publisher import Publisher
@@ -16,13 +17,21 @@ from tests.conftest import upsert
 from andromeda_core.types import parse_event
 
 
-def test_streams_embedded_by_another_model_are_found(redis_server, small_schema, scorer):
+def test_ads_published_for_another_demo_world_or_model_are_stale(redis_server, small_schema, scorer, tmp_path):
     server, client = redis_server
     config = ServiceConfig(redis_url=server.url if server else os.environ["REDIS_URL"], shards=2, stream="up-demo")
-    assert not embedded_by_another(config, scorer.name)  # empty streams: nothing stale
+    model = tmp_path / "moe.safetensors"
+    model.write_bytes(b"weights one")
+    published = demo_identity(tmp_path / "demo-100", model)
+    assert not stale_demo_state(config, published)  # empty streams: nothing stale
     Publisher(client, small_schema, scorer, shards=2, stream="up-demo").publish([parse_event(upsert(i)) for i in (1, 2, 3)])
-    assert not embedded_by_another(config, scorer.name)
-    assert embedded_by_another(config, "moe-v3")
+    assert stale_demo_state(config, published)  # ads, but no record of what published them (an older up)
+    client.set(DEMO_MARK, published)
+    assert not stale_demo_state(config, published)
+    assert stale_demo_state(config, demo_identity(tmp_path / "demo-200", model))  # --demo-ads 200
+    model.write_bytes(b"weights two")  # retrained, or --model naming another checkpoint
+    assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", model))
+    client.delete(DEMO_MARK)
 
 
 def test_a_replaced_demo_model_clears_redis_and_the_shards_snapshots(redis_server, tmp_path):
