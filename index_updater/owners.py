@@ -1,20 +1,23 @@
 """The owner registry: which advertiser owns each ad, decided where the ad's events are appended.
 
-Per shard stream `S`, the hash `S:owners{S}` maps ad id -> "version owner": the newest upsert or delete version
-appended and the advertiser whose ad it is ("" once deleted: the id is free again). Its name starts with the
-stream's, so an ACL pattern for the streams covers it, and its hash tag is the stream's whole name, so Redis
+Per shard stream `S`, the hash `S:owners{S}` maps ad id -> "version owner[ status]": the newest upsert or delete
+version appended, the advertiser whose ad it is ("" once deleted: the id is free again), and the version of the
+newest pause or resume appended where it is newer than that version (as the index keeps it). Its name starts with
+the stream's, so an ACL pattern for the streams covers it, and its hash tag is the stream's whole name, so Redis
 Cluster keeps it in the stream's slot: one script reads and writes both. Versions stay decimal strings (compared
 by length, then digits): they reach 2**63 - 1, past what a Lua number holds exactly.
 
 Every publish goes through `APPEND` (one Lua script per shard stream, atomic): it appends the entries and records,
-for each upsert or delete strictly newer than the recorded version (as the index applies them), the new owner.
+for each event strictly newer than the recorded version (as the index applies them), the new owner or status.
 Given an advertiser, it first checks every event of the batch and appends nothing if one touches another's ad:
 an upsert must name the advertiser and needs the ad free or its own; a delete, pause or resume needs the ad its
 own, unless its version is not newer than the recorded one: the index ignores it then, so a resend passes
-whoever owns the ad now. So two advertisers racing for one id, or one claiming an ad published but not yet
-applied, cannot both pass: Redis orders the two scripts. An ad the registry has no entry for (published before
-it existed) falls back on the owner and content version its shard's index reports (`Writer.indexed`), recorded
-at its next write. A malformed entry, or a key of another type, counts as none.
+whoever owns the ad now. A delete must also not be older than the ad's recorded pause or resume: the index
+keeps a status newer than a delete, so the id's next owner would get its ad paused (or active). So two
+advertisers racing for one id, or one claiming an ad published but not yet applied, cannot both pass: Redis
+orders the two scripts. An ad the registry has no entry for (published before it existed) falls back on the
+owner and content version its shard's index reports (`Writer.indexed`), recorded at its next write. A malformed
+entry, or a key of another type, counts as none.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ local kind_of_key = redis.call('TYPE', KEYS[2]).ok
 local usable = kind_of_key == 'hash' or kind_of_key == 'none'
 local function newer(a, b)
   if b == '' then return true end
+  if a == '' then return false end
   if #a ~= #b then return #a > #b end
   return a > b
 end
@@ -39,25 +43,28 @@ local function state_of(ad, fallback_version, fallback_owner)
   if known[ad] then return known[ad] end
   local stored = usable and redis.call('HGET', KEYS[2], ad)
   if stored then
-    local version, owner = string.match(stored, '^(%d+) (%d*)$')
-    if version then return {version, owner} end
+    local version, owner, status = string.match(stored, '^(%d*) (%d*) ?(%d*)$')
+    if version then return {version, owner, status} end
   end
-  return {fallback_version, fallback_owner}
+  return {fallback_version, fallback_owner, ''}
 end
 for i = 1, n do
   local kind, ad, version, advertiser = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
   local state, fields = state_of(ad, ARGV[at + 4], ARGV[at + 5]), tonumber(ARGV[at + 6])
+  local applies = newer(version, state[1])
   if mine ~= '' then
-    local allowed
     if kind == 'upsert' then
-      allowed = advertiser == mine and (state[2] == mine or state[2] == '')
-    else
-      allowed = state[2] == mine or not newer(version, state[1])
+      if not (advertiser == mine and (state[2] == mine or state[2] == '')) then return {'refused', i - 1, state[2]} end
+    elseif applies and state[2] ~= mine then
+      return {'refused', i - 1, state[2]}
+    elseif applies and kind == 'delete' and newer(state[3], version) then
+      return {'refused', i - 1, state[2], state[3]}
     end
-    if not allowed then return {'refused', i - 1, state[2]} end
   end
-  if (kind == 'upsert' or kind == 'delete') and newer(version, state[1]) then
-    state = {version, kind == 'upsert' and advertiser or ''}
+  if applies and (kind == 'upsert' or kind == 'delete') then
+    state = {version, kind == 'upsert' and advertiser or '', newer(state[3], version) and state[3] or ''}
+  elseif applies and newer(version, state[3]) then  -- a pause or resume newer than the content and the status
+    state = {state[1], state[2], version}
   end
   known[ad] = state
   events[i] = {at + 7, at + 6 + 2 * fields}
@@ -69,8 +76,10 @@ local ids = {}
 for i = 1, n do
   ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, events[i][1], events[i][2]))
 end
-for ad, state in pairs(known) do  -- a state with no version yet: an ad never upserted nor deleted
-  if state[1] ~= '' then redis.call('HSET', KEYS[2], ad, state[1] .. ' ' .. state[2]) end
+for ad, state in pairs(known) do  -- nothing yet: an ad never upserted, deleted, paused nor resumed
+  if state[1] ~= '' or state[3] ~= '' then
+    redis.call('HSET', KEYS[2], ad, state[1] .. ' ' .. state[2] .. (state[3] ~= '' and ' ' .. state[3] or ''))
+  end
 end
 return {'ok', ids}
 """
@@ -125,8 +134,12 @@ def run_append(append: Script, stream: str, events: Sequence, entries: Sequence[
     may not touch its ad."""
     reply = append(keys=[stream, owners_key(stream)], args=script_args(events, entries, writer))
     if reply[0] in (b"refused", "refused"):
-        i, owner = int(reply[1]), reply[2].decode() if isinstance(reply[2], bytes) else reply[2]
-        kind, ad_id, _, _ = claim_of(events[i])
+        i, owner, *status = (int(reply[1]), *(v.decode() if isinstance(v, bytes) else v for v in reply[2:]))
+        kind, ad_id, version, _ = claim_of(events[i])
+        if status:
+            raise Refused(f"ad {ad_id} has a pause or resume at version {status[0]}: a delete at {version} would leave "
+                          "that status to the id's next owner; delete it at a version at least as new",
+                          f"{where[i]}.version")
         field = "ad.ad_id" if kind == "upsert" else "ad_id"
         raise Refused(f"ad {ad_id} " + ("belongs to another advertiser (an ad cannot be moved)" if owner else
                                         f"is not advertiser {writer.advertiser}'s"), f"{where[i]}.{field}")

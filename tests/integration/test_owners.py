@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from andromeda_core.ingest import prepare_ops
+from andromeda_core.ops import OP_CODES
+from andromeda_core.slots import SlotBook, SlotPlan
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_event
 from index_updater.owners import Refused, Writer, owners_key
@@ -95,6 +98,49 @@ def test_versions_past_a_lua_number_are_compared_exactly(publish):
     publish([ad(15, top - 1, 7)], advertiser=7)
     publish([ad(15, top, 7)], advertiser=7)
     assert owner(publish, 15) == f"{top} 7"
+
+
+def test_a_delete_older_than_the_ads_pause_or_resume_is_refused(publish):
+    """In the index a pause or resume newer than a delete outlives it, so an owner pausing its ad far ahead and
+    then deleting it would leave the id's next owner with its ad paused."""
+    top = 2**63 - 1
+    publish([ad(19, 5, 7)], advertiser=7)
+    publish([{"op": "pause", "ad_id": 19, "version": 10}], advertiser=7)
+    assert owner(publish, 19) == "5 7 10"
+    publish([ad(19, 8, 7)], advertiser=7)  # content older than the pause: it stays paused
+    assert owner(publish, 19) == "8 7 10"
+    publish([{"op": "resume", "ad_id": 19, "version": top}], advertiser=7)
+    with pytest.raises(Refused) as refused:
+        publish([{"op": "delete", "ad_id": 19, "version": 11}], advertiser=7)
+    assert refused.value.field == "[0].version" and str(top) in refused.value.message
+    assert owner(publish, 19) == f"8 7 {top}"
+    publish([{"op": "delete", "ad_id": 19, "version": 8}], advertiser=7)  # not newer than the content: a resend
+    publish([ad(20, 5, 7), {"op": "pause", "ad_id": 20, "version": 9}, ad(20, 9, 7)], advertiser=7)
+    assert owner(publish, 20) == "9 7"  # an upsert as new as the pause drops it, as the index does
+    publish([{"op": "pause", "ad_id": 20, "version": 12}, {"op": "delete", "ad_id": 20, "version": 12}], advertiser=7)
+    assert owner(publish, 20) == "12 "  # free, with no status left for its next owner
+
+
+EVENTS = st.lists(st.tuples(st.sampled_from(sorted(OP_CODES)), st.integers(1, 2), st.integers(1, 6)), max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(history=EVENTS)
+def test_the_registry_keeps_the_versions_and_status_the_index_keeps(publish, history):
+    """Random histories of admin writes (never refused), batch by batch, against the index's own bookkeeping."""
+    for ad_id in (1, 2):
+        publish.client.hdel(owners_key(shard_stream(publish.stream, shard_of(ad_id, 2))), ad_id)
+    book = SlotBook(4)
+    for kind, ad_id, version in history:
+        publish([ad(ad_id, version, 7) if kind == "upsert" else {"op": kind, "ad_id": ad_id, "version": version}])
+        plan = SlotPlan(book, 4)
+        plan.op(OP_CODES[kind], ad_id, version, 0)
+        plan.commit(plan.capacity_needed)
+    for ad_id in (1, 2):
+        recorded = (owner(publish, ad_id) or "  ").split(" ")
+        content, status = book.version.get(ad_id), book.status.get(ad_id)
+        assert recorded[0] == ("" if content is None else str(content)), (history, recorded)
+        assert (recorded[2:] or [""])[0] == ("" if status is None else str(status[0])), (history, recorded)
 
 
 def test_without_an_entry_the_index_decides_and_is_recorded(publish):
