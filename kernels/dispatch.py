@@ -2,6 +2,8 @@
 reproduce kernels.reference.fused; the reference itself is what tests compare them with."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -26,7 +28,14 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         from kernels.triton.fused import fused_scan as run
     else:
         from kernels.cpu import fused_scan as run
-    return run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n, m)
+    with on_its_gpu(vectors):
+        return run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n, m)
+
+
+def on_its_gpu(t: torch.Tensor):
+    """A context making t's GPU the current device: Triton launches on the current device and its stream, whichever
+    GPU the tensors are on (a table on cuda:1 would be read from cuda:0). Nothing for a CPU tensor."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor, vectors: torch.Tensor,
@@ -36,7 +45,8 @@ def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: 
     every Triton kernel variant (kernels.triton.fused.warm_up); on the CPU the C++ kernel, built once for all."""
     if vectors.is_cuda:
         from kernels.triton.fused import warm_up as run
-        run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
+        with on_its_gpu(vectors):
+            run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
     else:
         from kernels.cpu import library
         library()
@@ -47,6 +57,7 @@ def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, r
     """Eligibility (B, n) bool (kernels.reference.fused.clause_match) on the table's device."""
     if status.is_cuda:
         from kernels.triton.match import clause_match_count
-        return clause_match_count(status, start, end, refs, truth, now)[0]
+        with on_its_gpu(status):
+            return clause_match_count(status, start, end, refs, truth, now)[0]
     from kernels.cpu import clause_match as run
     return run(status, start, end, refs, truth, now)

@@ -419,10 +419,11 @@ def upload(arrays: tuple[np.ndarray, ...], device: torch.device) -> tuple[torch.
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
-               m: int, sample_stride: int = SAMPLE_STRIDE, stats: dict | None = None
+               m: int, sample_stride: int | None = None, stats: dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pass: match, score, top-m -> (slots (B, m) int64, scores (B, m) float32, eligible (B,) int64);
-    shapes and meaning as kernels.reference.fused.fused_scan. sample_stride 0 skips the threshold scan. stats, a
+    shapes and meaning as kernels.reference.fused.fused_scan. sample_stride: the threshold scan's, SAMPLE_STRIDE when
+    None (read at the call, so that tests may set it), 0 to skip that scan. stats, a
     dict, receives what the pass did: "blocks" (of BLOCK slots), "path" ("threshold" or "per-block") and, after the
     threshold scan, "scored" (B,) the blocks whose gating it computed for each request (the rest it skipped)."""
     B, n = now.shape[0], status.shape[0]
@@ -445,14 +446,17 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
             TOP_N=min(top_n, E), BIAS_COL=bias_col, BLOCK=BLOCK, WIDTH=width, KEEP=keep, SKIP=SKIP_BELOW_TAU,
             num_warps=SCAN_WARPS)
 
+    sample_stride = SAMPLE_STRIDE if sample_stride is None else sample_stride
     sampled = blocks // sample_stride if sample_stride else 0
     if sampled >= m:
         best = torch.empty((B, sampled), dtype=torch.int64, device=status.device)
         scan(sampled, best, KEEP_MAX, stride=sample_stride)
-        tau = best.topk(m, dim=1).values[:, -1].contiguous()
+        # tau in a buffer of its own and count's and scored's rows 128 bytes apart: Triton compiles a kernel per
+        # pointer alignment (16 bytes or not), so views at offsets that vary with B or m would compile anew mid-traffic
+        tau = best.topk(m, dim=1).values[:, -1].clone(memory_format=torch.contiguous_format)
         capacity = triton.cdiv(max(CANDIDATES * m, MIN_CANDIDATES), BLOCK) * BLOCK
         candidates = torch.full((B, capacity), NO_KEY, dtype=torch.int64, device=status.device)
-        count, scored = torch.zeros((2, B), dtype=torch.int32, device=status.device)
+        count, scored = torch.zeros((2, triton.cdiv(B, 32) * 32), dtype=torch.int32, device=status.device)[:, :B]
         scan(blocks, candidates, KEEP_ABOVE, tau=tau, count=count, scored=scored, capacity=capacity)
         used, kept = torch.stack([count.max(), (count >= eligible.clamp(max=m)).all()]).tolist()  # one sync
         if used <= capacity and kept:  # every request kept its m
@@ -476,11 +480,18 @@ def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: 
             keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int) -> None:
     """Compile every kernel a pass over this table with this head may launch (Triton compiles on a kernel's first
     launch, seconds, while requests wait): for each power of two a shortlist rounds up to (the only compile-time
-    shape requests change; above MERGE_MAX_K torch merges), the threshold scan and the per-block one (taken when
-    candidates overflow), and the merge of every round (one round, and a first, a middle and a last)."""
+    shape requests change; above MERGE_MAX_K torch merges), the threshold scan (also over a table too small to take
+    it yet) and the per-block one (taken when candidates overflow), and the merge of every round (one round, and a
+    first, a middle and a last)."""
     if status.shape[0] == 0:  # passes skip an empty table: its first ads' first pass compiles
         return
-    args = (status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
+    head = (now, truth, experts, keys, mask, bias_col, top_n)
+    args = (status, start, end, refs, vectors, scales, *head)
+    rows = SAMPLE_STRIDE * BLOCK  # the fewest slots the threshold scan is taken over (at m = 1)
+    if status.shape[0] < rows:  # not over this table, so warm it over one grown by slots of no ad (unservable)
+        grown = [None if t is None else torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+                 for t in (status, start, end, refs, vectors, scales)]
+        fused_scan(*grown, *head, 1)
     for K in (2**j for j in range(max(MERGE_MAX_K, BLOCK).bit_length())):
         path: dict = {}
         fused_scan(*args, K, stats=path)

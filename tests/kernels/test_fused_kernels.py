@@ -661,8 +661,8 @@ def test_fused_scan_on_cuda_at_realistic_sizes(dtype, m):
 
 class LaunchRecorder:
     """Stands in for a @triton.jit kernel: records the compile-time signature of every launch (its constexprs and
-    num_warps, and which of 1, a multiple of 16 or neither each integer it specialises on is: Triton compiles once
-    per signature), then launches the kernel."""
+    num_warps, which of 1, a multiple of 16 or neither each integer it specialises on is, and which pointers are
+    16-byte aligned: Triton compiles once per signature), then launches the kernel."""
 
     def __init__(self, kernel, launched: set):
         self.kernel, self.launched = kernel, launched
@@ -672,7 +672,9 @@ class LaunchRecorder:
             ints = tuple(name for name, value in zip(self.kernel.arg_names, args)
                          if isinstance(value, int) and name not in fused.UNSPECIALISED[self.kernel.__name__]
                          for name in [f"{name}={'1' if value == 1 else '16k' if value % 16 == 0 else 'n'}"])
-            self.launched.add((self.kernel.__name__, ints, tuple(sorted(constants.items()))))
+            aligned = tuple(name for name, value in zip(self.kernel.arg_names, args)
+                            if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0)
+            self.launched.add((self.kernel.__name__, ints, aligned, tuple(sorted(constants.items()))))
             return self.kernel[grid](*args, **constants)
         return launch
 
@@ -680,7 +682,9 @@ class LaunchRecorder:
 def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch):
     """After fused.warm_up over a table, passes over it launch no kernel signature warm_up did not (none waits for a
     compile): any m (the threshold scan at small m, the per-block one at larger m, merges of one and more rounds,
-    torch's merge past MERGE_MAX_K), one request or several, a table grown by one slot."""
+    torch's merge past MERGE_MAX_K), one request or several (warm_up sees one, as replicas warm up; B and m change
+    the offsets of the threshold scan's buffers), a table grown by one slot, and one grown from too few slots for
+    the threshold scan at warm_up."""
     launched: set = set()
     for name in ("_scan_kernel", "_merge_kernel"):
         monkeypatch.setattr(fused, name, LaunchRecorder(getattr(fused, name), launched))
@@ -691,14 +695,21 @@ def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch
     gen = torch.Generator().manual_seed(5)
     blocks = 3 * fused.SAMPLE_STRIDE + 1  # 3 sampled: the threshold scan up to m = 3, the per-block one beyond
     table = make_table(gen, blocks * fused.BLOCK + 5, 3, 21, torch.float16)
-    requests = make_requests(gen, 3, 6, 12, 8)
-    fused.warm_up(*on_device(table), *on_device(requests), 20, 2)
-    warmed = set(launched)
-    launched.clear()
-    for B in (1, 3):
-        for m in (1, 3, 9, 100):
-            fused.fused_scan(*on_device(table), *on_device([r[:B] for r in requests]), 20, 2, m)
-    grown = [t[:-1] for t in table[:5]] + [table[5]]  # one slot fewer: other table sizes
-    fused.fused_scan(*on_device(grown), *on_device(requests), 20, 2, 7)
-    assert launched and launched <= warmed, launched - warmed
-    assert {kernel for kernel, _, _ in warmed} == {"_scan_kernel", "_merge_kernel"}
+    requests = make_requests(gen, 4, 6, 12, 8)
+    for small in (False, True):
+        launched.clear()
+        warmed_over = [None if t is None else t[:fused.BLOCK + 3] for t in table] if small else table
+        fused.warm_up(*on_device(warmed_over), *on_device([r[:1] for r in requests]), 20, 2)
+        warmed = set(launched)
+        launched.clear()
+        paths = set()
+        for B in (1, 3, 4):
+            for m in (1, 2, 3, 9, 100):
+                path: dict = {}
+                fused.fused_scan(*on_device(table), *on_device([r[:B] for r in requests]), 20, 2, m, stats=path)
+                paths.add(path["path"])
+        assert paths == {"threshold", "per-block"}
+        grown = [t[:-1] for t in table[:5]] + [table[5]]  # one slot fewer: other table sizes
+        fused.fused_scan(*on_device(grown), *on_device(requests), 20, 2, 7)
+        assert launched and launched <= warmed, (small, launched - warmed)
+        assert {kernel for kernel, _, _, _ in warmed} == {"_scan_kernel", "_merge_kernel"}
