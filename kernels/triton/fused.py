@@ -40,6 +40,8 @@ SCAN_WARPS = 4  # on an H200 4 warps scanned fp16 1.6x faster than 8 (10M ads, B
 SAMPLE_STRIDE = 16  # the threshold scan reads every 16th block
 CANDIDATES = 64  # candidate keys kept per request: CANDIDATES * m (at least MIN_CANDIDATES) before the exact fallback
 MIN_CANDIDATES = 8192
+PER_BLOCK_BYTES = 1 << 31  # the per-block scan's partials, (B, blocks, width) int64, at most: past it (k = 10,000 on a
+# 100M-ad table with 64 requests would take 51 GB) the requests go in parts, each a pass of its own
 KEEP_TOP, KEEP_MAX, KEEP_ABOVE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what a block keeps: its top WIDTH keys, its best key, the keys >= tau
 SKIP_BELOW_TAU = True  # the threshold scan skips the gating of blocks that cannot reach tau (False: for A/B runs)
 # Integers that change while serving (the table's rows, the batch, the clause words, the partials, k): not
@@ -428,6 +430,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     threshold scan, "scored" (B,) the blocks whose gating it computed for each request (the rest it skipped)."""
     B, n = now.shape[0], status.shape[0]
     E, D, G = experts.shape[1], experts.shape[2], keys.shape[2]
+    table = (status, start, end, refs, vectors, scales)
     refs = refs_with_a_column(refs)
     quant = vectors.dtype == torch.int8
     vectors = table_rows(vectors)
@@ -469,6 +472,11 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
         stats.update(blocks=blocks, path="per-block")
         stats.pop("scored", None)
     width = min(triton.next_power_of_2(max(m, 1)), BLOCK)
+    part = max(1, PER_BLOCK_BYTES // (blocks * width * 8))
+    if B > part:
+        parts = [fused_scan(*table, *(t[i:i + part] for t in (now, truth, experts, keys, mask)), bias_col, top_n, m, 0,
+                            stats) for i in range(0, B, part)]
+        return tuple(torch.cat(results) for results in zip(*parts))
     partial = torch.empty((B, blocks, width), dtype=torch.int64, device=status.device)
     scan(blocks, partial, KEEP_TOP, width)
     slots, scores = merge_partials(partial, m)

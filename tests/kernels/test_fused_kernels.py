@@ -450,6 +450,24 @@ def test_threshold_scan_with_nan_and_infinite_values_equals_reference():
     assert stats["path"] == "threshold" and got[0][:, 2:].tolist() == [[0, 1]] * 2
 
 
+def test_a_per_block_scan_too_large_for_one_pass_runs_the_requests_in_parts(monkeypatch):
+    """Past PER_BLOCK_BYTES of partials the per-block scan takes the requests in parts (Triton): the same answers."""
+    gen = torch.Generator().manual_seed(41)
+    table = make_table(gen, 700, 3, 21, torch.int8)
+    requests = make_requests(gen, 5, 6, 12, 8)
+    args = (*table, *requests, 20, 2, 9)
+    whole = [t.cpu() for t in fused.fused_scan(*on_device(args), 0)]
+    width = min(triton.next_power_of_2(9), fused.BLOCK)
+    monkeypatch.setattr(fused, "PER_BLOCK_BYTES", 2 * triton.cdiv(700, fused.BLOCK) * width * 8)  # 2 requests a part
+    batches, scan = [], fused.fused_scan
+    monkeypatch.setattr(fused, "fused_scan", lambda *a, **kw: batches.append(a[6].shape[0]) or scan(*a, **kw))
+    stats: dict = {}
+    parts = [t.cpu() for t in fused.fused_scan(*on_device(args), 0, stats)]
+    assert batches == [5, 2, 2, 1]
+    assert_same(parts, reference.fused_scan(*args))
+    assert all(torch.equal(a, b) for a, b in zip(parts, whole)) and stats["path"] == "per-block"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
 def test_ties_order_by_slot(kernel, dtype):
     """Three distinct rows repeated: each score is tied across the blocks and m cuts inside a tie."""
