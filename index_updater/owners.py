@@ -16,8 +16,9 @@ whoever owns the ad now. A delete must also not be older than the ad's recorded 
 keeps a status newer than a delete, so the id's next owner would get its ad paused (or active). So two
 advertisers racing for one id, or one claiming an ad published but not yet applied, cannot both pass: Redis
 orders the two scripts. An ad the registry has no entry for (published before it existed) falls back on the
-owner and content version its shard's index reports (`Writer.indexed`), recorded at its next write. A malformed
-entry, or a key of another type, counts as none.
+owner and content version its shard's index reports (`Writer.indexed`), recorded at its next write; so does one
+whose entry holds only a status (a pause or resume appended before any content the registry saw: "  status"). A
+malformed entry, or a key of another type, counts as none.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ local function state_of(ad, fallback_version, fallback_owner)
   local stored = usable and redis.call('HGET', KEYS[2], ad)
   if stored then
     local version, owner, status = string.match(stored, '^(%d*) (%d*) ?(%d*)$')
-    if version then return {version, owner, status} end
+    if version and version ~= '' then return {version, owner, status} end
+    if version then return {fallback_version, fallback_owner, status} end  -- a status before any content
   end
   return {fallback_version, fallback_owner, ''}
 end

@@ -121,25 +121,50 @@ def test_a_delete_older_than_the_ads_pause_or_resume_is_refused(publish):
     assert owner(publish, 20) == "12 "  # free, with no status left for its next owner
 
 
-EVENTS = st.lists(st.tuples(st.sampled_from(sorted(OP_CODES)), st.integers(1, 2), st.integers(1, 6)), max_size=12)
+EVENT = st.tuples(st.sampled_from(sorted(OP_CODES)), st.integers(1, 2), st.integers(1, 6), st.sampled_from([7, 8]))
+BATCHES = st.lists(st.tuples(st.sampled_from([None, 7, 8]), st.lists(EVENT, min_size=1, max_size=3)), max_size=6)
+
+
+def judged(writer: int | None, batch: list, book: SlotBook, owners: dict) -> tuple[SlotPlan, dict] | None:
+    """The rule, told from the index's own bookkeeping: None when `writer` (None: an admin) may not append `batch`,
+    else the batch's plan on `book` and the owners after it."""
+    plan, owners = SlotPlan(book, 4), dict(owners)
+    for kind, ad_id, version, advertiser in batch:
+        applies, mine = version > plan.content_version(ad_id), owners.get(ad_id, "")
+        status = plan.status_of(ad_id)
+        if writer is not None and (advertiser != writer or mine not in (writer, "") if kind == "upsert" else
+                                   applies and (mine != writer or kind == "delete" and status and status[0] > version)):
+            return None
+        plan.op(OP_CODES[kind], ad_id, version, 0)
+        if applies and kind in ("upsert", "delete"):
+            owners[ad_id] = advertiser if kind == "upsert" else ""
+    return plan, owners
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(history=EVENTS)
-def test_the_registry_keeps_the_versions_and_status_the_index_keeps(publish, history):
-    """Random histories of admin writes (never refused), batch by batch, against the index's own bookkeeping."""
+@given(history=BATCHES)
+def test_the_registry_keeps_the_owners_versions_and_status_the_index_keeps(publish, history):
+    """Random batches by admins and two advertisers: each is refused exactly when the rule, told from the index's
+    bookkeeping, refuses it, and the registry ends with the owner, version and status the index keeps."""
     for ad_id in (1, 2):
         publish.client.hdel(owners_key(shard_stream(publish.stream, shard_of(ad_id, 2))), ad_id)
-    book = SlotBook(4)
-    for kind, ad_id, version in history:
-        publish([ad(ad_id, version, 7) if kind == "upsert" else {"op": kind, "ad_id": ad_id, "version": version}])
-        plan = SlotPlan(book, 4)
-        plan.op(OP_CODES[kind], ad_id, version, 0)
+    book, owners = SlotBook(4), {}
+    for writer, batch in history:
+        expected = judged(writer, batch, book, owners)
+        try:
+            publish([ad(a, v, who) if kind == "upsert" else {"op": kind, "ad_id": a, "version": v}
+                     for kind, a, v, who in batch], advertiser=writer)
+        except Refused:
+            assert expected is None, (history, writer, batch)
+            continue
+        assert expected is not None, (history, writer, batch)
+        plan, owners = expected
         plan.commit(plan.capacity_needed)
     for ad_id in (1, 2):
         recorded = (owner(publish, ad_id) or "  ").split(" ")
         content, status = book.version.get(ad_id), book.status.get(ad_id)
         assert recorded[0] == ("" if content is None else str(content)), (history, recorded)
+        assert content is None or recorded[1] == str(owners.get(ad_id, "")), (history, recorded)
         assert (recorded[2:] or [""])[0] == ("" if status is None else str(status[0])), (history, recorded)
 
 
@@ -155,6 +180,20 @@ def test_without_an_entry_the_index_decides_and_is_recorded(publish):
         publish([ad(13, 101, 8)], advertiser=8)
     publish([ad(13, 101, 7)], advertiser=7)
     assert owner(publish, 13) == "101 7"
+
+
+def test_an_admins_status_on_an_ad_the_registry_lacks_keeps_the_indexs_owner(publish):
+    """An admin pauses an ad published before the registry: the entry holds only the status, so the owner still
+    comes from the index (another advertiser cannot take the ad) and the owner's older delete is refused."""
+    publish([{"op": "pause", "ad_id": 21, "version": 300}])
+    assert owner(publish, 21) == "  300"
+    with pytest.raises(Refused):
+        publish([ad(21, 301, 8)], advertiser=8, indexed={21: (7, 100)})
+    with pytest.raises(Refused) as refused:
+        publish([{"op": "delete", "ad_id": 21, "version": 200}], advertiser=7, indexed={21: (7, 100)})
+    assert refused.value.field == "[0].version"
+    publish([ad(21, 150, 7)], advertiser=7, indexed={21: (7, 100)})
+    assert owner(publish, 21) == "150 7 300"
 
 
 def test_a_malformed_registry_counts_as_none(publish):
