@@ -1,10 +1,20 @@
 """One entry point per fused op: Triton on CUDA tensors, the compiled C++ CPU kernel otherwise. Both
-reproduce kernels.reference.fused; the reference itself is what tests compare them with."""
+reproduce kernels.reference.fused; the reference itself is what tests compare them with.
+
+A head the GPU cannot build the scan for (its operands past the shared memory a block may have, or its registers:
+compiled for sm_90 by Triton 3.9, int8 tables with D = 128 and more than 8 experts, any int8 table with D = 256, float32 ones with
+D = 256) is scored by the reference on the GPU instead: the same results, slower, with (B, n) intermediates. A
+warning names the head once per process; the default heads (D = 64, G = 16) fit in every dtype."""
 from __future__ import annotations
 
 import contextlib
+import logging
+from typing import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
+UNBUILDABLE: set = set()  # heads (table dtype, E, D, G) the GPU could not build the Triton scan for
 
 
 def implementation(device: torch.device | str) -> str:
@@ -24,12 +34,35 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
                m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Match, score and top-m in one pass (kernels.reference.fused.fused_scan) on the table's device."""
     require_top(m, top_n)
-    if vectors.is_cuda:
-        from kernels.triton.fused import fused_scan as run
-    else:
+    args = (status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
+    if not vectors.is_cuda:
         from kernels.cpu import fused_scan as run
+        return run(*args, m)
+    from kernels.reference.fused import fused_scan as reference
+    from kernels.triton.fused import fused_scan as run
     with on_its_gpu(vectors):
-        return run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n, m)
+        return built_or_reference(lambda: run(*args, m), lambda: reference(*args, m), head_of(vectors, experts, keys))
+
+
+def head_of(vectors: torch.Tensor, experts: torch.Tensor, keys: torch.Tensor) -> tuple:
+    """What the Triton scan is compiled for, as far as its size goes: (table dtype, E, D, G)."""
+    return vectors.dtype, experts.shape[1], experts.shape[2], keys.shape[2]
+
+
+def built_or_reference(triton_run: Callable, reference_run: Callable, head: tuple):
+    """triton_run(), or reference_run() where the GPU cannot build the Triton kernels for `head` (Triton's
+    OutOfResources or PTXASError, met at the first launch): the head is remembered, so it is tried once."""
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    if head not in UNBUILDABLE:
+        try:
+            return triton_run()
+        except (OutOfResources, PTXASError) as error:
+            UNBUILDABLE.add(head)
+            log.warning("the GPU cannot build the fused scan for a %s table with %d experts, D = %d, G = %d (%s): "
+                        "scoring with the PyTorch reference instead (exact, slower, (B, n) intermediates); float16 "
+                        "tables or fewer experts or dims fit", *head, type(error).__name__)
+    return reference_run()
 
 
 def on_its_gpu(t: torch.Tensor):
@@ -46,7 +79,8 @@ def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: 
     if vectors.is_cuda:
         from kernels.triton.fused import warm_up as run
         with on_its_gpu(vectors):
-            run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
+            built_or_reference(lambda: run(status, start, end, refs, vectors, scales, now, truth, experts, keys, mask,
+                                           bias_col, top_n), lambda: None, head_of(vectors, experts, keys))
     else:
         from kernels.cpu import library
         library()

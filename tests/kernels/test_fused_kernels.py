@@ -550,6 +550,30 @@ def test_scans_refuse_an_empty_top(scan, m, top_n):
         scan(*table, *make_requests(torch.Generator().manual_seed(1), 2, 2, 2, 2), -1, top_n, m)
 
 
+@pytest.mark.parametrize("error", ["OutOfResources", "PTXASError"])
+def test_a_head_the_gpu_cannot_build_is_scored_by_the_reference_tried_once(monkeypatch, caplog, error):
+    """Triton meets a head too large for the GPU at its first launch: the dispatcher answers with the reference,
+    warns once naming the head, and does not try to build it again; other heads still run on Triton."""
+    from triton.runtime import errors
+
+    monkeypatch.setattr(dispatch, "UNBUILDABLE", set())
+    tries = []
+
+    def too_large():
+        tries.append(1)
+        raise errors.OutOfResources(237056, 232448, "shared memory") if error == "OutOfResources" else \
+            errors.PTXASError("Register allocation failed")
+
+    head = (torch.int8, 16, 128, 16)
+    with caplog.at_level("WARNING", logger="kernels.dispatch"):
+        assert [dispatch.built_or_reference(too_large, lambda: "reference", head) for _ in range(3)] == ["reference"] * 3
+    assert tries == [1] and dispatch.UNBUILDABLE == {head}
+    assert caplog.text.count("cannot build") == 1 and "torch.int8 table with 16 experts, D = 128" in caplog.text
+    assert dispatch.built_or_reference(lambda: "triton", lambda: "reference", (torch.float16, 16, 128, 16)) == "triton"
+    with pytest.raises(ValueError):  # anything else is no build failure: it surfaces
+        dispatch.built_or_reference(lambda: int("x"), lambda: "reference", (torch.float16, 4, 64, 16))
+
+
 def test_cpu_scan_of_no_request():
     table = make_table(torch.Generator().manual_seed(0), 10, 2, 5, torch.float32)
     now, truth, experts, keys, mask = make_requests(torch.Generator().manual_seed(1), 1, 2, 2, 2)
@@ -641,13 +665,16 @@ def compile_for_sm90():
 
 def test_kernels_compile_for_sm90_without_spills():
     """The interpreter accepts what a GPU compiler rejects (dot sizes under 16, ...): compile for sm_90 with the
-    ptxas that comes with Triton, and keep the registers from spilling."""
+    ptxas that comes with Triton, and keep the registers from spilling and the shared memory within what a block may
+    have."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", "from tests.kernels.test_fused_kernels import compile_for_sm90; "
                           "compile_for_sm90()"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     spilled = re.findall(r"STACK:(\d+)", run.stdout)
     assert len(spilled) == 12 and set(spilled) == {"0"}, run.stdout
+    shared = [int(b) for b in re.findall(r"SHARED:(\d+)", run.stdout)]  # within sm_90's 227 KB a block may opt in to
+    assert len(shared) == 12 and max(shared) <= 227 * 1024, run.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernels at realistic sizes")
