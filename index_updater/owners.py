@@ -17,8 +17,10 @@ keeps a status newer than a delete, so the id's next owner would get its ad paus
 advertisers racing for one id, or one claiming an ad published but not yet applied, cannot both pass: Redis
 orders the two scripts. An ad the registry has no entry for (published before it existed) falls back on the
 owner and content version its shard's index reports (`Writer.indexed`), recorded at its next write; so does one
-whose entry holds only a status (a pause or resume appended before any content the registry saw: "  status"). A
-malformed entry, or a key of another type, counts as none.
+whose entry holds only a status (a pause or resume appended before any content the registry saw: "  status"; the
+status dropped where that content is as new). An admin's events on such an ad, sent without the index's state
+(`andromeda publish`, which reads no index), are appended and not recorded: a stale one the index ignores would
+otherwise record a wrong owner. A malformed entry, or a key of another type, counts as none.
 """
 from __future__ import annotations
 
@@ -39,16 +41,18 @@ local function newer(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
 end
-local at, known, events = 4, {}, {}
+local at, known, unrecorded, events = 4, {}, {}, {}
 local function state_of(ad, fallback_version, fallback_owner)
   if known[ad] then return known[ad] end
-  local stored = usable and redis.call('HGET', KEYS[2], ad)
-  if stored then
-    local version, owner, status = string.match(stored, '^(%d*) (%d*) ?(%d*)$')
-    if version and version ~= '' then return {version, owner, status} end
-    if version then return {fallback_version, fallback_owner, status} end  -- a status before any content
+  local stored, version, owner, status = usable and redis.call('HGET', KEYS[2], ad)
+  if stored then version, owner, status = string.match(stored, '^(%d*) (%d*) ?(%d*)$') end
+  if version and version ~= '' then return {version, owner, status} end
+  status = version and status or ''  -- a status before any content the registry saw, or none
+  if fallback_version == '-' then  -- an admin's, sent without the index's state: left to the index's fallback
+    unrecorded[ad] = true
+    return {'', '', status}
   end
-  return {fallback_version, fallback_owner, ''}
+  return {fallback_version, fallback_owner, newer(status, fallback_version) and status or ''}
 end
 for i = 1, n do
   local kind, ad, version, advertiser = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
@@ -79,7 +83,7 @@ for i = 1, n do
   ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, events[i][1], events[i][2]))
 end
 for ad, state in pairs(known) do  -- nothing yet: an ad never upserted, deleted, paused nor resumed
-  if state[1] ~= '' or state[3] ~= '' then
+  if not unrecorded[ad] and (state[1] ~= '' or state[3] ~= '') then
     redis.call('HSET', KEYS[2], ad, state[1] .. ' ' .. state[2] .. (state[3] ~= '' and ' ' .. state[3] or ''))
   end
 end
@@ -94,8 +98,10 @@ def owners_key(stream: str) -> str:
 
 @dataclass(frozen=True)
 class Writer:
-    """Who appends: `advertiser` None for an admin (no check); else the advertiser every event must stay within, with
-    `indexed` (ad id -> (owner or None, version or None) as the index reports it) for ads the registry lacks."""
+    """Who appends: `advertiser` None for an admin (no check); else the advertiser every event must stay within; with
+    `indexed` (ad id -> (owner or None, version or None) as the index reports it) for ads the registry lacks. An
+    advertiser's ad missing from `indexed` counts as unknown to the index; an admin's as not known here: the
+    registry records nothing for it until a write that knows."""
 
     advertiser: int | None = None
     indexed: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
@@ -117,6 +123,8 @@ def script_args(events: Sequence, entries: Sequence[dict] | None, writer: Writer
     for i, event in enumerate(events):
         kind, ad_id, version, advertiser = claim_of(event)
         owner, indexed_version = writer.indexed.get(ad_id) or (None, None)
+        if writer.advertiser is None and ad_id not in writer.indexed:
+            indexed_version = "-"  # not known here (APPEND)
         fields = {} if entries is None else entries[i]
         args += [kind, ad_id, version, advertiser, "" if indexed_version is None else indexed_version,
                  "" if owner is None else owner, len(fields)]
@@ -137,7 +145,10 @@ def run_append(append: Script, stream: str, events: Sequence, entries: Sequence[
     reply = append(keys=[stream, owners_key(stream)], args=script_args(events, entries, writer))
     if reply[0] in (b"refused", "refused"):
         i, owner, *status = (int(reply[1]), *(v.decode() if isinstance(v, bytes) else v for v in reply[2:]))
-        kind, ad_id, version, _ = claim_of(events[i])
+        kind, ad_id, version, advertiser = claim_of(events[i])
+        if kind == "upsert" and advertiser != writer.advertiser:
+            raise Refused(f"advertiser {writer.advertiser} may only upsert ads naming it, not advertiser {advertiser}",
+                          f"{where[i]}.ad.advertiser_id")
         if status:
             raise Refused(f"ad {ad_id} has a pause or resume at version {status[0]}: a delete at {version} would leave "
                           "that status to the id's next owner; delete it at a version at least as new",

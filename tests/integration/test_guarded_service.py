@@ -16,10 +16,13 @@ import redis
 import requests
 from ray import serve
 
+from andromeda_core.sharding import shard_of
 from deployments.app import build_app
 from deployments.auth import add_token
 from deployments.config import Auth, Limits, Overload, RateLimit, ServiceConfig
 from index_updater.local_redis import free_port
+from index_updater.owners import owners_key
+from index_updater.records import shard_stream
 from tests.integration.conftest import eventually, local_ray, redis_for
 from tests.conftest import upsert
 
@@ -122,6 +125,11 @@ def test_an_advertiser_writes_only_its_own_ads_and_cannot_move_one(svc):
     assert moved.status_code == 200, moved.text
     assert eventually(lambda: (indexed(svc, "auth", 700_010) or {}).get("advertiser_id") == 8)
     assert refused(post(url, [ad(700_010, 5, 7)], acme), 403, "[0].ad.ad_id")  # no longer acme's
+    svc.redis.hdel(owners_key(shard_stream("guard-auth", shard_of(700_010, 2))), 700_010)  # as if from before it
+    stale = post(url, [{"op": "delete", "ad_id": 700_010, "version": 1}], ADMIN)  # the index ignores it, and the
+    assert stale.status_code == 200, stale.text  # registry records what the index reports, not a free id
+    assert refused(post(url, [ad(700_010, 6, 7)], acme), 403, "[0].ad.ad_id")
+    assert svc.redis.hget(owners_key(shard_stream("guard-auth", shard_of(700_010, 2))), 700_010) == b"4 8"
 
 
 def test_the_token_file_is_reloaded_without_a_restart(svc):
