@@ -102,7 +102,7 @@ def expert_gates(logits, TOP_N: tl.constexpr, EP: tl.constexpr):
     """logits (BLOCK, EP) float32, -inf for unusable experts -> (weights (BLOCK, EP), total (BLOCK,)): the gates of
     the softmax over each row's TOP_N largest logits (ties to the lower expert) are weights / total; all 0 in a row
     without a usable expert or with a NaN or +inf logit (total 0). exp2 of logits in base-2 units (the caller's
-    scale folds in log2 e); on a GPU it compiles to the approximate, flush-to-zero ex2 (within 2 ulp; a gate below
+    scale folds in log2 e); on a GPU it compiles to the approximate, flush-to-zero ex2 (a gate below
     2**-126 of the row's largest is 0, where the reference keeps a subnormal), so GPU tests compare scores within
     tolerance, not to the bit."""
     idx = tl.arange(0, EP)[None, :]
