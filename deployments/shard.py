@@ -125,14 +125,7 @@ class ShardReplica:
     def owners(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None]]:
         """(indexed advertiser or None where not live, content version or None where never seen) of each ad: what
         the owner registry falls back on for an ad it has no entry for (index_updater/owners.py)."""
-        index, out = self.retriever.index, []
-        for ad_id in ad_ids:
-            try:
-                owner = int(index.get(ad_id)["advertiser_id"])
-            except NotFound:
-                owner = None
-            out.append((owner, index.content_version_of(ad_id)))
-        return out
+        return self.retriever.index.owners_of(ad_ids)
 
     def vectors(self, ad_ids: Sequence[int]) -> HistoryVectors:
         """The stored vectors of ad_ids: the router's user towers read the history ads that live on this shard."""

@@ -259,6 +259,17 @@ def test_get_reports_indexed_state(index, scorer):
     assert (state["version"], state["bid"], state["start_time"], state["end_time"], state["status"]) == (3, 2.5, 1, 9, "active")
 
 
+def test_owners_of_reports_each_ads_advertiser_and_content_version(index, scorer):
+    """What the owner registry falls back on: the advertiser of an indexed ad (paused too), none for a deleted or
+    never seen one, and the content version wherever one was applied."""
+    apply_events(index, scorer, [{"op": "upsert", "ad": make_ad(5, 3, advertiser_id=7)},
+                                 {"op": "upsert", "ad": make_ad(6, 4, advertiser_id=8)},
+                                 {"op": "upsert", "ad": make_ad(9, 1, advertiser_id=8)},
+                                 {"op": "pause", "ad_id": 6, "version": 5}, {"op": "delete", "ad_id": 9, "version": 2}])
+    assert index.owners_of([6, 404, 5, 9, 6]) == [(8, 4), (None, None), (7, 3), (None, 2), (8, 4)]
+    assert index.owners_of([]) == []
+
+
 def malformed(index: AdIndex, scorer, ad_id: int) -> PreparedAd:
     """An upsert whose country row has the wrong shape (the index must reject it)."""
     (good,) = prepare_ops(index.schema, scorer, [parse_event(upsert(ad_id))])
