@@ -1,6 +1,9 @@
 """Start a private redis-server on a free loopback port (tests, benchmarks, `andromeda up`)."""
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import shutil
 import socket
 import subprocess
@@ -40,6 +43,25 @@ class LocalRedis:
         self.extra_args, self.username, self.password, self.tls = list(extra_args), username, password, tls
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen | None = None
+        self.lock_fd: int | None = None
+
+    def lock(self) -> int:
+        """An exclusive lock on the data directory (its file `lock`), for this process and, inherited, the
+        redis-server it starts (an orphaned server keeps it): a second server would append to the same AOF files
+        as its own, each serving a different data set. OSError naming the directory when it is held."""
+        fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(errno.EBUSY, "in use by another redis-server (another `andromeda up` in this folder?); stop "
+                                       "it first, or set REDIS_URL", str(self.directory)) from None
+        return fd
+
+    def unlock(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
 
     @property
     def url(self) -> str:
@@ -55,7 +77,9 @@ class LocalRedis:
                 "--save", "", "--protected-mode", "yes", "--logfile", str(self.directory / "redis.log")]
         if self.aof:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
-        self.process = subprocess.Popen(args + self.extra_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.lock_fd = self.lock()
+        self.process = subprocess.Popen(args + self.extra_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        pass_fds=(self.lock_fd,))
         client = redis.Redis.from_url(self.url, username=self.username, password=self.password)
         deadline = time.monotonic() + timeout
         while True:
@@ -64,6 +88,7 @@ class LocalRedis:
                 return self
             except (redis.ConnectionError, redis.BusyLoadingError):
                 if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.kill()
                     raise RuntimeError(f"redis-server did not start; see {self.directory / 'redis.log'}") from None
                 time.sleep(0.05)
 
@@ -72,8 +97,10 @@ class LocalRedis:
         if self.process and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self.unlock()
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=10)
+        self.unlock()
