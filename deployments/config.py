@@ -14,6 +14,9 @@ BATCH_MAX = 4096  # the most requests of one POST /v1/retrieve:batch, whatever l
 
 APP_NAME = "andromeda"
 ROUTER = "router"
+REFUSING_SLOTS = 256  # requests a router replica takes past overload.router_inflight only to answer 503 itself (the
+# JSON error with Retry-After, before reading a body): past them Ray Serve queues (overload.router_queue) and then
+# refuses in its proxy, plain text
 
 
 # Ray Serve settings of every process of the service's Ray cluster: gRPC instead of Ray object references from the
@@ -256,8 +259,9 @@ class ServiceConfig(BaseModel):
 
     def router_options(self) -> dict:
         return {"num_replicas": self.router_replicas, "ray_actor_options": {"num_cpus": self.router_cpus},
-                "max_ongoing_requests": self.overload.router_inflight + 16,  # past router_inflight it answers 503 itself
+                "max_ongoing_requests": self.overload.router_inflight + REFUSING_SLOTS,
                 "max_queued_requests": self.overload.router_queue,
+                "backpressure_config": {"retry_after_s": self.overload.retry_after_s},  # on the proxy's refusals too
                 "graceful_shutdown_timeout_s": 5}
 
     def to_serve_config(self) -> dict:

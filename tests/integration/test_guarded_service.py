@@ -17,6 +17,7 @@ import requests
 from ray import serve
 
 from andromeda_core.sharding import shard_of
+from deployments import config as config_module
 from deployments.app import build_app
 from deployments.auth import add_token
 from deployments.config import Auth, Limits, Overload, RateLimit, ServiceConfig
@@ -56,7 +57,8 @@ def svc(tmp_path_factory):
             }
             for name, config in apps.items():
                 serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-            yield SimpleNamespace(url=f"http://127.0.0.1:{port}", tokens=tokens, issued=issued, redis=redis.Redis.from_url(url))
+            yield SimpleNamespace(url=f"http://127.0.0.1:{port}", tokens=tokens, issued=issued, redis=redis.Redis.from_url(url),
+                                  common=common)
 
 
 def post(url: str, body, token: str | None = None, headers: dict | None = None) -> requests.Response:
@@ -271,6 +273,35 @@ def test_past_the_inflight_bound_requests_get_a_fast_503_and_never_a_wrong_answe
         else:
             assert [[a["ad_id"] for a in x["ads"]] for x in r.json()["responses"]] == \
                    [[a["ad_id"] for a in x["ads"]] for x in want]
+
+
+def test_past_every_bound_ray_serves_refusals_carry_retry_after_too(svc, monkeypatch, tmp_path):
+    """Past router_inflight + REFUSING_SLOTS requests at once on a router and router_queue queued for it, Ray
+    Serve's proxy refuses before any app code runs: a plain-text 503, with the configured Retry-After. Here a router
+    of one slot, no refusing slot and a queue of one, so that a few concurrent requests get there."""
+    monkeypatch.setattr(config_module, "REFUSING_SLOTS", 0)
+    overload = Overload(router_inflight=1, router_queue=1, retry_after_s=3)
+    config = ServiceConfig(stream="guard-proxy", snapshot_dir=str(tmp_path / "p"), overload=overload, **svc.common)
+    serve.run(build_app(config), name="proxy", route_prefix="/proxy")
+    try:
+        body = [{**user(attributes={"country": "IS"}), "k": 10}] * 64
+        assert eventually(lambda: post(f"{svc.url}/proxy/v1/retrieve:batch", body).status_code == 200, 30)
+        start, replies = threading.Barrier(16), []
+
+        def one():
+            start.wait()
+            replies.append(post(f"{svc.url}/proxy/v1/retrieve:batch", body))
+
+        threads = [threading.Thread(target=one) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        by_proxy = [r for r in replies if r.status_code == 503 and "json" not in r.headers.get("content-type", "")]
+        assert by_proxy and {r.headers.get("Retry-After") for r in by_proxy} == {"3"}, [r.status_code for r in replies]
+        assert {r.status_code for r in replies} <= {200, 503}
+    finally:
+        serve.delete("proxy")
 
 
 def test_the_deadline_header_is_honoured(svc):
