@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -56,8 +56,11 @@ def output_file(text: str) -> Path:
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: cannot be written ({parent} is not a writable directory)")
+    try:  # a file made and removed at once: permissions alone miss read-only mounts and /proc, even for root
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError:
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written ({parent} is not a writable directory)") from None
     return path
 
 

@@ -342,7 +342,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--file", type=Path, required=True, help="token file (JSON of salted hashes; created if missing)")
     s.add_argument("--name", required=True, help="the token's name (1-64 letters, digits, '_' or '-')")
     s.add_argument("--role", choices=("admin", "advertiser", "reader"), default="advertiser", help="default advertiser")
-    s.add_argument("--advertiser", type=NON_NEGATIVE, default=None, help="advertiser id (role advertiser)")
+    s.add_argument("--advertiser", type=int_in(0, 2**63 - 1), default=None, help="advertiser id (role advertiser)")
     s.set_defaults(func=cmd_token)
     add_service_commands(sub)
     add_k8s_commands(sub)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from andromeda_core import strict_json
 from andromeda_core.errors import InvalidInput
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import compile_user
@@ -22,11 +23,13 @@ def read_text(path: Path) -> str:
 
 def load_json(text: str, where: str) -> Any:
     try:
-        return json.loads(text)
+        return strict_json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"not JSON: {exc.msg}", where) from None
     except RecursionError:
         raise InvalidInput("JSON nested too deeply", where) from None
+    except strict_json.DuplicateKey as exc:
+        raise InvalidInput(str(exc), where) from None
     except ValueError:  # json's only other error: an integer of more digits than Python converts
         raise InvalidInput("a number has thousands of digits", where) from None
 

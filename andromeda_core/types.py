@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from andromeda_core import strict_json
 from andromeda_core.errors import InvalidInput
 
 INT64 = Annotated[int, Field(ge=0, lt=2**63)]
@@ -151,16 +152,23 @@ def error_field(loc: tuple[Any, ...], kind: str) -> str:
 
 
 def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "") -> T:
-    """Validate `data` (a dict or a JSON string) into a model; errors name the first bad field."""
+    """Validate `data` (a dict, or JSON text: no key twice in an object) into a model; errors name the first bad
+    field."""
     ta = adapter if isinstance(adapter, TypeAdapter) else TypeAdapter(adapter)
     try:
+        if isinstance(data, (str, bytes)):
+            data = strict_json.loads(data)
         # Always validate with JSON semantics so a Python dict and its JSON text are judged alike.
-        return ta.validate_json(data if isinstance(data, (str, bytes)) else json.dumps(data, allow_nan=False))
+        return ta.validate_json(json.dumps(data, allow_nan=False))
     except ValidationError as exc:
         err = exc.errors()[0]
         field = error_field(err["loc"], err["type"])
         raise InvalidInput(err["msg"], f"{where}{'.' if where and field else ''}{field}") from None
-    except (TypeError, ValueError) as exc:
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"not JSON: {exc.msg} at character {exc.pos}", where or "body") from None
+    except RecursionError:
+        raise InvalidInput("JSON nested too deeply", where or "body") from None
+    except (TypeError, ValueError) as exc:  # a key twice, NaN or Infinity, an integer of thousands of digits
         raise InvalidInput(str(exc), where or "body") from None
 
 

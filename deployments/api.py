@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel
 
+from andromeda_core import strict_json
 from andromeda_core.errors import (AndromedaError, DeadlineExceeded, ErrorCategory, InvalidInput, Overloaded,
                                    TooLarge, Unauthorized)
 from andromeda_core.types import RetrieveResponse, error_field
@@ -151,24 +152,6 @@ class GuardSettings:
     latency_interval_s: float = 1.0
 
 
-class DuplicateKey(ValueError):
-    """A JSON object names a key twice."""
-
-
-def unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """json.loads' object_pairs_hook: the object, or DuplicateKey. Parsers disagree on which of two values of one
-    key counts (Python's keeps the last, others the first), so a proxy and this service could read different
-    requests from the same bytes."""
-    out = dict(pairs)
-    if len(out) < len(pairs):  # rare: then find the key
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise DuplicateKey(f'the key "{key[:100]}" appears twice in one object: send each key once')
-            seen.add(key)
-    return out
-
-
 class StrictJSONRequest(Request):
     """A request whose JSON body must be what RFC 8259 exchanges: UTF-8 (a byte order mark is ignored; UTF-16 and
     UTF-32, which Python's json.loads would guess, are refused) with no key twice in an object. Every refusal is a
@@ -183,10 +166,10 @@ class StrictJSONRequest(Request):
                 at = exc.start + (3 if body.startswith(codecs.BOM_UTF8) else 0)
                 raise json.JSONDecodeError(f"not UTF-8 at byte {at} (send JSON as UTF-8)", "", 0) from None
             try:
-                self._json = json.loads(text, object_pairs_hook=unique_keys)
+                self._json = strict_json.loads(text)
             except json.JSONDecodeError as exc:
                 raise json.JSONDecodeError(f"{exc.msg} at character {exc.pos}", exc.doc, exc.pos) from None
-            except DuplicateKey as exc:
+            except strict_json.DuplicateKey as exc:
                 raise json.JSONDecodeError(str(exc), text, 0) from None
         return self._json
 
@@ -311,12 +294,13 @@ def json_media_type(content_type: str) -> bool:
 
 
 def create_app(on_error: Callable[[str], None]) -> FastAPI:
-    """The app with its error handlers and guard; `on_error(cause)` counts each error response by cause.
+    """The app with its error handlers and guard; `on_error(cause)` counts each error response by cause. A path
+    with a trailing slash is an unknown path (404), not a redirect built from the request's Host header.
 
     No /docs or /redoc: FastAPI's pages load their JavaScript and CSS from a third-party CDN, which a
     retrieval tier must not make browsers fetch; the OpenAPI document stays at /openapi.json for any
     local viewer."""
-    app = FastAPI(title="Andromeda", version="0.1.0", docs_url=None, redoc_url=None,
+    app = FastAPI(title="Andromeda", version="0.1.0", docs_url=None, redoc_url=None, redirect_slashes=False,
                   description="Ads retrieval: targeting match, MoE scoring and top-k over sharded, live-updated indexes.")
     app.router.route_class = StrictJSONRoute
     app.add_middleware(Guard, on_error=on_error)

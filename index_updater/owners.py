@@ -153,7 +153,7 @@ def run_append(append: Script, stream: str, events: Sequence, entries: Sequence[
             raise Refused(f"ad {ad_id} has a pause or resume at version {status[0]}: a delete at {version} would leave "
                           "that status to the id's next owner; delete it at a version at least as new",
                           f"{where[i]}.version")
-        field = "ad.ad_id" if kind == "upsert" else "ad_id"
-        raise Refused(f"ad {ad_id} " + ("belongs to another advertiser (an ad cannot be moved)" if owner else
+        field, moving = ("ad.ad_id", " (an ad cannot be moved)") if kind == "upsert" else ("ad_id", "")
+        raise Refused(f"ad {ad_id} " + (f"belongs to another advertiser{moving}" if owner else
                                         f"is not advertiser {writer.advertiser}'s"), f"{where[i]}.{field}")
     return [] if entries is None else list(reply[1])

@@ -61,7 +61,7 @@ def test_an_ad_published_but_not_applied_cannot_be_claimed(publish):
     for op in ("pause", "resume", "delete"):
         with pytest.raises(Refused) as refused:
             publish([{"op": op, "ad_id": 11, "version": 3}], advertiser=8)
-        assert refused.value.field == "[0].ad_id"
+        assert refused.value.field == "[0].ad_id" and refused.value.message == "ad 11 belongs to another advertiser"
     assert lengths(publish) == [1 if shard_of(11, 2) == s else 0 for s in range(2)] and owner(publish, 11) == "1 7"
     publish([{"op": "pause", "ad_id": 11, "version": 2}], advertiser=7)
 

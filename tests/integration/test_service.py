@@ -271,9 +271,11 @@ def test_raw_garbage_is_a_422_not_a_500(service):
         fine = requests.post(f"{service.url}/two/v1/retrieve", data='{"user": {"user_id": 1}}',
                              headers={"Content-Type": json_type}, timeout=10)
         assert fine.status_code == 200, (json_type, fine.text)
-    for method, path, status in (("GET", "/v1/retrieve", 405), ("DELETE", "/v1/ads/5", 405), ("GET", "/v2/nothing", 404)):
-        got = requests.request(method, f"{service.url}/two{path}", timeout=10)
-        assert got.status_code == status and set(got.json()["error"]) == {"category", "field", "message"}
+    for method, path, status in (("GET", "/v1/retrieve", 405), ("DELETE", "/v1/ads/5", 405), ("GET", "/v2/nothing", 404),
+                                 ("POST", "/v1/retrieve/", 404), ("GET", "/v1/ads/5/", 404)):  # no redirect built
+        got = requests.request(method, f"{service.url}/two{path}", timeout=10, allow_redirects=False,  # from Host
+                               headers={"Host": "elsewhere.example"})
+        assert got.status_code == status and set(got.json()["error"]) == {"category", "field", "message"}, path
 
 
 def test_health_readiness_and_metrics(service):

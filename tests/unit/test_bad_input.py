@@ -25,12 +25,14 @@ from tests.conftest import SMALL_SCHEMA, apply_events, make_ad, upsert
     ({"op": "delete", "ad_id": 1}, "version", "required"),
     ({"op": "pause", "ad_id": -5, "version": 1}, "ad_id", "greater than or equal"),
     ({"op": "explode", "ad_id": 1, "version": 1}, "op", "explode"),
-    ("{not json", "body", "JSON"),
+    ("{not json", "", "not JSON"),  # the line itself
+    ('{"op": "pause", "ad_id": 1, "version": 1, "version": 2}', "", 'key "version" appears twice'),
+    ('{"op": "pause", "ad_id": 1, "version": NaN}', "", "not JSON compliant"),
 ])
 def test_malformed_events_name_the_field(event, field, words):
     with pytest.raises(InvalidInput) as err:
         parse_event(event, "events.jsonl:7")
-    assert err.value.field == f"events.jsonl:7.{field}" and words in err.value.message
+    assert err.value.field == "events.jsonl:7" + (f".{field}" if field else "") and words in err.value.message
 
 
 @pytest.mark.parametrize("targeting, field, words", [
