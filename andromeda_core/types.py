@@ -162,6 +162,9 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "") -> T:
         return ta.validate_json(json.dumps(data, allow_nan=False))
     except ValidationError as exc:
         err = exc.errors()[0]
+        if err["type"] == "json_invalid":  # text json.loads read, so a string with a lone surrogate ("\ud800")
+            raise InvalidInput("a string holds a lone surrogate (\\ud800-\\udfff without its pair): not text",
+                               where or "body") from None
         field = error_field(err["loc"], err["type"])
         raise InvalidInput(err["msg"], f"{where}{'.' if where and field else ''}{field}") from None
     except json.JSONDecodeError as exc:
