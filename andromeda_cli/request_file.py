@@ -28,7 +28,7 @@ def load_json(text: str, where: str) -> Any:
         raise InvalidInput(f"not JSON: {exc.msg}", where) from None
     except RecursionError:
         raise InvalidInput("JSON nested too deeply", where) from None
-    except strict_json.DuplicateKey as exc:
+    except strict_json.NotJSON as exc:
         raise InvalidInput(str(exc), where) from None
     except ValueError:  # json's only other error: an integer of more digits than Python converts
         raise InvalidInput("a number has thousands of digits", where) from None

@@ -7,8 +7,17 @@ import json
 from typing import Any
 
 
-class DuplicateKey(ValueError):
+class NotJSON(ValueError):
+    """Text json.loads takes that JSON (RFC 8259) does not: a key twice, NaN or Infinity."""
+
+
+class DuplicateKey(NotJSON):
     """A JSON object names a key twice."""
+
+
+def no_constant(name: str) -> float:
+    """json.loads' parse_constant: NaN, Infinity and -Infinity are refused."""
+    raise NotJSON(f"{name} is not a JSON number")
 
 
 def unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -24,5 +33,6 @@ def unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 
 def loads(text: str | bytes) -> Any:
-    """json.loads refusing a key twice (DuplicateKey, a ValueError); json.JSONDecodeError as json.loads."""
-    return json.loads(text, object_pairs_hook=unique_keys)
+    """json.loads refusing a key twice and NaN or Infinity (NotJSON, a ValueError); json.JSONDecodeError as
+    json.loads."""
+    return json.loads(text, object_pairs_hook=unique_keys, parse_constant=no_constant)

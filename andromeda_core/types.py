@@ -151,22 +151,28 @@ def error_field(loc: tuple[Any, ...], kind: str) -> str:
     return field
 
 
-def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "") -> T:
-    """Validate `data` (a dict, or JSON text: no key twice in an object) into a model; errors name the first bad
-    field."""
+def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "", strict: bool = True) -> T:
+    """Validate `data` (a dict, or JSON text) into a model; errors name the first bad field. JSON text must be UTF-8
+    with no key twice in an object and no NaN or Infinity, unless `strict` is False (text this service wrote: the
+    stream's entries, read at the apply rate)."""
     ta = adapter if isinstance(adapter, TypeAdapter) else TypeAdapter(adapter)
     try:
         if isinstance(data, (str, bytes)):
-            data = strict_json.loads(data)
-        # Always validate with JSON semantics so a Python dict and its JSON text are judged alike.
-        return ta.validate_json(json.dumps(data, allow_nan=False))
+            if strict:
+                strict_json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+            text = data
+        else:  # validated with JSON semantics, so that a Python dict and its JSON text are judged alike
+            text = json.dumps(data, allow_nan=False)
+        return ta.validate_json(text)
     except ValidationError as exc:
         err = exc.errors()[0]
-        if err["type"] == "json_invalid":  # text json.loads read, so a string with a lone surrogate ("\ud800")
+        if err["type"] == "json_invalid" and (strict or not isinstance(data, (str, bytes))):  # text json.loads
             raise InvalidInput("a string holds a lone surrogate (\\ud800-\\udfff without its pair): not text",
-                               where or "body") from None
+                               where or "body") from None  # read, or wrote: only a lone surrogate is left
         field = error_field(err["loc"], err["type"])
         raise InvalidInput(err["msg"], f"{where}{'.' if where and field else ''}{field}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"not UTF-8 (byte {exc.start})", where or "body") from None
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"not JSON: {exc.msg} at character {exc.pos}", where or "body") from None
     except RecursionError:
@@ -175,8 +181,8 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "") -> T:
         raise InvalidInput(str(exc), where or "body") from None
 
 
-def parse_event(data: Any, where: str = "") -> UpsertEvent | DeleteEvent | StatusEvent:
-    return parse(_EVENT, data, where)
+def parse_event(data: Any, where: str = "", strict: bool = True) -> UpsertEvent | DeleteEvent | StatusEvent:
+    return parse(_EVENT, data, where, strict)
 
 
 def parse_request(data: Any, where: str = "") -> RetrieveRequest:

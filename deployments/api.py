@@ -169,7 +169,7 @@ class StrictJSONRequest(Request):
                 self._json = strict_json.loads(text)
             except json.JSONDecodeError as exc:
                 raise json.JSONDecodeError(f"{exc.msg} at character {exc.pos}", exc.doc, exc.pos) from None
-            except strict_json.DuplicateKey as exc:
+            except strict_json.NotJSON as exc:
                 raise json.JSONDecodeError(str(exc), text, 0) from None
         return self._json
 

@@ -40,7 +40,7 @@ from deployments.limits import TokenBuckets, check_requests, over_limit
 from deployments.metrics import ServiceMetrics
 from deployments.shared_limits import SharedTokenBuckets, limiter_client
 from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
-from index_updater.owners import Writer
+from index_updater.owners import ADMIN, Writer
 from index_updater.publisher import Publisher
 
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
@@ -341,26 +341,21 @@ class Router:
     async def writer_of(self, principal: Principal, events: Sequence[AdEvent]) -> Writer:
         """Who appends `events`: an admin, or an advertiser whose upserts must name it (Forbidden naming the event
         otherwise), with the owners and versions the index reports for the ads (read from one replica of each
-        shard), which the owner registry falls back on for an ad it has no entry for (owners.APPEND decides; an
-        admin's too, so that its writes are recorded as the index applies them)."""
-        mine = principal.advertiser_id if principal.role == "advertiser" else None
+        shard), which the owner registry takes where newer than its entry (owners.APPEND decides). An admin's
+        write does not wait for the shards."""
+        if principal.role != "advertiser":
+            return ADMIN
+        mine = principal.advertiser_id
         for i, event in enumerate(events):
-            if mine is not None and isinstance(event, UpsertEvent) and event.ad.advertiser_id != mine:
+            if isinstance(event, UpsertEvent) and event.ad.advertiser_id != mine:
                 raise Forbidden(f"token {principal.name} writes only advertiser {mine}'s ads", f"[{i}].ad.advertiser_id")
         ids = sorted({e.ad.ad_id if isinstance(e, UpsertEvent) else e.ad_id for e in events})
         by_shard: dict[int, list[int]] = {}
         for ad_id in ids:
             by_shard.setdefault(shard_of(ad_id, len(self.shards)), []).append(ad_id)
-        replies = await asyncio.gather(*(self.call(s, "owners", shard_ids) for s, shard_ids in by_shard.items()),
-                                       return_exceptions=True)
-        indexed: dict = {}
-        for shard_ids, reply in zip(by_shard.values(), replies):
-            if isinstance(reply, (ShardUnavailable, Overloaded)) and mine is None:
-                continue  # an admin's write does not wait for a shard: its ads there stay unrecorded (APPEND)
-            if isinstance(reply, BaseException):
-                raise reply
-            indexed.update((ad_id, tuple(state)) for ad_id, state in zip(shard_ids, reply))
-        return Writer(mine, indexed)
+        replies = await asyncio.gather(*(self.call(s, "owners", shard_ids) for s, shard_ids in by_shard.items()))
+        return Writer(mine, {ad_id: tuple(state) for shard_ids, reply in zip(by_shard.values(), replies)
+                             for ad_id, state in zip(shard_ids, reply)})
 
     @app.get("/v1/ads/{ad_id}", response_model=AdState, responses=ERRORS)
     async def get_ad(self, ad_id: AD_ID, _: Principal | None = Depends(reader)) -> AdState:

@@ -78,19 +78,22 @@ class LocalRedis:
         if self.aof:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         self.lock_fd = self.lock()
-        self.process = subprocess.Popen(args + self.extra_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        pass_fds=(self.lock_fd,))
-        client = redis.Redis.from_url(self.url, username=self.username, password=self.password)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.ping()
-                return self
-            except (redis.ConnectionError, redis.BusyLoadingError):
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    self.kill()
-                    raise RuntimeError(f"redis-server did not start; see {self.directory / 'redis.log'}") from None
-                time.sleep(0.05)
+        try:
+            self.process = subprocess.Popen(args + self.extra_args, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, pass_fds=(self.lock_fd,))
+            client = redis.Redis.from_url(self.url, username=self.username, password=self.password)
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    client.ping()
+                    return self
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    if time.monotonic() > deadline or self.process.poll() is not None:
+                        raise RuntimeError(f"redis-server did not start; see {self.directory / 'redis.log'}") from None
+                    time.sleep(0.05)
+        except BaseException:  # not started (or interrupted): no server left behind, and the directory free
+            self.kill()
+            raise
 
     def kill(self) -> None:
         """Stop at once (SIGKILL), as a crash would."""
@@ -100,7 +103,9 @@ class LocalRedis:
         self.unlock()
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-        self.unlock()
+        try:
+            if self.process and self.process.poll() is None:
+                self.process.terminate()
+                self.process.wait(timeout=10)
+        finally:
+            self.unlock()

@@ -15,12 +15,12 @@ own, unless its version is not newer than the recorded one: the index ignores it
 whoever owns the ad now. A delete must also not be older than the ad's recorded pause or resume: the index
 keeps a status newer than a delete, so the id's next owner would get its ad paused (or active). So two
 advertisers racing for one id, or one claiming an ad published but not yet applied, cannot both pass: Redis
-orders the two scripts. An ad the registry has no entry for (published before it existed) falls back on the
-owner and content version its shard's index reports (`Writer.indexed`), recorded at its next write; so does one
-whose entry holds only a status (a pause or resume appended before any content the registry saw: "  status"; the
-status dropped where that content is as new). An admin's events on such an ad, sent without the index's state
-(`andromeda publish`, which reads no index), are appended and not recorded: a stale one the index ignores would
-otherwise record a wrong owner. A malformed entry, or a key of another type, counts as none.
+orders the two scripts. Where the writer sends the owner and content version its shard's index reports
+(`Writer.indexed`: the router does for advertisers), the newer of the entry and the index's state counts: the
+index applied what the registry did not see (an ad published before it existed), or saw out of order (an
+admin's stale write on such an ad, appended without the index's state, which the index ignored), and is never
+ahead of the registry otherwise (an expiry keeps the version). A status is kept while it is newer than the
+content that counts. A malformed entry, or a key of another type, counts as none.
 """
 from __future__ import annotations
 
@@ -41,18 +41,16 @@ local function newer(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
 end
-local at, known, unrecorded, events = 4, {}, {}, {}
-local function state_of(ad, fallback_version, fallback_owner)
+local at, known, events = 4, {}, {}
+local function state_of(ad, indexed_version, indexed_owner)
   if known[ad] then return known[ad] end
   local stored, version, owner, status = usable and redis.call('HGET', KEYS[2], ad)
   if stored then version, owner, status = string.match(stored, '^(%d*) (%d*) ?(%d*)$') end
-  if version and version ~= '' then return {version, owner, status} end
-  status = version and status or ''  -- a status before any content the registry saw, or none
-  if fallback_version == '-' then  -- an admin's, sent without the index's state: left to the index's fallback
-    unrecorded[ad] = true
-    return {'', '', status}
+  if not version then version, owner, status = '', '', '' end  -- no entry, or a malformed one
+  if indexed_version ~= '' and newer(indexed_version, version) then  -- the index applied what the registry did
+    version, owner = indexed_version, indexed_owner  -- not see, or saw out of order: before it existed, a stale write
   end
-  return {fallback_version, fallback_owner, newer(status, fallback_version) and status or ''}
+  return {version, owner, newer(status, version) and status or ''}
 end
 for i = 1, n do
   local kind, ad, version, advertiser = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
@@ -83,7 +81,7 @@ for i = 1, n do
   ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, events[i][1], events[i][2]))
 end
 for ad, state in pairs(known) do  -- nothing yet: an ad never upserted, deleted, paused nor resumed
-  if not unrecorded[ad] and (state[1] ~= '' or state[3] ~= '') then
+  if state[1] ~= '' or state[3] ~= '' then
     redis.call('HSET', KEYS[2], ad, state[1] .. ' ' .. state[2] .. (state[3] ~= '' and ' ' .. state[3] or ''))
   end
 end
@@ -99,9 +97,8 @@ def owners_key(stream: str) -> str:
 @dataclass(frozen=True)
 class Writer:
     """Who appends: `advertiser` None for an admin (no check); else the advertiser every event must stay within; with
-    `indexed` (ad id -> (owner or None, version or None) as the index reports it) for ads the registry lacks. An
-    advertiser's ad missing from `indexed` counts as unknown to the index; an admin's as not known here: the
-    registry records nothing for it until a write that knows."""
+    `indexed` (ad id -> (owner or None, content version or None) as the index reports it), which the registry
+    takes where it is newer than its entry (an ad missing from it: none reported)."""
 
     advertiser: int | None = None
     indexed: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
@@ -123,8 +120,6 @@ def script_args(events: Sequence, entries: Sequence[dict] | None, writer: Writer
     for i, event in enumerate(events):
         kind, ad_id, version, advertiser = claim_of(event)
         owner, indexed_version = writer.indexed.get(ad_id) or (None, None)
-        if writer.advertiser is None and ad_id not in writer.indexed:
-            indexed_version = "-"  # not known here (APPEND)
         fields = {} if entries is None else entries[i]
         args += [kind, ad_id, version, advertiser, "" if indexed_version is None else indexed_version,
                  "" if owner is None else owner, len(fields)]

@@ -179,7 +179,7 @@ class EntryDecoder:
             if fields.get(key) != value:
                 self._refuse(fields, key.decode())
         try:
-            event = parse_event(fields[b"event"], "event")
+            event = parse_event(fields[b"event"], "event", strict=False)  # as the publisher wrote it
         except KeyError:
             raise InvalidRecord("missing field", "event") from None
         except InvalidInput as exc:

@@ -2,9 +2,10 @@
 reproduce kernels.reference.fused; the reference itself is what tests compare them with.
 
 A head the GPU cannot build the scan for (its operands past the shared memory a block may have, or its registers:
-compiled for sm_90 by Triton 3.9, int8 tables with D = 128 and more than 8 experts, any int8 table with D = 256, float32 ones with
-D = 256) is scored by the reference on the GPU instead: the same results, slower, with (B, n) intermediates. A
-warning names the head once per process; the default heads (D = 64, G = 16) fit in every dtype."""
+compiled for sm_90 by Triton 3.9, int8 tables with D = 128 and more than 8 experts, any int8 table with D = 256,
+float32 ones with D = 256) is scored by the reference on the GPU instead: the same results, slower, its (B, E, n)
+intermediates taken a few requests at a time. A warning names the head once per process; the default heads
+(D = 64, G = 16) fit in every dtype."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +16,7 @@ import torch
 
 log = logging.getLogger(__name__)
 UNBUILDABLE: set = set()  # heads (table dtype, E, D, G) the GPU could not build the Triton scan for
+REFERENCE_BYTES = 1 << 30  # the reference's intermediates for such a head, at most (reference_in_parts)
 
 
 def implementation(device: torch.device | str) -> str:
@@ -38,10 +40,26 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     if not vectors.is_cuda:
         from kernels.cpu import fused_scan as run
         return run(*args, m)
-    from kernels.reference.fused import fused_scan as reference
     from kernels.triton.fused import fused_scan as run
     with on_its_gpu(vectors):
-        return built_or_reference(lambda: run(*args, m), lambda: reference(*args, m), head_of(vectors, experts, keys))
+        return built_or_reference(lambda: run(*args, m), lambda: reference_in_parts(*args, m),
+                                  head_of(vectors, experts, keys))
+
+
+def reference_in_parts(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
+                       vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
+                       experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
+                       m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.reference.fused.fused_scan over parts of the batch, so that its (B, E, n) intermediates (gating
+    logits, gates and similarities in float32, an int16 rank: 14 bytes per request, expert and slot) stay within
+    REFERENCE_BYTES (a part is one request at the least)."""
+    from kernels.reference.fused import fused_scan as reference
+
+    part = max(1, REFERENCE_BYTES // (14 * experts.shape[1] * max(status.shape[0], 1)))
+    table = (status, start, end, refs, vectors, scales)
+    parts = [reference(*table, *(t[i:i + part] for t in (now, truth, experts, keys, mask)), bias_col, top_n, m)
+             for i in range(0, max(now.shape[0], 1), part)]
+    return tuple(torch.cat(results) for results in zip(*parts))
 
 
 def head_of(vectors: torch.Tensor, experts: torch.Tensor, keys: torch.Tensor) -> tuple:

@@ -22,3 +22,12 @@ def test_a_second_server_on_a_directory_in_use_is_refused_naming_it(tmp_path):
     second = LocalRedis(tmp_path / "redis").start()  # free once the first is gone: its data is the second's now
     second.stop()
     LocalRedis(tmp_path / "redis").start().stop()
+
+
+def test_a_server_that_fails_to_start_leaves_the_directory_free(tmp_path):
+    broken = LocalRedis(tmp_path / "redis")
+    broken.binary = str(tmp_path / "no-redis-server")
+    with pytest.raises(FileNotFoundError):
+        broken.start()
+    assert broken.lock_fd is None
+    LocalRedis(tmp_path / "redis").start().stop()

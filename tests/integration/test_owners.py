@@ -12,7 +12,7 @@ from andromeda_core.ops import OP_CODES
 from andromeda_core.slots import SlotBook, SlotPlan
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_event
-from index_updater.owners import Refused, Writer, claim_of, owners_key
+from index_updater.owners import Refused, Writer, owners_key
 from index_updater.publisher import Publisher
 from index_updater.records import shard_stream
 from tests.conftest import upsert
@@ -21,8 +21,8 @@ from tests.conftest import upsert
 @pytest.fixture
 def publish(redis_server, small_schema, scorer, request):
     """publish(events, advertiser=None, indexed=None, knows_index=True) on a 2-shard stream of this test's own;
-    indexed: ad id -> (owner, version) as the index would report it, (None, None) where not given, as the router
-    sends them; knows_index False: the writer sends none (`andromeda publish`)."""
+    indexed: ad id -> (owner, version) as the index would report it (none reported where not given); knows_index
+    False: the writer sends none, whatever `indexed` says (`andromeda publish`)."""
     _, client = redis_server
     stream = f"owners-{request.node.name}"
     publisher = Publisher(client, small_schema, scorer, shards=2, stream=stream)
@@ -30,8 +30,7 @@ def publish(redis_server, small_schema, scorer, request):
     def run(events: list[dict], advertiser: int | None = None, indexed: dict | None = None,
             knows_index: bool = True) -> list[str]:
         ops = prepare_ops(small_schema, scorer, [parse_event(e) for e in events])
-        reported = {claim_of(op)[1]: (None, None) for op in ops} if knows_index else {}
-        return publisher.publish_ops(ops, Writer(advertiser, {**reported, **(indexed or {})}))
+        return publisher.publish_ops(ops, Writer(advertiser, (indexed or {}) if knows_index else {}))
 
     run.client, run.stream = client, stream
     return run
@@ -125,7 +124,8 @@ def test_a_delete_older_than_the_ads_pause_or_resume_is_refused(publish):
 
 
 EVENT = st.tuples(st.sampled_from(sorted(OP_CODES)), st.integers(1, 2), st.integers(1, 6), st.sampled_from([7, 8]))
-BATCHES = st.lists(st.tuples(st.sampled_from([None, 7, 8]), st.lists(EVENT, min_size=1, max_size=3)), max_size=6)
+BATCHES = st.lists(st.tuples(st.sampled_from([None, "cli", 7, 8]), st.lists(EVENT, min_size=1, max_size=3)),
+                   max_size=6)  # None: an admin through the router; "cli": an admin sending no index state
 BEFORE = st.lists(st.tuples(st.sampled_from(["upsert", "delete"]), st.integers(1, 2), st.integers(1, 6),
                             st.sampled_from([7, 8])), max_size=3)  # applied before the registry existed
 
@@ -149,33 +149,34 @@ def judged(writer: int | None, batch: list, book: SlotBook, owners: dict) -> tup
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(before=BEFORE, history=BATCHES)
 def test_the_registry_keeps_the_owners_versions_and_status_the_index_keeps(publish, before, history):
-    """Ads the index took before the registry existed, then random batches by admins and two advertisers, sent with
-    the index's state as the router sends it: each batch is refused exactly when the rule, told from the index's
-    bookkeeping, refuses it, and the registry ends with the owner, version and status the index keeps for every ad
-    written since (statuses from before the registry are out of its reach: docs/reliability.md)."""
+    """Ads the index took before the registry existed, then random batches by admins (with the index's state, as
+    the router sends it, or without, as `andromeda publish`) and two advertisers (with it): each batch is refused
+    exactly when the rule, told from the index's bookkeeping, refuses it, and the registry ends with the owner,
+    version and status the index keeps for every ad whose last write carried the index's state (statuses from
+    before the registry are out of its reach: docs/reliability.md)."""
     for ad_id in (1, 2):
         publish.client.hdel(owners_key(shard_stream(publish.stream, shard_of(ad_id, 2))), ad_id)
-    book, owners, written = SlotBook(4), {}, set()
+    book, owners, knew = SlotBook(4), {}, {}
     for writer, batch in [(None, before), *history]:
-        expected = judged(writer, batch, book, owners)
+        advertiser = None if writer == "cli" else writer
+        expected = judged(advertiser, batch, book, owners)
         indexed = {a: (owners.get(a) if a in book.slot_of else None, book.version.get(a)) for a in (1, 2)}
         try:
             if batch is not before:
                 publish([ad(a, v, who) if kind == "upsert" else {"op": kind, "ad_id": a, "version": v}
-                         for kind, a, v, who in batch], advertiser=writer, indexed=indexed)
+                         for kind, a, v, who in batch], advertiser=advertiser, indexed=indexed,
+                        knows_index=writer != "cli")
         except Refused:
             assert expected is None, (before, history, writer, batch)
             continue
         assert expected is not None, (before, history, writer, batch)
         plan, owners = expected
         plan.commit(plan.capacity_needed)
-        written |= {a for _, a, _, _ in batch} if batch is not before else set()
-    for ad_id in (1, 2):
+        if batch is not before:
+            knew.update((a, writer != "cli") for _, a, _, _ in batch)
+    for ad_id in (a for a in (1, 2) if knew.get(a)):
         recorded = (owner(publish, ad_id) or "  ").split(" ")
         content, status = book.version.get(ad_id), book.status.get(ad_id)
-        if ad_id not in written:
-            assert owner(publish, ad_id) is None
-            continue
         assert recorded[0] == ("" if content is None else str(content)), (before, history, recorded)
         assert content is None or recorded[1] == str(owners.get(ad_id, "")), (before, history, recorded)
         assert (recorded[2:] or [""])[0] == ("" if status is None else str(status[0])), (before, history, recorded)
@@ -213,18 +214,25 @@ def test_an_admins_write_on_an_ad_the_registry_lacks_is_recorded_as_the_index_ap
     assert refused.value.field == "[0].version"
 
 
-def test_an_admins_write_without_the_indexs_state_is_not_recorded(publish):
-    """`andromeda publish` reads no index: on an ad the registry lacks, what it records could be stale (a wrong
-    owner), so it records nothing and the index decides at the next write that knows."""
-    publish([{"op": "delete", "ad_id": 32, "version": 5}], knows_index=False)
-    publish([ad(33, 5, 9), {"op": "pause", "ad_id": 33, "version": 6}], knows_index=False)
-    assert owner(publish, 32) is None and owner(publish, 33) is None
+def test_an_admins_write_without_the_indexs_state_is_recorded_and_the_index_counts_where_newer(publish):
+    """`andromeda publish` reads no index: what it appends is recorded as sent. On an ad from before the registry
+    a stale write records a stale state, which the index's newer one overrides at the next write that carries it;
+    a write published but not yet applied is newer than anything the index reports, and holds."""
+    publish([{"op": "delete", "ad_id": 32, "version": 5}], knows_index=False)  # 32 and 33 are 7's at 100
+    publish([ad(33, 5, 9)], knows_index=False)
+    assert owner(publish, 32) == "5 " and owner(publish, 33) == "5 9"
     with pytest.raises(Refused):
         publish([ad(32, 101, 8)], advertiser=8, indexed={32: (7, 100)})
+    with pytest.raises(Refused):
+        publish([ad(33, 101, 9)], advertiser=9, indexed={33: (7, 100)})
     publish([ad(33, 101, 7)], advertiser=7, indexed={33: (7, 100)})
     assert owner(publish, 33) == "101 7"
-    publish([ad(33, 102, 9)], knows_index=False)  # with an entry, the admin's write is recorded as always
-    assert owner(publish, 33) == "102 9"
+    publish([ad(34, 5, 7), {"op": "pause", "ad_id": 34, "version": 10}], knows_index=False)  # not applied yet
+    with pytest.raises(Refused):
+        publish([ad(34, 6, 8)], advertiser=8, indexed={34: (None, None)})
+    with pytest.raises(Refused) as refused:  # the pause would outlive the delete, for the id's next owner
+        publish([{"op": "delete", "ad_id": 34, "version": 7}], advertiser=7, indexed={34: (None, None)})
+    assert refused.value.field == "[0].version"
 
 
 def test_an_entry_holding_only_a_status_falls_back_on_the_indexs_owner(publish):

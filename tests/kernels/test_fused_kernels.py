@@ -574,6 +574,21 @@ def test_a_head_the_gpu_cannot_build_is_scored_by_the_reference_tried_once(monke
         dispatch.built_or_reference(lambda: int("x"), lambda: "reference", (torch.float16, 4, 64, 16))
 
 
+def test_the_fallback_reference_runs_a_large_batch_in_parts(monkeypatch):
+    """A head the GPU cannot build is scored by the reference a few requests at a time, within REFERENCE_BYTES of
+    intermediates: the same answers as in one pass."""
+    gen = torch.Generator().manual_seed(29)
+    table = make_table(gen, 203, 3, 21, torch.int8)
+    requests = make_requests(gen, 5, 6, 12, 8)
+    want_scan = reference.fused_scan
+    want = want_scan(*table, *requests, 20, 2, 7)
+    monkeypatch.setattr(dispatch, "REFERENCE_BYTES", 2 * 14 * 6 * 203)  # two requests a part: 2 + 2 + 1
+    parts = []
+    monkeypatch.setattr(reference, "fused_scan", lambda *a: parts.append(a[6].shape[0]) or want_scan(*a))
+    got = dispatch.reference_in_parts(*table, *requests, 20, 2, 7)
+    assert parts == [2, 2, 1] and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_cpu_scan_of_no_request():
     table = make_table(torch.Generator().manual_seed(0), 10, 2, 5, torch.float32)
     now, truth, experts, keys, mask = make_requests(torch.Generator().manual_seed(1), 1, 2, 2, 2)

@@ -27,7 +27,8 @@ from tests.conftest import SMALL_SCHEMA, apply_events, make_ad, upsert
     ({"op": "explode", "ad_id": 1, "version": 1}, "op", "explode"),
     ("{not json", "", "not JSON"),  # the line itself
     ('{"op": "pause", "ad_id": 1, "version": 1, "version": 2}', "", 'key "version" appears twice'),
-    ('{"op": "pause", "ad_id": 1, "version": NaN}', "", "not JSON compliant"),
+    ('{"op": "pause", "ad_id": 1, "version": NaN}', "", "NaN is not a JSON number"),
+    (b'{"op": "pause", "ad_id": 1, "version": 1, "note": "\xff"}', "", "not UTF-8"),
 ])
 def test_malformed_events_name_the_field(event, field, words):
     with pytest.raises(InvalidInput) as err:
