@@ -247,6 +247,22 @@ def test_read_auth_and_one_token_bucket_per_caller_shared_by_the_routers(svc):
 
 # -- overload and deadlines ------------------------------------------------------------------------
 
+def concurrently(url: str, body, n: int) -> list[requests.Response]:
+    """The replies to n POSTs of `body` to `url`, sent at once from n threads."""
+    start, replies = threading.Barrier(n), []
+
+    def one():
+        start.wait()
+        replies.append(post(url, body))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return replies
+
+
 def test_past_the_inflight_bound_requests_get_a_fast_503_and_never_a_wrong_answer(svc):
     assert post(f"{svc.url}/over/v1/ad-events", [ad(700_040 + i, 1, 7) for i in range(40)], ADMIN).status_code == 200
     body = [{**user(attributes={"country": "IS"}, history=[{"ad_id": 700_041, "event": "click", "ts": 1}]), "k": 10}] * 64
@@ -256,16 +272,7 @@ def test_past_the_inflight_bound_requests_get_a_fast_503_and_never_a_wrong_answe
 
     assert eventually(served), post(f"{svc.url}/over/v1/retrieve:batch", body).text
     want = post(f"{svc.url}/over/v1/retrieve:batch", body).json()["responses"]
-    replies: list[requests.Response] = []
-
-    def one():
-        replies.append(post(f"{svc.url}/over/v1/retrieve:batch", body))
-
-    threads = [threading.Thread(target=one) for _ in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    replies = concurrently(f"{svc.url}/over/v1/retrieve:batch", body, 12)
     codes = sorted(r.status_code for r in replies)
     assert set(codes) == {200, 503}, codes
     for r in replies:
@@ -287,17 +294,7 @@ def test_past_every_bound_ray_serves_refusals_carry_retry_after_too(svc, monkeyp
     try:
         body = [{**user(attributes={"country": "IS"}), "k": 10}] * 64
         assert eventually(lambda: post(f"{svc.url}/proxy/v1/retrieve:batch", body).status_code == 200, 30)
-        start, replies = threading.Barrier(16), []
-
-        def one():
-            start.wait()
-            replies.append(post(f"{svc.url}/proxy/v1/retrieve:batch", body))
-
-        threads = [threading.Thread(target=one) for _ in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        replies = concurrently(f"{svc.url}/proxy/v1/retrieve:batch", body, 16)
         by_proxy = [r for r in replies if r.status_code == 503 and "json" not in r.headers.get("content-type", "")]
         assert by_proxy and {r.headers.get("Retry-After") for r in by_proxy} == {"3"}, [r.status_code for r in replies]
         assert {r.status_code for r in replies} <= {200, 503}
