@@ -226,15 +226,17 @@ class AdIndex:
                 "bid": float(c["bid"]), "slot": slot,
             }
 
-    def owners_of(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None]]:
-        """(advertiser or None where not indexed, content version or None where never seen) of each ad, the
-        advertisers read in one gather: what the owner registry falls back on (index_updater/owners.py)."""
+    def owners_of(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None, int | None]]:
+        """(advertiser or None where not indexed, content version or None where never seen, version of the pause or
+        resume kept or None) of each ad, the advertisers read in one gather: what the owner registry takes where
+        newer than its entry (index_updater/owners.py)."""
         with self.reading():
-            slots = [self._book.slot_of.get(ad_id) for ad_id in ad_ids]
+            book = self._book
+            slots = [book.slot_of.get(ad_id) for ad_id in ad_ids]
             live = torch.tensor([s for s in slots if s is not None], dtype=torch.int64, device=self.device)
             owners = iter(self.columns["advertiser_id"][live].tolist())
-            return [(None if slot is None else next(owners), self._book.version.get(ad_id))
-                    for ad_id, slot in zip(ad_ids, slots)]
+            return [(None if slot is None else next(owners), book.version.get(ad_id),
+                     book.status[ad_id][0] if ad_id in book.status else None) for ad_id, slot in zip(ad_ids, slots)]
 
     def content_version_of(self, ad_id: int) -> int | None:
         """Version of `ad_id`'s content: its newest upsert, or the delete or expiry that removed it (None if never

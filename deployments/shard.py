@@ -122,9 +122,9 @@ class ShardReplica:
             out[i] = ShardAnswer(part, watermark, took, scanned)
         return out
 
-    def owners(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None]]:
-        """(indexed advertiser or None where not live, content version or None where never seen) of each ad: what
-        the owner registry falls back on for an ad it has no entry for (index_updater/owners.py)."""
+    def owners(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None, int | None]]:
+        """(advertiser, content version, status version) of each ad as this replica's index has them
+        (AdIndex.owners_of): what the owner registry takes where newer than its entry (index_updater/owners.py)."""
         return self.retriever.index.owners_of(ad_ids)
 
     def vectors(self, ad_ids: Sequence[int]) -> HistoryVectors:

@@ -11,16 +11,19 @@ Every publish goes through `APPEND` (one Lua script per shard stream, atomic): i
 for each event strictly newer than the recorded version (as the index applies them), the new owner or status.
 Given an advertiser, it first checks every event of the batch and appends nothing if one touches another's ad:
 an upsert must name the advertiser and needs the ad free or its own; a delete, pause or resume needs the ad its
-own, unless its version is not newer than the recorded one: the index ignores it then, so a resend passes
-whoever owns the ad now. A delete must also not be older than the ad's recorded pause or resume: the index
+own, unless its version is not newer than the recorded one nor the index's: the index ignores it then, so a
+resend passes whoever owns the ad now. A delete must also not be older than the ad's recorded pause or resume: the index
 keeps a status newer than a delete, so the id's next owner would get its ad paused (or active). So two
 advertisers racing for one id, or one claiming an ad published but not yet applied, cannot both pass: Redis
-orders the two scripts. Where the writer sends the owner and content version its shard's index reports
-(`Writer.indexed`: the router does for advertisers), the newer of the entry and the index's state counts: the
-index applied what the registry did not see (an ad published before it existed), or saw out of order (an
-admin's stale write on such an ad, appended without the index's state, which the index ignored), and is never
-ahead of the registry otherwise (an expiry keeps the version). A status is kept while it is newer than the
-content that counts. A malformed entry, or a key of another type, counts as none.
+orders the two scripts. Where the writer sends the owner, content version and status version its shard's index
+reports (`Writer.indexed`: the router does for advertisers), the index's state counts where newer than the entry:
+the index applied what the registry did not see (an ad published before it existed, a write Redis lost) or saw
+wrongly (an admin's stale write on such an ad, appended without the index's state and ignored by the index); at
+equal versions the index's live ad counts (a write at that version it ignored). A status is kept while it is newer
+than the content that counts. A delete, pause or resume that the index would still apply (newer than the version
+it reports) needs the ad its writer's even where the registry is ahead (an entry it recorded that the index
+refused, or one a lagging replica has not applied yet: a former owner's resend is refused then). A malformed
+entry, or a key of another type, counts as none.
 """
 from __future__ import annotations
 
@@ -42,26 +45,31 @@ local function newer(a, b)
   return a > b
 end
 local at, known, events = 4, {}, {}
-local function state_of(ad, indexed_version, indexed_owner)
+local function state_of(ad, indexed_version, indexed_owner, indexed_status)
   if known[ad] then return known[ad] end
   local stored, version, owner, status = usable and redis.call('HGET', KEYS[2], ad)
   if stored then version, owner, status = string.match(stored, '^(%d*) (%d*) ?(%d*)$') end
   if not version then version, owner, status = '', '', '' end  -- no entry, or a malformed one
-  if indexed_version ~= '' and newer(indexed_version, version) then  -- the index applied what the registry did
-    version, owner = indexed_version, indexed_owner  -- not see, or saw out of order: before it existed, a stale write
+  -- the index applied what the registry did not see (before it existed, a write Redis lost) or took a write the
+  -- registry recorded wrongly (an admin's stale one, sent without the index's state): its newer content counts,
+  -- and its live ad at the registry's version (a write at that version the index ignored)
+  if indexed_version ~= '' and (newer(indexed_version, version) or indexed_version == version and indexed_owner ~= '') then
+    version, owner = indexed_version, indexed_owner
   end
+  if indexed_status ~= '' and newer(indexed_status, status) then status = indexed_status end
   return {version, owner, newer(status, version) and status or ''}
 end
 for i = 1, n do
-  local kind, ad, version, advertiser = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
-  local state, fields = state_of(ad, ARGV[at + 4], ARGV[at + 5]), tonumber(ARGV[at + 6])
+  local kind, ad, version, advertiser, indexed = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4]
+  local state, fields = state_of(ad, indexed, ARGV[at + 5], ARGV[at + 6]), tonumber(ARGV[at + 7])
   local applies = newer(version, state[1])
+  local reaches = applies or newer(version, indexed)  -- the index, behind the registry, would still apply it
   if mine ~= '' then
     if kind == 'upsert' then
       if not (advertiser == mine and (state[2] == mine or state[2] == '')) then return {'refused', i - 1, state[2]} end
-    elseif applies and state[2] ~= mine then
+    elseif reaches and state[2] ~= mine then
       return {'refused', i - 1, state[2]}
-    elseif applies and kind == 'delete' and newer(state[3], version) then
+    elseif reaches and kind == 'delete' and newer(state[3], version) then
       return {'refused', i - 1, state[2], state[3]}
     end
   end
@@ -71,8 +79,8 @@ for i = 1, n do
     state = {state[1], state[2], version}
   end
   known[ad] = state
-  events[i] = {at + 7, at + 6 + 2 * fields}
-  at = at + 7 + 2 * fields
+  events[i] = {at + 8, at + 7 + 2 * fields}
+  at = at + 8 + 2 * fields
 end
 if check_only then return {'ok'} end
 if not usable then redis.call('DEL', KEYS[2]) end
@@ -97,11 +105,12 @@ def owners_key(stream: str) -> str:
 @dataclass(frozen=True)
 class Writer:
     """Who appends: `advertiser` None for an admin (no check); else the advertiser every event must stay within; with
-    `indexed` (ad id -> (owner or None, content version or None) as the index reports it), which the registry
-    takes where it is newer than its entry (an ad missing from it: none reported)."""
+    `indexed` (ad id -> (owner or None, content version or None, status version or None) as the index reports it
+    (AdIndex.owners_of), which the registry takes where newer than its entry (an ad missing from it: none
+    reported)."""
 
     advertiser: int | None = None
-    indexed: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
+    indexed: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
 
 
 ADMIN = Writer()
@@ -119,10 +128,10 @@ def script_args(events: Sequence, entries: Sequence[dict] | None, writer: Writer
     args: list = ["" if writer.advertiser is None else writer.advertiser, "1" if entries is None else "0", len(events)]
     for i, event in enumerate(events):
         kind, ad_id, version, advertiser = claim_of(event)
-        owner, indexed_version = writer.indexed.get(ad_id) or (None, None)
-        fields = {} if entries is None else entries[i]
-        args += [kind, ad_id, version, advertiser, "" if indexed_version is None else indexed_version,
-                 "" if owner is None else owner, len(fields)]
+        owner, content, status = (*writer.indexed.get(ad_id, ()), None, None, None)[:3]  # shards of before 2026-12-05
+        fields = {} if entries is None else entries[i]  # report no status
+        args += [kind, ad_id, version, advertiser, *("" if v is None else v for v in (content, owner, status)),
+                 len(fields)]
         for name, value in fields.items():
             args += [name, value]
     return args

@@ -75,12 +75,16 @@ def test_the_registry_follows_versions_as_the_index_applies_them(publish):
     assert owner(publish, 12) == "3 9"
     publish([{"op": "delete", "ad_id": 12, "version": 4}], advertiser=9)
     assert owner(publish, 12) == "4 "  # free
-    publish([{"op": "delete", "ad_id": 12, "version": 4}], advertiser=9)  # a resend: not newer, the index ignores it
+    publish([{"op": "delete", "ad_id": 12, "version": 4}], advertiser=9, indexed={12: (None, 4)})  # a resend: not
+    # newer than the registry nor the index, which ignores it
     with pytest.raises(Refused):  # newer: a freed id's former owner may not pause (or delete) it past its delete,
         publish([{"op": "pause", "ad_id": 12, "version": 2**63 - 1}], advertiser=9)  # which would hold the next
     publish([ad(12, 5, 8)], advertiser=8)  # owner's ad paused; a deleted id is free, as in the index
     assert owner(publish, 12) == "5 8"
-    publish([{"op": "pause", "ad_id": 12, "version": 3}], advertiser=9)  # 9's resent pause: a no-op, it passes
+    publish([{"op": "pause", "ad_id": 12, "version": 3}], advertiser=9, indexed={12: (8, 5)})  # 9's resent pause:
+    # a no-op, it passes
+    with pytest.raises(Refused):  # the same where the index has not applied 8's upsert: it would pause 8's ad
+        publish([{"op": "pause", "ad_id": 12, "version": 5}], advertiser=9, indexed={12: (None, 4)})
     with pytest.raises(Refused) as refused:
         publish([ad(18, 1, 7)], advertiser=8)  # an upsert naming another advertiser
     assert refused.value.field == "[0].ad.advertiser_id" and "naming it, not advertiser 7" in refused.value.message
@@ -116,7 +120,7 @@ def test_a_delete_older_than_the_ads_pause_or_resume_is_refused(publish):
         publish([{"op": "delete", "ad_id": 19, "version": 11}], advertiser=7)
     assert refused.value.field == "[0].version" and str(top) in refused.value.message
     assert owner(publish, 19) == f"8 7 {top}"
-    publish([{"op": "delete", "ad_id": 19, "version": 8}], advertiser=7)  # not newer than the content: a resend
+    publish([{"op": "delete", "ad_id": 19, "version": 8}], advertiser=7, indexed={19: (7, 8, top)})  # a resend
     publish([ad(20, 5, 7), {"op": "pause", "ad_id": 20, "version": 9}, ad(20, 9, 7)], advertiser=7)
     assert owner(publish, 20) == "9 7"  # an upsert as new as the pause drops it, as the index does
     publish([{"op": "pause", "ad_id": 20, "version": 12}, {"op": "delete", "ad_id": 20, "version": 12}], advertiser=7)
@@ -126,8 +130,7 @@ def test_a_delete_older_than_the_ads_pause_or_resume_is_refused(publish):
 EVENT = st.tuples(st.sampled_from(sorted(OP_CODES)), st.integers(1, 2), st.integers(1, 6), st.sampled_from([7, 8]))
 BATCHES = st.lists(st.tuples(st.sampled_from([None, "cli", 7, 8]), st.lists(EVENT, min_size=1, max_size=3)),
                    max_size=6)  # None: an admin through the router; "cli": an admin sending no index state
-BEFORE = st.lists(st.tuples(st.sampled_from(["upsert", "delete"]), st.integers(1, 2), st.integers(1, 6),
-                            st.sampled_from([7, 8])), max_size=3)  # applied before the registry existed
+BEFORE = st.lists(EVENT, max_size=3)  # applied before the registry existed
 
 
 def judged(writer: int | None, batch: list, book: SlotBook, owners: dict) -> tuple[SlotPlan, dict] | None:
@@ -152,15 +155,15 @@ def test_the_registry_keeps_the_owners_versions_and_status_the_index_keeps(publi
     """Ads the index took before the registry existed, then random batches by admins (with the index's state, as
     the router sends it, or without, as `andromeda publish`) and two advertisers (with it): each batch is refused
     exactly when the rule, told from the index's bookkeeping, refuses it, and the registry ends with the owner,
-    version and status the index keeps for every ad whose last write carried the index's state (statuses from
-    before the registry are out of its reach: docs/reliability.md)."""
+    version and status the index keeps for every ad whose last write carried the index's state."""
     for ad_id in (1, 2):
         publish.client.hdel(owners_key(shard_stream(publish.stream, shard_of(ad_id, 2))), ad_id)
     book, owners, knew = SlotBook(4), {}, {}
     for writer, batch in [(None, before), *history]:
         advertiser = None if writer == "cli" else writer
         expected = judged(advertiser, batch, book, owners)
-        indexed = {a: (owners.get(a) if a in book.slot_of else None, book.version.get(a)) for a in (1, 2)}
+        indexed = {a: (owners.get(a) if a in book.slot_of else None, book.version.get(a),
+                       book.status[a][0] if a in book.status else None) for a in (1, 2)}
         try:
             if batch is not before:
                 publish([ad(a, v, who) if kind == "upsert" else {"op": kind, "ad_id": a, "version": v}
@@ -233,6 +236,43 @@ def test_an_admins_write_without_the_indexs_state_is_recorded_and_the_index_coun
     with pytest.raises(Refused) as refused:  # the pause would outlive the delete, for the id's next owner
         publish([{"op": "delete", "ad_id": 34, "version": 7}], advertiser=7, indexed={34: (None, None)})
     assert refused.value.field == "[0].version"
+
+
+def test_at_equal_versions_the_indexs_live_ad_counts(publish):
+    """An admin's write at exactly the version of a live ad from before the registry: the index ignores it, the
+    registry records it; the index's live ad counts, so nobody takes or changes it through that record."""
+    publish([{"op": "delete", "ad_id": 40, "version": 100}], knows_index=False)  # 40 and 41 are 8's, live at 100
+    publish([ad(41, 100, 7)], knows_index=False)
+    assert owner(publish, 40) == "100 " and owner(publish, 41) == "100 7"
+    with pytest.raises(Refused):
+        publish([ad(40, 101, 7)], advertiser=7, indexed={40: (8, 100)})
+    with pytest.raises(Refused):
+        publish([{"op": "pause", "ad_id": 41, "version": 101}], advertiser=7, indexed={41: (8, 100)})
+    publish([{"op": "pause", "ad_id": 41, "version": 101}], advertiser=8, indexed={41: (8, 100)})
+    assert owner(publish, 41) == "100 8 101"
+
+
+def test_an_event_the_index_would_still_apply_needs_the_ad_even_where_the_registry_is_ahead(publish):
+    """8's ad at 100 in the index, the registry at 200 (an upsert it recorded that the index has not applied, or
+    refused): another advertiser's pause or delete between the two would apply in the index."""
+    publish([ad(42, 100, 8)], advertiser=8)
+    publish([ad(42, 200, 8)], advertiser=8)
+    for op in ("pause", "delete"):
+        with pytest.raises(Refused):
+            publish([{"op": op, "ad_id": 42, "version": 150}], advertiser=7, indexed={42: (8, 100)})
+    publish([{"op": "pause", "ad_id": 42, "version": 150}], advertiser=8, indexed={42: (8, 100)})  # its owner's
+    publish([{"op": "pause", "ad_id": 42, "version": 150}], advertiser=7, indexed={42: (8, 200)})  # a no-op: passes
+
+
+def test_a_status_the_index_keeps_and_the_registry_lacks_refuses_an_older_delete(publish):
+    """A pause the index applied that the registry never recorded (from before it, or a write Redis lost): the
+    index reports it, and the owner's delete older than it is refused, as the pause would outlive it."""
+    publish([ad(43, 100, 7)], advertiser=7)
+    with pytest.raises(Refused) as refused:
+        publish([{"op": "delete", "ad_id": 43, "version": 200}], advertiser=7, indexed={43: (7, 100, 300)})
+    assert refused.value.field == "[0].version" and "300" in refused.value.message
+    publish([{"op": "delete", "ad_id": 43, "version": 300}], advertiser=7, indexed={43: (7, 100, 300)})
+    assert owner(publish, 43) == "300 "
 
 
 def test_an_entry_holding_only_a_status_falls_back_on_the_indexs_owner(publish):

@@ -260,13 +260,14 @@ def test_get_reports_indexed_state(index, scorer):
 
 
 def test_owners_of_reports_each_ads_advertiser_and_content_version(index, scorer):
-    """What the owner registry falls back on: the advertiser of an indexed ad (paused too), none for a deleted or
-    never seen one, and the content version wherever one was applied."""
+    """What the owner registry takes where newer: the advertiser of an indexed ad (paused too), none for a deleted
+    or never seen one, the content version wherever one was applied, and the version of a pause or resume kept."""
     apply_events(index, scorer, [{"op": "upsert", "ad": make_ad(5, 3, advertiser_id=7)},
                                  {"op": "upsert", "ad": make_ad(6, 4, advertiser_id=8)},
                                  {"op": "upsert", "ad": make_ad(9, 1, advertiser_id=8)},
                                  {"op": "pause", "ad_id": 6, "version": 5}, {"op": "delete", "ad_id": 9, "version": 2}])
-    assert index.owners_of([6, 404, 5, 9, 6]) == [(8, 4), (None, None), (7, 3), (None, 2), (8, 4)]
+    apply_events(index, scorer, [{"op": "resume", "ad_id": 404, "version": 2}])  # kept until a newer create
+    assert index.owners_of([6, 404, 5, 9, 6]) == [(8, 4, 5), (None, None, 2), (7, 3, None), (None, 2, None), (8, 4, 5)]
     assert index.owners_of([]) == []
 
 
