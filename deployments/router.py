@@ -357,6 +357,7 @@ class Router:
         return Writer(mine, {ad_id: tuple(state) for shard_ids, reply in zip(by_shard.values(), replies)
                              for ad_id, state in zip(shard_ids, reply)})
 
+    @app.head("/v1/ads/{ad_id}", include_in_schema=False)  # whether it is indexed: 200 or 404, no body
     @app.get("/v1/ads/{ad_id}", response_model=AdState, responses=ERRORS)
     async def get_ad(self, ad_id: AD_ID, _: Principal | None = Depends(reader)) -> AdState:
         """The indexed state of one ad: version, status, shard, satisfiable, servable now."""
@@ -394,6 +395,7 @@ class Router:
         body = Health(status="ready" if ready else "not ready", shards=shards)
         return body if ready else json_response(503, body)
 
+    @app.head("/metrics", include_in_schema=False)
     @app.get("/metrics", response_class=Response)
     async def prometheus_metrics(self) -> Response:
         """Prometheus text format: latency by stage, counts, per-shard index size, lag, dead letters."""

@@ -180,6 +180,8 @@ def test_published_ads_are_servable_and_removable_within_two_seconds(service):
     assert eventually(lambda: retrieved(service, "two", ad_id, who))
     state = requests.get(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).json()
     assert state["version"] == 1 and state["shard"] == shard_of(ad_id, 2) and state["servable_now"] is True
+    head = requests.head(f"{service.url}/two/v1/ads/{ad_id}", timeout=10)
+    assert head.status_code == 200 and head.content == b""
     post(f"{service.url}/two/v1/ad-events", [{"op": "pause", "ad_id": ad_id, "version": 2}], token=TOKEN)
     assert eventually(lambda: not retrieved(service, "two", ad_id, who))
     assert requests.get(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).json()["servable_now"] is False
@@ -188,6 +190,7 @@ def test_published_ads_are_servable_and_removable_within_two_seconds(service):
     post(f"{service.url}/two/v1/ad-events", [{"op": "delete", "ad_id": ad_id, "version": 4}], token=TOKEN)
     assert eventually(lambda: not retrieved(service, "two", ad_id, who))
     assert requests.get(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).status_code == 404
+    assert requests.head(f"{service.url}/two/v1/ads/{ad_id}", timeout=10).status_code == 404
 
 
 @pytest.mark.parametrize("path, body, field", [
@@ -280,7 +283,7 @@ def test_raw_garbage_is_a_422_not_a_500(service):
 
 def test_health_readiness_and_metrics(service):
     assert requests.get(f"{service.url}/two/healthz", timeout=10).status_code == 200
-    for path in ("healthz", "readyz"):  # a load balancer's HEAD check: the status, no body
+    for path in ("healthz", "readyz", "metrics"):  # a load balancer's HEAD check: the status, no body
         head = requests.head(f"{service.url}/two/{path}", timeout=10)
         assert head.status_code == 200 and head.content == b"", (path, head.status_code)
     ready = requests.get(f"{service.url}/two/readyz", timeout=10)
