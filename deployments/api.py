@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from andromeda_core import strict_json
 from andromeda_core.errors import (AndromedaError, DeadlineExceeded, ErrorCategory, InvalidInput, Overloaded,
-                                   TooLarge, Unauthorized)
+                                   TooLarge, Unauthorized, shown)
 from andromeda_core.types import RetrieveResponse, error_field
 from deployments.limits import LatencyShedder, past_wire_bound, retry_after
 
@@ -327,6 +327,11 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
             on_error("unsupported_media_type")
             return error_response(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json",
                                   "Content-Type")
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if request.method == "POST" and encoding != "identity":  # compressed bodies are not read: say so
+            on_error("unsupported_media_type")
+            return error_response(415, "unsupported_media_type", f"Content-Encoding {shown(encoding)} is not read: "
+                                  "send the body uncompressed", "Content-Encoding")
         loc = tuple(err.get("loc", ()))
         if loc == ("body",) and err.get("type") == "missing":  # FastAPI's word for a body of no bytes
             on_error(ErrorCategory.INVALID_INPUT.value)

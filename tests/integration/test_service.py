@@ -2,6 +2,7 @@
 session. Two applications run side by side over the same corpus: one shard (/one) and two (/two)."""
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from types import SimpleNamespace
@@ -265,6 +266,9 @@ def test_raw_garbage_is_a_422_not_a_500(service):
     as_text = requests.post(f"{service.url}/two/v1/retrieve", data='{"user": {"user_id": 1}}',
                             headers={"Content-Type": "text/plain"}, timeout=10)
     assert as_text.status_code == 415 and as_text.json()["error"]["field"] == "Content-Type"
+    gzipped = requests.post(f"{service.url}/two/v1/retrieve", data=gzip.compress(b'{"user": {"user_id": 1}}'),
+                            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=10)
+    assert gzipped.status_code == 415 and gzipped.json()["error"]["field"] == "Content-Encoding", gzipped.text
     too_large = requests.get(f"{service.url}/two/v1/ads/{2**63}", timeout=10)
     assert too_large.status_code == 422 and str(2**63) in too_large.json()["error"]["message"]  # not a float's 9...6000
     for json_type in ("APPLICATION/JSON", "application/vnd.andromeda+json; charset=utf-8"):  # JSON to FastAPI too
