@@ -53,13 +53,12 @@ def reference_in_parts(status: torch.Tensor, start: torch.Tensor, end: torch.Ten
     """kernels.reference.fused.fused_scan over parts of the batch, so that its (B, E, n) intermediates (gating
     logits, gates and similarities in float32, an int16 rank: 14 bytes per request, expert and slot) stay within
     REFERENCE_BYTES (a part is one request at the least)."""
-    from kernels.reference.fused import fused_scan as reference
+    from kernels.reference import fused as reference
 
     part = max(1, REFERENCE_BYTES // (14 * experts.shape[1] * max(status.shape[0], 1)))
     table = (status, start, end, refs, vectors, scales)
-    parts = [reference(*table, *(t[i:i + part] for t in (now, truth, experts, keys, mask)), bias_col, top_n, m)
-             for i in range(0, max(now.shape[0], 1), part)]
-    return tuple(torch.cat(results) for results in zip(*parts))
+    return reference.in_parts(lambda *side: reference.fused_scan(*table, *side, bias_col, top_n, m),
+                              (now, truth, experts, keys, mask), part)
 
 
 def head_of(vectors: torch.Tensor, experts: torch.Tensor, keys: torch.Tensor) -> tuple:
@@ -78,8 +77,8 @@ def built_or_reference(triton_run: Callable, reference_run: Callable, head: tupl
         except (OutOfResources, PTXASError) as error:
             UNBUILDABLE.add(head)
             log.warning("the GPU cannot build the fused scan for a %s table with %d experts, D = %d, G = %d (%s): "
-                        "scoring with the PyTorch reference instead (exact, slower, (B, n) intermediates); float16 "
-                        "tables or fewer experts or dims fit", *head, type(error).__name__)
+                        "scoring with the PyTorch reference instead (exact, slower, its (B, E, n) intermediates a "
+                        "few requests at a time); float16 tables or fewer experts or dims fit", *head, type(error).__name__)
     return reference_run()
 
 

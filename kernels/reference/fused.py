@@ -20,6 +20,8 @@ usable) and score = sum over the experts with gate_e > 0 of gate_e * <experts[b,
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kernels.reference.match import time_status_match
@@ -27,6 +29,14 @@ from kernels.reference.topk import ranked_scores
 
 SCALE_BLOCK = 16  # int8 vectors: dims per scale
 ALWAYS = 1  # the ref that pads a row of refs: "does not hold clause 0", true for every request
+
+
+def in_parts(scan: Callable[..., tuple[torch.Tensor, ...]], requests: tuple[torch.Tensor, ...],
+             part: int) -> tuple[torch.Tensor, ...]:
+    """scan(*request side) over parts of at most `part` requests of the batch (requests: tensors of B rows; one part
+    when B = 0), each output concatenated over the parts: what a pass too large for memory in one go runs."""
+    outputs = [scan(*(t[i:i + part] for t in requests)) for i in range(0, max(requests[0].shape[0], 1), part)]
+    return tuple(torch.cat(parts) for parts in zip(*outputs))
 
 
 def dequantize(vectors: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference.fused import SCALE_BLOCK
+from kernels.reference.fused import SCALE_BLOCK, in_parts
 from kernels.triton.match import load_slots, match_request, refs_with_a_column
 
 BLOCK = 128  # slots per program
@@ -476,9 +476,8 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     width = min(triton.next_power_of_2(max(m, 1)), BLOCK)
     part = max(1, PER_BLOCK_BYTES // (blocks * width * 8))
     if B > part:
-        parts = [fused_scan(*table, *(t[i:i + part] for t in (now, truth, experts, keys, mask)), bias_col, top_n, m, 0,
-                            stats) for i in range(0, B, part)]
-        return tuple(torch.cat(results) for results in zip(*parts))
+        return in_parts(lambda *side: fused_scan(*table, *side, bias_col, top_n, m, 0, stats),
+                        (now, truth, experts, keys, mask), part)
     partial = torch.empty((B, blocks, width), dtype=torch.int64, device=status.device)
     scan(blocks, partial, KEEP_TOP, width)
     slots, scores = merge_partials(partial, m)
