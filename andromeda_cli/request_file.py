@@ -2,7 +2,6 @@
 (its targeting values too) before any work, an error naming the file, line and field."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,6 @@ def read_text(path: Path) -> str:
         raise InvalidInput(f"not UTF-8 text (byte {exc.start})", f"{path}:{line}") from None
 
 
-def load_json(text: str, where: str) -> Any:
-    try:
-        return strict_json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"not JSON: {exc.msg}", where) from None
-    except RecursionError:
-        raise InvalidInput("JSON nested too deeply", where) from None
-    except strict_json.NotJSON as exc:
-        raise InvalidInput(str(exc), where) from None
-    except ValueError:  # json's only other error: an integer of more digits than Python converts
-        raise InvalidInput("a number has thousands of digits", where) from None
-
-
 def read_requests(path: Path, schema: Schema, k: int | None = None) -> list[RetrieveRequest]:
     """The requests in `path` (one JSON object, or one per line), with `k` overriding each one's k."""
     text = read_text(path)
@@ -42,11 +28,11 @@ def read_requests(path: Path, schema: Schema, k: int | None = None) -> list[Retr
         raise InvalidInput("no requests: the file is empty", str(path))
     whole = lines[0][0] if len(lines) == 1 else str(path)
     try:
-        docs = [(whole, load_json(text, whole))]
+        docs = [(whole, strict_json.read(text, whole))]
     except InvalidInput:
         if len(lines) == 1:
             raise
-        docs = [(where, load_json(line, where)) for where, line in lines]
+        docs = [(where, strict_json.read(line, where)) for where, line in lines]
     return [_request(doc, where, schema, k) for where, doc in docs]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from andromeda_core.errors import InvalidInput
+
 
 class NotJSON(ValueError):
     """Text json.loads takes that JSON (RFC 8259) does not: a key twice, NaN or Infinity."""
@@ -36,3 +38,20 @@ def loads(text: str | bytes) -> Any:
     """json.loads refusing a key twice and NaN or Infinity (NotJSON, a ValueError); json.JSONDecodeError as
     json.loads."""
     return json.loads(text, object_pairs_hook=unique_keys, parse_constant=no_constant)
+
+
+def read(text: str | bytes, where: str) -> Any:
+    """loads, every refusal an InvalidInput naming `where`: not UTF-8 (bytes), not JSON, nested too deeply, a key
+    twice, NaN or Infinity, an integer of more digits than Python converts."""
+    try:
+        return loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"not UTF-8 (byte {exc.start})", where) from None
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"not JSON: {exc.msg} at character {exc.pos}", where) from None
+    except RecursionError:
+        raise InvalidInput("JSON nested too deeply", where) from None
+    except NotJSON as exc:
+        raise InvalidInput(str(exc), where) from None
+    except ValueError:  # json's only other error
+        raise InvalidInput("a number has thousands of digits", where) from None

@@ -159,7 +159,7 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "", strict:
     try:
         if isinstance(data, (str, bytes)):
             if strict:
-                strict_json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+                strict_json.read(data, where or "body")
             text = data
         else:  # validated with JSON semantics, so that a Python dict and its JSON text are judged alike
             text = json.dumps(data, allow_nan=False)
@@ -171,13 +171,9 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "", strict:
                                where or "body") from None  # read, or wrote: only a lone surrogate is left
         field = error_field(err["loc"], err["type"])
         raise InvalidInput(err["msg"], f"{where}{'.' if where and field else ''}{field}") from None
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"not UTF-8 (byte {exc.start})", where or "body") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"not JSON: {exc.msg} at character {exc.pos}", where or "body") from None
-    except RecursionError:
+    except RecursionError:  # a dict nested too deeply for json.dumps
         raise InvalidInput("JSON nested too deeply", where or "body") from None
-    except (TypeError, ValueError) as exc:  # a key twice, NaN or Infinity, an integer of thousands of digits
+    except (TypeError, ValueError) as exc:  # a dict json.dumps cannot write (NaN, Infinity, a value of no JSON type)
         raise InvalidInput(str(exc), where or "body") from None
 
 
