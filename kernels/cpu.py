@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.dispatch import require_top
+from kernels.dispatch import require_rows, require_top
 
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math",
@@ -120,6 +120,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     cpu_fused.cpp; default: library())."""
     n, B, threads = status.shape[0], now.shape[0], torch.get_num_threads()
     require_top(m, top_n)  # an empty heap would be written through
+    require_rows(n, vectors, scales, experts.shape[2], keys.shape[2], bias_col)  # else read past them
     if B == 0:
         return torch.zeros((0, m), dtype=torch.int64), torch.zeros((0, m)), torch.zeros(0, dtype=torch.int64)
     if vectors.stride(1) != 1:

@@ -137,6 +137,27 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return acc;
 }
 
+// The experts a candidate's gating chose, in order of their logits (the first the largest): each one's softmax
+// weight exp(logit - first) and similarity. The gated sum normalises the gates first, as the reference does: a gate
+// that rounds to 0 adds nothing whatever its similarity (an inf or NaN one too), and no partial sum of
+// weight x similarity can overflow where the gated one would not (similarities near float32's largest).
+struct Chosen {
+    float weight[LANES], sim[LANES], first = 0.0f, total = 0.0f;
+    int64_t count = 0;
+    void add(float logit, float similarity) {
+        first = count ? first : logit;
+        weight[count] = count ? std::exp(logit - first) : 1.0f;
+        sim[count] = similarity;
+        total += weight[count++];
+    }
+    float gated_sum() const {
+        float score = 0.0f;
+        for (int64_t j = 0; j < count; ++j)
+            if (const float gate = weight[j] / total; gate > 0.0f) score += gate * sim[j];
+        return score;
+    }
+};
+
 #if defined(__AVX512F__)
 // The lanes whose expert is usable (usable: 16 bytes, nonzero where set).
 inline __mmask16 usable_lanes(const uint8_t* usable) {
@@ -152,22 +173,15 @@ inline float mixture(__m512 sims, __m512 logits, const uint8_t* usable, int64_t 
                            _mm512_cmp_ps_mask(logits, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ)) & ok;
     if (bad) return 0.0f;  // a NaN or +inf logit is chosen first and makes every gate NaN: all 0 (the reference)
     logits = _mm512_mask_blend_ps(ok, none, logits);
-    float first = 0.0f, total = 1.0f, score = 0.0f;
+    Chosen chosen;
     for (int64_t n = 0; n < top_n; ++n) {  // the lane maximum, then its lowest lane
         const float best = _mm512_reduce_max_ps(logits);
         if (best == -std::numeric_limits<float>::infinity()) break;
         const int at = __builtin_ctz(_mm512_cmp_ps_mask(logits, _mm512_set1_ps(best), _CMP_EQ_OQ));
-        const float sim = _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set1_epi32(at), sims)));
-        if (n == 0) {
-            first = best;
-            score = sim;
-        } else if (const float weight = std::exp(best - first); weight > 0.0f) {  // a gate of 0 adds nothing
-            total += weight;
-            score += weight * sim;
-        }
+        chosen.add(best, _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set1_epi32(at), sims))));
         logits = _mm512_mask_mov_ps(logits, static_cast<__mmask16>(1u << at), none);
     }
-    return score / total;
+    return chosen.gated_sum();
 }
 #else
 inline float mixture(float* sims, float* logits, const uint8_t* usable, int64_t top_n) {
@@ -176,21 +190,15 @@ inline float mixture(float* sims, float* logits, const uint8_t* usable, int64_t 
         if (usable[e] && !(logits[e] < std::numeric_limits<float>::infinity())) return 0.0f;  // NaN or +inf: gates 0
         logits[e] = usable[e] ? logits[e] : NONE;
     }
-    float first = 0.0f, total = 1.0f, score = 0.0f;
+    Chosen chosen;
     for (int64_t n = 0; n < top_n; ++n) {
         int64_t at = 0;
         for (int64_t e = 1; e < LANES; ++e) at = logits[e] > logits[at] ? e : at;
         if (logits[at] == NONE) break;
-        if (n == 0) {
-            first = logits[at];
-            score = sims[at];
-        } else if (const float weight = std::exp(logits[at] - first); weight > 0.0f) {  // a gate of 0 adds nothing
-            total += weight;
-            score += weight * sims[at];
-        }
+        chosen.add(logits[at], sims[at]);
         logits[at] = NONE;
     }
-    return score / total;
+    return chosen.gated_sum();
 }
 #endif
 

@@ -30,12 +30,29 @@ def require_top(m: int, top_n: int) -> None:
         raise ValueError(f"m and top_n must be at least 1, got m={m}, top_n={top_n}")
 
 
+def require_rows(n: int, vectors: torch.Tensor, scales: torch.Tensor | None, D: int, G: int, bias_col: int) -> None:
+    """The kernels read, for each of the n slots, D + G dims and the bias column of its row of vectors, and for an
+    int8 table the scale of each block of SCALE_BLOCK of those: raises ValueError where the tensors hold less (the
+    compiled kernels would read past them)."""
+    from kernels.reference.fused import SCALE_BLOCK
+
+    width = max(D + G, bias_col + 1)
+    if vectors.dim() != 2 or vectors.shape[0] < n or vectors.shape[1] < width:
+        raise ValueError(f"vectors of shape {tuple(vectors.shape)}: the scan reads {n} rows of {width} columns")
+    blocks = -(-width // SCALE_BLOCK)
+    if vectors.dtype == torch.int8 and (scales is None or scales.dim() != 2 or scales.shape[0] < n
+                                        or scales.shape[1] < blocks):
+        raise ValueError(f"int8 vectors need scales of {n} rows of {blocks} blocks of {SCALE_BLOCK} columns, got "
+                         f"{None if scales is None else tuple(scales.shape)}")
+
+
 def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
                m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Match, score and top-m in one pass (kernels.reference.fused.fused_scan) on the table's device."""
     require_top(m, top_n)
+    require_rows(status.shape[0], vectors, scales, experts.shape[2], keys.shape[2], bias_col)
     args = (status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
     if not vectors.is_cuda:
         from kernels.cpu import fused_scan as run

@@ -137,7 +137,10 @@ def mixture(sims, q, q_scale, keys_hi, keys_lo, usable, key_unscale, BLOCK: tl.c
         logits = tl.zeros((BLOCK, EP), tl.float32)  # the reference's einsum over no dims
     logits = tl.where(usable[None, :], logits, float("-inf"))
     weight, total = expert_gates(logits, TOP_N, EP)
-    return tl.sum(tl.where(weight > 0, weight * sims, 0.0), axis=1) / tl.where(total > 0, total, 1.0)
+    gates = weight * (1.0 / tl.where(total > 0, total, 1.0))[:, None]  # normalised before the sum, as the reference:
+    # a gate that rounds to 0 adds nothing (an inf similarity neither), and no partial sum overflows where the gated one
+    # would not; one division per row
+    return tl.sum(tl.where(gates > 0, gates * sims, 0.0), axis=1)
 
 
 @triton.jit

@@ -529,6 +529,29 @@ def test_nan_or_infinite_logits_leave_the_bias_and_gate_0_experts_add_nothing(ke
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_gated_sum_equals_reference_at_float32s_edges(kernel):
+    """The gates are normalised before the gated sum, as in the reference. Request 0 (two experts, equal logits):
+    similarities of 2e38 and 3e38 score 0.5 x s + 0.5 x s = s, where the sum of the weighted similarities before
+    dividing by the weights' total overflowed to inf. Requests 1 and 2 (logits 0, 0 and -103.5 for slot 0): the
+    third expert's softmax weight exp(-103.5) is a float32 subnormal, but its gate (half of it) rounds to 0, so its
+    similarity (inf, or NaN) adds nothing."""
+    inf = float("inf")
+    status, start, end, refs = servable_table(3)
+    vectors = torch.tensor([[2e19, 0.0, 1.0], [3e19, 0.0, 2.0], [1.0, 0.5, 0.5]])  # a (D = 2), q (G = 1)
+    experts = torch.tensor([[[1e19, 0.0], [1e19, 0.0], [0.0, 0.0]],
+                            [[1e-19, 1.0], [1e-19, 1.0], [inf, 0.0]],  # slot 0: similarities 2, 2, inf
+                            [[1e-19, 1.0], [1e-19, 1.0], [inf, -inf]]])  # slot 0: 2, 2, NaN
+    keys = torch.tensor([[[1.0], [1.0], [0.0]], [[0.0], [0.0], [-103.5]], [[0.0], [0.0], [-103.5]]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    now, truth = torch.full((3,), NOW), torch.zeros((3, W), dtype=torch.int32)
+    got, want = both(kernel, status, start, end, refs, vectors, None, now, truth, experts, keys, mask, -1, 3, 3)
+    assert_same(got, want)
+    assert want[0][0, :2].tolist() == [1, 0] and want[1][0, :2].tolist() == pytest.approx([3e38, 2e38])
+    for slots, scores in zip(want[0][1:].tolist(), want[1][1:].tolist()):
+        assert dict(zip(slots, scores))[0] == pytest.approx(2.0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_one_expert_with_gating_dims_is_gated(kernel):
     """E = 1 with G > 0: the expert's gate is 1, or 0 (the bias alone) where its logit is NaN or +inf."""
     n = 4
@@ -548,6 +571,19 @@ def test_scans_refuse_an_empty_top(scan, m, top_n):
     table = make_table(torch.Generator().manual_seed(0), 10, 2, 5, torch.float32)
     with pytest.raises(ValueError, match="at least 1"):
         scan(*table, *make_requests(torch.Generator().manual_seed(1), 2, 2, 2, 2), -1, top_n, m)
+
+
+@pytest.mark.parametrize("scan", [cpu.fused_scan, dispatch.fused_scan])
+def test_scans_refuse_tables_with_less_than_the_head_reads(scan):
+    """Rows narrower than D + G or the bias column, int8 vectors without scales or with fewer scale blocks than the
+    dims read: a ValueError, where the compiled kernel read past the tensors (no scales: the process died)."""
+    status, start, end, refs, vectors, scales = make_table(torch.Generator().manual_seed(0), 10, 2, 40, torch.int8)
+    requests = make_requests(torch.Generator().manual_seed(1), 2, 2, 30, 5)
+    for vectors_, scales_, bias_col, match in [(vectors, None, -1, "need scales"), (vectors, scales[:, :2], -1, "3 blocks"),
+                                               (vectors[:, :34], scales, -1, "34"), (vectors, scales, 40, "41 columns")]:
+        with pytest.raises(ValueError, match=match):
+            scan(status, start, end, refs, vectors_, scales_, *requests, bias_col, 1, 3)
+    assert scan(status, start, end, refs, vectors, scales, *requests, 39, 1, 3)[0].shape == (2, 3)
 
 
 @pytest.mark.parametrize("error", ["OutOfResources", "PTXASError"])
