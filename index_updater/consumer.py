@@ -2,7 +2,8 @@
 shard sees every entry) from the last applied id, apply each read as one atomic batch, idempotently.
 
 Invalid entries go to the dead-letter stream with the reason (once, whichever replica of the shard meets them first)
-and never stop the consumer. The background
+and never stop the consumer; an allocation that fails while applying (a table that cannot grow) is no entry's fault,
+and the read is applied again after a backoff. The background
 loop never dies: every error (Redis, snapshot I/O, ...) is counted in the stats and followed by a
 backoff. If the stream was trimmed past the last applied id (a gap), the consumer reloads the newest
 snapshot and replays from there; when no snapshot covers the gap it applies what the stream still holds
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 import redis
+import torch
 
 from andromeda_core.config import redact, tls_hint
 from andromeda_core.export import TableCopy
@@ -65,6 +67,13 @@ return {redis.call('XINFO', 'STREAM', KEYS[1]), redis.call('XRANGE', KEYS[1], AR
 
 class StreamGap(RuntimeError):
     """Entries after the last applied id were trimmed away; the index must be reloaded from a snapshot."""
+
+
+def out_of_memory(exc: Exception) -> bool:
+    """Whether exc says an allocation failed (a GPU's allocator, or the CPU's: a table that cannot grow), which a later
+    try may get past."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def no_stream(exc: Exception) -> bool:
@@ -388,18 +397,24 @@ class ShardConsumer:
     def _apply(self, read: DecodedRead) -> tuple[list[bool], list[tuple[int, InvalidRecord]]]:
         """Apply the read as one atomic batch; should the index reject it, apply its entries one by one. Returns
         the results and (position in the read, why) of the entries the index rejected (a rejected op changes
-        nothing)."""
+        nothing). Memory running out (out_of_memory) is no entry's fault: it is raised, so the read is applied
+        again after the loop's backoff (what was applied of it, again: that changes nothing), its entries waiting
+        meanwhile (the replica turns unhealthy once they have waited longer than its lag allows)."""
         if not len(read.batch):
             return [], []
         try:
             return self.index.apply(read.batch), []
-        except Exception:  # a decoded entry the index still cannot take must not stop the consumer
+        except Exception as exc:  # a decoded entry the index still cannot take must not stop the consumer
+            if out_of_memory(exc):
+                raise
             log.exception("batch apply failed; applying its entries one by one")
         results, rejected = [], []
         for i, position in enumerate(read.positions):
             try:
                 results.extend(self.index.apply(read.batch.take([i])))
             except Exception as exc:
+                if out_of_memory(exc):
+                    raise
                 rejected.append((position, InvalidRecord(f"index rejected it: {type(exc).__name__}: {exc}", "entry")))
         return results, rejected
 

@@ -15,7 +15,8 @@ own, unless its version is not newer than the recorded one nor the index's: the 
 resend passes whoever owns the ad now. A delete must also not be older than the ad's recorded pause or resume: the index
 keeps a status newer than a delete, so the id's next owner would get its ad paused (or active). So two
 advertisers racing for one id, or one claiming an ad published but not yet applied, cannot both pass: Redis
-orders the two scripts. Where the writer sends the owner, content version and status version its shard's index
+orders the two scripts. A call carries a token (`run_append`): resent after its reply was lost, it returns what the
+first run appended instead of running again. Where the writer sends the owner, content version and status version its shard's index
 reports (`Writer.indexed`: the router does for advertisers), the index's state counts where newer than the entry:
 the index applied what the registry did not see (an ad published before it existed, a write Redis lost) or saw
 wrongly (an admin's stale write on such an ad, appended without the index's state and ignored by the index); at
@@ -36,6 +37,10 @@ from andromeda_core.errors import Forbidden
 
 APPEND = """
 local mine, check_only, n = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3])
+if KEYS[3] then  -- the call's token: a resend of a call that ran (its reply lost) gets that run's ids, appends nothing
+  local sent = redis.call('GET', KEYS[3])
+  if sent then return {'ok', cjson.decode(sent)} end
+end
 local kind_of_key = redis.call('TYPE', KEYS[2]).ok
 local usable = kind_of_key == 'hash' or kind_of_key == 'none'
 local function newer(a, b)
@@ -93,8 +98,15 @@ for ad, state in pairs(known) do  -- nothing yet: an ad never upserted, deleted,
     redis.call('HSET', KEYS[2], ad, state[1] .. ' ' .. state[2] .. (state[3] ~= '' and ' ' .. state[3] or ''))
   end
 end
+if KEYS[3] and n > 0 then redis.call('SET', KEYS[3], cjson.encode(ids), 'EX', ARGV[#ARGV]) end
 return {'ok', ids}
 """
+SENT_TTL_S = 600  # how long a call's token answers its resends: past the publisher's default retries (about 2 minutes)
+
+
+def sent_key(stream: str, token: str) -> str:
+    """Where APPEND keeps the ids a call with this token appended to shard stream `stream` (in the stream's slot)."""
+    return f"{stream}:sent{{{stream}}}:{token}"
 
 
 def owners_key(stream: str) -> str:
@@ -142,11 +154,14 @@ class Refused(Forbidden):
 
 
 def run_append(append: Script, stream: str, events: Sequence, entries: Sequence[dict] | None, writer: Writer,
-               where: Sequence[str]) -> list:
+               where: Sequence[str], token: str = "") -> list:
     """APPEND (`append`: it registered with a client) on one shard stream: events (n,) with their entries (n,) ->
     the new entries' ids (n,); entries None: only check, -> []. Refused naming the event (where[i]) when the writer
-    may not touch its ad."""
-    reply = append(keys=[stream, owners_key(stream)], args=script_args(events, entries, writer))
+    may not touch its ad. token: unique to this call, the same on its resends: a resend of a call that ran (its
+    reply lost) returns the ids that run appended, and appends and checks nothing again (without it, an advertiser's
+    resent delete found the id free and was refused)."""
+    keys = [stream, owners_key(stream), *([sent_key(stream, token)] if token and entries is not None else [])]
+    reply = append(keys=keys, args=[*script_args(events, entries, writer), SENT_TTL_S])
     if reply[0] in (b"refused", "refused"):
         i, owner, *status = (int(reply[1]), *(v.decode() if isinstance(v, bytes) else v for v in reply[2:]))
         kind, ad_id, version, advertiser = claim_of(events[i])

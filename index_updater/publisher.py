@@ -4,13 +4,14 @@ A batch (and a whole file, by `publish_file`) is validated and compiled in full 
 written, so a bad event changes nothing. Each shard's part of the batch goes to its stream in one atomic Lua
 script that also keeps the shard's owner registry (index_updater/owners.py: its keys share the stream's Redis
 Cluster slot, so the shard streams may live on different nodes); on a connection error that part is sent again
-(with backoff) until acknowledged. A resend after a lost reply can duplicate
-entries, which is harmless: consumers apply events idempotently by (ad_id, version). A batch that
+(with backoff) until acknowledged. A resend after a lost reply carries the first try's token, so it returns the ids
+that try appended and appends nothing twice (a token is kept for owners.SENT_TTL_S). A batch that
 spans shards is not atomic across them; each shard's part is.
 """
 from __future__ import annotations
 
 import time
+import uuid
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -75,9 +76,10 @@ class Publisher:
         now_ms = int(time.time() * 1000)
         entries = [encode(op, self.shards, self.schema, self.scorer.name, self.scorer.dim, now_ms) for op in ops]
         ids = [""] * len(entries)
+        token = uuid.uuid4().hex  # the same on every resend of a shard's part (run_append)
         for stream, positions in self._by_stream(ops).items():
             append = partial(run_append, self._append, stream, [ops[i] for i in positions],
-                             [entries[i] for i in positions], writer, [where[i] for i in positions])
+                             [entries[i] for i in positions], writer, [where[i] for i in positions], token)
             for i, entry_id in zip(positions, retry(append, self.attempts)):
                 ids[i] = text(entry_id)
         return ids

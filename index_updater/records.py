@@ -113,11 +113,22 @@ def _text(fields: dict[bytes, bytes], key: str) -> str:
 
 
 def header(fields: dict[bytes, bytes]) -> tuple[int, int]:
-    """(shard, published_ms) of an entry, read without decoding the rest."""
+    """(shard, published_ms) of an entry, read without decoding the rest; InvalidRecord naming the field that is
+    missing, not an integer, or out of its range (a publish time past 2**53 ms has no float seconds to wait from)."""
+    return _integer(fields, "shard", 1 << 31), _integer(fields, "published_ms", 1 << 53)
+
+
+def _integer(fields: dict[bytes, bytes], key: str, bound: int) -> int:
+    """The integer field `key`, in [0, bound); raises InvalidRecord."""
     try:
-        return int(fields[b"shard"]), int(fields[b"published_ms"])
-    except (KeyError, ValueError):
-        raise InvalidRecord("missing or malformed shard/published_ms", "shard") from None
+        value = int(fields[key.encode()])
+    except KeyError:
+        raise InvalidRecord("missing field", key) from None
+    except ValueError:
+        raise InvalidRecord("not an integer", key) from None
+    if not 0 <= value < bound:
+        raise InvalidRecord(f"must be at least 0 and less than {bound}", key)
+    return value
 
 
 Entry = tuple[bytes | str, dict[bytes, bytes]]  # (stream id, fields) as XREAD returns it
@@ -251,8 +262,8 @@ class EntryDecoder:
         """The structured dtype of one payload with this header, or why it does not fit this index."""
         try:
             arrays = [(str(name), DTYPES[code], tuple(shape)) for name, code, shape in json.loads(head)["arrays"]]
-        except (ValueError, KeyError, TypeError) as exc:  # any malformed header
-            return InvalidRecord(f"unreadable compiled payload: {exc!r}", "payload")
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # any malformed header (nested too deeply:
+            return InvalidRecord(f"unreadable compiled payload: {exc!r}"[:500], "payload")  # RecursionError)
         expected = {"embedding": ((self.dim,), "f"), "satisfiable": ((1,), "u"),
                     **{name: (spec.shape, "i") for name, spec in self.columns.items()}}
         names = [name for name, _, _ in arrays]

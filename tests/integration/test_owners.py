@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from andromeda_core.ingest import prepare_ops
@@ -32,7 +33,7 @@ def publish(redis_server, small_schema, scorer, request):
         ops = prepare_ops(small_schema, scorer, [parse_event(e) for e in events])
         return publisher.publish_ops(ops, Writer(advertiser, (indexed or {}) if knows_index else {}))
 
-    run.client, run.stream = client, stream
+    run.client, run.stream, run.publisher = client, stream, publisher
     return run
 
 
@@ -311,6 +312,34 @@ def test_a_refused_batch_appends_nothing_on_any_shard(publish):
     with pytest.raises(Refused) as refused:
         publish([ad(a, 1, 8), ad(b, 2, 8)], advertiser=8)  # shard 0's part is fine, shard 1's is not
     assert refused.value.field == "[1].ad.ad_id" and lengths(publish) == before and owner(publish, a) is None
+
+
+def test_a_resend_after_a_lost_reply_returns_the_first_runs_ids_and_appends_nothing_again(publish, monkeypatch):
+    """Each shard's script runs, then its reply is lost (a connection error): the publisher sends it again. The resend
+    returns the ids the run appended, appends nothing twice, and is not refused (the advertiser's own delete had
+    made the id free, so a second run refused it: a 403 for a delete that was written, and the other shard's part
+    never written)."""
+    a, b = next(i for i in range(100, 200) if shard_of(i, 2) == 0), next(i for i in range(100, 200) if shard_of(i, 2) == 1)
+    publish([ad(a, 1, 7), ad(b, 1, 7)])
+    before = lengths(publish)
+    publisher = publish.publisher
+    append, runs = publisher._append, []
+
+    def run_then_lose_the_reply(**kwargs):
+        reply = append(**kwargs)
+        runs.append(reply)
+        if len(runs) % 2:
+            raise redis.ConnectionError("the reply was lost")
+        return reply
+
+    monkeypatch.setattr(publisher, "_append", run_then_lose_the_reply)
+    deletes = [{"op": "delete", "ad_id": a, "version": 2}, {"op": "delete", "ad_id": b, "version": 2}]
+    ids = publish(deletes, advertiser=7, indexed={a: (7, 1, None), b: (7, 1, None)})
+    appends = [reply[1] for reply in runs if len(reply) == 2]  # the checks reply ["ok"] alone
+    assert len(runs) == 8 and len(appends) == 4 and appends[0] == appends[1] and appends[2] == appends[3]  # each twice
+    assert sorted(ids) == sorted(x.decode() for run in appends[::2] for x in run)
+    assert [n - m for n, m in zip(lengths(publish), before)] == [1, 1]
+    assert owner(publish, a) == "2 " and owner(publish, b) == "2 "
 
 
 def test_two_advertisers_racing_for_new_ids_never_both_get_one(publish):

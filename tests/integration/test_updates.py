@@ -292,7 +292,8 @@ def test_a_forged_bitset_with_bits_past_its_values_is_dead_lettered(setup, small
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x05\x00\x00\x00{bad}", b"\x0e\x00\x00\x00{\"arrays\":[]}xx",
-                                     b"\x2a\x00\x00\x00{\"arrays\":[[\"embedding\",\"f4\",[9999]]]}"])
+                                     b"\x2a\x00\x00\x00{\"arrays\":[[\"embedding\",\"f4\",[9999]]]}",
+                                     (100_000).to_bytes(4, "little") + b"[" * 100_000])  # nested past the recursion limit
 def test_malformed_payloads_are_dead_lettered(setup, payload):
     client, publisher, make = setup
     publisher.publish([upsert(1)])
@@ -301,6 +302,49 @@ def test_malformed_payloads_are_dead_lettered(setup, payload):
     c = make()
     c.catch_up()
     assert eligible(c.index) == [1] and c.stats.dead_letters == 1
+
+
+@pytest.mark.parametrize("published_ms", [10**320, 2**53, -1, "soon", None])
+def test_an_entry_whose_publish_time_is_missing_or_out_of_range_is_dead_lettered(setup, published_ms):
+    """A publish time past 2**53 ms overflowed the float seconds the lag is kept in and stopped the consumer at the
+    entry (and every replica starting before it); negative, not an integer or missing: the entry names the field."""
+    client, publisher, make = setup
+    publisher.publish([upsert(1)])
+    (_, fields), = client.xrange(SHARD0)
+    fields = {k.decode(): v for k, v in fields.items() if k != b"published_ms"}
+    client.xadd(SHARD0, {**fields, **({} if published_ms is None else {"published_ms": str(published_ms)})})
+    publisher.publish([upsert(2)])
+    c = make()
+    c.catch_up()
+    assert eligible(c.index) == [1, 2] and c.stats.dead_letters == 1 and c.stats.lag_seconds() == 0
+    (_, dead), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
+    assert dead[b"field"] == b"published_ms"
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1"),
+                                   MemoryError()])
+def test_a_read_that_runs_out_of_memory_is_applied_again_not_dead_lettered(setup, monkeypatch, error):
+    """A table that cannot grow is no entry's fault: the read is not dead-lettered nor passed, its entries wait (the
+    lag grows until the replica is unhealthy) and are applied once memory allows."""
+    client, publisher, make = setup
+    c = make()
+    publisher.publish([upsert(1)])
+    c.catch_up()
+    applied = c.stats.last_id
+    publisher.publish([upsert(2), upsert(3)])
+    apply = c.index.apply
+    monkeypatch.setattr(c.index, "apply", lambda batch: (_ for _ in ()).throw(error))
+    for _ in range(2):
+        with pytest.raises(type(error)):
+            c.poll(block_ms=0)
+    assert c.stats.last_id == applied and c.stats.dead_letters == 0 and eligible(c.index) == [1]
+    time.sleep(0.2)
+    assert c.stats.lag_seconds() > 0.1  # health() turns false past the replica's allowed lag
+    monkeypatch.setattr(c.index, "apply", apply)
+    c.poll(block_ms=0)
+    assert eligible(c.index) == [1, 2, 3] and c.stats.dead_letters == 0 and c.stats.lag_seconds() == 0
+    assert client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 0
 
 
 def test_a_snapshot_of_another_model_is_not_loaded(setup, tmp_path, small_schema, scorer):
