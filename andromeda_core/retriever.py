@@ -6,8 +6,9 @@
 - `Retriever.search(UserQuery) -> TopK`: ONE fused pass over this index (kernels.dispatch: Triton on
   CUDA, compiled CPU code otherwise): targeting match -> score -> partial top-k, for a batch of requests
   each with its own targeting, time and k. The pass shortlists max(rescore, 1) * k slots per request;
-  the scorer rescores those few in full precision (from the float32 copy a lossy fp16/int8 table
-  keeps), so results carry the scorer's own scores. Deterministic: ties go to the lower ad id.
+  those few are rescored by the scorer's head in float64 (`exact_scores`, from the float32 copy a lossy
+  fp16/int8 table keeps), so results carry the scorer's scores rounded once, the same on every shard and
+  replica. Deterministic: ties go to the lower ad id.
 
 `Retriever.retrieve` chains the three steps in one process (the offline CLI, tests).
 """
@@ -21,12 +22,13 @@ import torch
 
 from andromeda_core.errors import AndromedaError
 from andromeda_core.index import AdIndex
-from andromeda_core.models import KernelHead, Scorer, score_each
+from andromeda_core.models import KernelHead, Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import UserValues, compile_user
 from andromeda_core.types import FLOAT32_MAX, RetrieveRequest, RetrieveResponse, ScoredAd, parse_request
 from andromeda_core.wire import NumpyPickled
 from kernels import dispatch
+from kernels.reference.fused import head_scores
 from kernels.reference.topk import NO_ID, topk_by_score_then_id
 
 
@@ -68,6 +70,25 @@ class TopK(NumpyPickled):
         float32's largest finite magnitude, which JSON can carry."""
         ids, scores = self.ids[b, :k].tolist(), self.scores[b, :k].clamp(-FLOAT32_MAX, FLOAT32_MAX).tolist()
         return [ScoredAd(ad_id=i, score=s) for i, s in zip(ids, scores) if i != NO_ID]
+
+
+def exact_scores(scorer: Scorer, users: Any, candidates: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each request's valid candidates, candidates (B, m, S) float32, valid (B, m) bool -> (B, m) float32 scores (0
+    where not valid): the scorer's head (`kernel_head`, of that request alone) applied in float64
+    (kernels.reference.fused.head_scores) and rounded to float32 once. So a score depends on the user and the ad
+    alone: a float32 matmul's rounding changes with the number of candidates and a candidate's place among them (an
+    ad scored 1.0000001 in one place, 1.0 in another), which ordered equal ads differently on two shards or on two
+    replicas of other slot layouts. Two float64 evaluations of one score (their error about 1e-16 of it) round to
+    different float32s only where they straddle a rounding boundary. The mask is read on the host once: indexing
+    by a device mask waits on the device per request."""
+    out = torch.zeros(candidates.shape[:2], device=candidates.device)
+    for b, places in enumerate(valid.cpu()):
+        kept = places.nonzero().squeeze(1).to(candidates.device)
+        if len(kept):
+            head = scorer.kernel_head(users[b:b + 1])
+            out[b, kept] = head_scores(candidates[b, kept].double(), None, head.experts.double(), head.keys.double(),
+                                       head.mask, head.bias_col, head.top_n)[0].float()
+    return out
 
 
 def merge_topks(parts: Sequence[TopK], k: int) -> TopK:
@@ -127,8 +148,8 @@ class Retriever:
 
     def search(self, query: UserQuery) -> TopK:
         """One pass over the table for B requests, each with its own targeting, time and k: the fused kernel
-        shortlists max(rescore, 1) * k slots per request by its own scores, and the scorer rescores them in
-        full precision (the exact copy where the table keeps one)."""
+        shortlists max(rescore, 1) * k slots per request by its own scores, and they are rescored in float64
+        (exact_scores; from the exact copy where the table keeps one)."""
         users = query.users.to(self.index.device)  # a router builds user state on its own device
         head = self.scorer.kernel_head(users)
         with self.index.reading():
@@ -136,7 +157,7 @@ class Retriever:
             wanted = [max(self.rescore, 1) * min(kb, k) for kb in query.k]
             slots, eligible = self.shortlist(self.index.request_inputs(query.values, query.now), head, wanted)
             found = slots >= 0
-            scores = score_each(self.scorer.score, users, self.index.vectors_at(slots), found)
+            scores = exact_scores(self.scorer, users, self.index.vectors_at(slots), found)
             ids = torch.where(found, self.index.columns["ad_id"][slots.clamp(min=0)], NO_ID)
             ids, scores = topk_by_score_then_id(scores, ids, found, k)
         return TopK(ids.cpu(), scores.cpu(), eligible.cpu())

@@ -88,6 +88,12 @@ def current_deadline() -> float | None:
     return DEADLINE.get()
 
 
+def lift_deadline() -> None:
+    """No deadline for the rest of the current request (a write: not bound by X-Request-Timeout-Ms; each shard call
+    still has shard_timeout_s)."""
+    DEADLINE.set(None)
+
+
 def remaining_s() -> float | None:
     """Seconds left before the current request's deadline (None: no deadline); DeadlineExceeded once past."""
     deadline = DEADLINE.get()

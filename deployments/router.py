@@ -33,7 +33,8 @@ from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import INT64, AdEvent, RetrieveRequest, RetrieveResponse, UpsertEvent
 from deployments.api import (BODY_ERRORS, ERRORS, WRITE_ERRORS, AdState, BatchResponse, GuardSettings, Health,
-                             PublishResponse, bearer_token, create_app, current_deadline, remaining_s)
+                             PublishResponse, bearer_token, create_app, current_deadline, lift_deadline,
+                             remaining_s)
 from deployments.auth import Principal, TokenStore
 from deployments.config import BATCH_MAX, ServiceConfig, by_reference
 from deployments.limits import TokenBuckets, check_requests, over_limit
@@ -316,6 +317,7 @@ class Router:
         """Validate, compile and append ad events (all or nothing); needs `Authorization: Bearer <token>`: an
         admin token writes any ad, an advertiser's token only that advertiser's ads (403 otherwise)."""
         started = time.perf_counter()
+        lift_deadline()  # writes are not bound by X-Request-Timeout-Ms: an advertiser's owners lookup was cut by it
         if len(events) > self.config.max_events_per_request:
             raise InvalidInput(f"at most {self.config.max_events_per_request} events per request "
                                f"(max_events_per_request), got {len(events)}", "body")

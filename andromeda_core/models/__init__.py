@@ -72,7 +72,8 @@ class Scorer(Protocol):
         """users for B requests, ads (n, D) on the device -> (B, n) float32 scores on the device."""
 
     def kernel_head(self, users: Any) -> KernelHead:
-        """`score` as the fused kernels take it; they shortlist with it and `score` rescores the shortlist."""
+        """`score` as the fused kernels take it; they shortlist with it, and the shortlist is rescored with it in
+        float64 (retriever.exact_scores)."""
 
 
 def score_each(score: Callable[[Any, torch.Tensor], torch.Tensor], users: Any, candidates: torch.Tensor,

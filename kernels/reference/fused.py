@@ -40,7 +40,10 @@ def in_parts(scan: Callable[..., tuple[torch.Tensor, ...]], requests: tuple[torc
 
 
 def dequantize(vectors: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """(n, S) stored vectors (float32 / float16, or int8 with scales (n, ceil(S / 16))) -> (n, S) float32."""
+    """(n, S) stored vectors (float32 / float16, or int8 with scales (n, ceil(S / 16))) -> (n, S) float32 (float64
+    vectors stay float64)."""
+    if vectors.dtype == torch.float64:
+        return vectors
     if vectors.dtype != torch.int8:
         return vectors.float()
     return vectors.float() * scales.repeat_interleave(SCALE_BLOCK, dim=1)[:, : vectors.shape[1]]
@@ -73,12 +76,13 @@ def top_n_gates(logits: torch.Tensor, top_n: int) -> torch.Tensor:
 
 def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: torch.Tensor, keys: torch.Tensor,
                 mask: torch.Tensor, bias_col: int, top_n: int) -> torch.Tensor:
-    """(B, n) float32 scores: vectors (n, S), experts (B, E, D), keys (B, E, G), mask (B, E) bool."""
+    """(B, n) float32 scores (float64 for float64 vectors: computed in that precision throughout): vectors (n, S),
+    experts (B, E, D), keys (B, E, G), mask (B, E) bool."""
     D, G = experts.shape[2], keys.shape[2]
     x = dequantize(vectors, scales)
-    logits = torch.einsum("beg,ng->ben", keys.float(), x[:, D: D + G]).masked_fill(~mask[:, :, None], float("-inf"))
+    logits = torch.einsum("beg,ng->ben", keys.to(x.dtype), x[:, D: D + G]).masked_fill(~mask[:, :, None], float("-inf"))
     gates = top_n_gates(logits, top_n)
-    sims = torch.einsum("bed,nd->ben", experts.float(), x[:, :D])
+    sims = torch.einsum("bed,nd->ben", experts.to(x.dtype), x[:, :D])
     score = torch.where(gates > 0, gates * sims, 0.0).sum(1)  # a gate of 0 adds nothing, whatever its similarity
     return score + x[:, bias_col] if bias_col >= 0 else score
 

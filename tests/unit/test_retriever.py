@@ -8,7 +8,8 @@ import torch
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.quantization import STORAGE
-from andromeda_core.retriever import Retriever, TopK, UserQuery, compile_requests, concat_queries, split_topk
+from andromeda_core.retriever import (Retriever, TopK, UserQuery, compile_requests, concat_queries, exact_scores,
+                                     split_topk)
 from andromeda_core.types import FLOAT32_MAX, RetrieveResponse, parse_request
 from tests.conftest import apply_events, upsert
 
@@ -24,6 +25,37 @@ def test_ties_break_by_ad_id_whatever_the_slot_order(small_schema, scorer):
     apply_events(backward, scorer, events[::-1])
     got = [[a.ad_id for a in Retriever(ix, scorer).retrieve([request(k=4)])[0].ads] for ix in (forward, backward)]
     assert got == [[2, 7, 13, 31]] * 2
+
+
+def test_equal_ads_score_the_same_whatever_their_slots_and_company(small_schema, scorer):
+    """Ads of one creative (equal vectors) tie exactly and come out by id, on replicas of opposite slot orders: a
+    float32 rescoring rounded a score differently by the candidates' count and the ad's place among them (1.0000001
+    in one place, 1.0 in another), so equal ads came out in another order on another replica or shard."""
+    titles = ("trail,trail watch,fast red,watch shoes,shoes blue,blue car,fast,watch car,red,shoes,shoes,watch fast,"
+              "watch,fast car,red,watch,car shoes,trail fast,trail red,blue car,car,fast blue,shoes watch,blue,gold fast,"
+              "trail watch,gold,red watch,fast,car,gold trail,shoes,watch,red blue,fast gold,blue,watch,shoes watch,"
+              "watch car").split(",")  # a set on which the float32 rescoring ordered equal ads apart
+    events = [upsert(i, title=title) for i, title in enumerate(titles, 1)]
+    forward, backward = AdIndex(small_schema, scorer.dim, 2), AdIndex(small_schema, scorer.dim, 2)
+    apply_events(forward, scorer, events)
+    apply_events(backward, scorer, events[::-1])
+    body = {"user": {"user_id": 1, "history": [{"ad_id": 1, "event": "click", "ts": 5}]}, "context": {"ts": 100}}
+    for k in (3, 39):
+        got = [Retriever(ix, scorer).retrieve([parse_request({**body, "k": k})])[0].ads for ix in (forward, backward)]
+        assert got[0] == got[1]
+        by_title = {}
+        for ad in got[0]:
+            by_title.setdefault(titles[ad.ad_id - 1], set()).add(ad.score)
+        assert all(len(scores) == 1 for scores in by_title.values())
+
+
+def test_exact_scores_of_a_candidate_do_not_depend_on_its_company(scorer):
+    gen = torch.Generator().manual_seed(0)
+    users, ads = torch.randn((1, scorer.dim), generator=gen), torch.randn((26, scorer.dim), generator=gen)
+    ads[25] = ads[0]
+    many = exact_scores(scorer, users, ads[None], torch.ones((1, 26), dtype=torch.bool))[0]
+    two = exact_scores(scorer, users, ads[None, :2], torch.ones((1, 2), dtype=torch.bool))[0]
+    assert many[0] == many[25] == two[0] and torch.allclose(many, scorer.score(users, ads)[0])
 
 
 def test_fewer_eligible_than_k_and_empty_index(small_schema, scorer):

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from andromeda_core.index import AdIndex
-from andromeda_core.retriever import Retriever
+from andromeda_core.retriever import Retriever, exact_scores
 from andromeda_core.targeting import compile_user
 from andromeda_core.types import parse_request
 from tests.conftest import SMALL_SCHEMA, apply_events, upsert
@@ -145,8 +146,9 @@ def test_retrieve_returns_best_eligible_in_order(small_schema, scorer, ad_list, 
     assert got == sorted(got, key=lambda p: (-p[1], p[0]))
     # Nothing left out scores better than the worst returned ad.
     if got:
-        emb = {i: scorer.score(scorer.encode_users([request], index.embeddings_of), index.embeddings_of([i])[0])[0, 0].item()
-               for i in eligible}
+        users = scorer.encode_users([request], index.embeddings_of)
+        emb = {i: exact_scores(scorer, users, index.embeddings_of([i])[0][None], torch.ones((1, 1), dtype=torch.bool))
+               [0, 0].item() for i in eligible}  # each ad scored alone, as the retriever rescores
         worst = got[-1]
         assert all((-s, i) >= (-worst[1], worst[0]) for i, s in emb.items() if i not in {g[0] for g in got})
 
