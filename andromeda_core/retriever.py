@@ -79,13 +79,15 @@ def exact_scores(scorer: Scorer, users: Any, candidates: torch.Tensor, valid: to
     alone: a float32 matmul's rounding changes with the number of candidates and a candidate's place among them (an
     ad scored 1.0000001 in one place, 1.0 in another), which ordered equal ads differently on two shards or on two
     replicas of other slot layouts. Two float64 evaluations of one score (their error about 1e-16 of it) round to
-    different float32s only where they straddle a rounding boundary. The mask is read on the host once: indexing
-    by a device mask waits on the device per request."""
+    different float32s only where they straddle a rounding boundary. The mask is read on the host, and each
+    request's valid places go back to the device, once for the batch: indexing by a device mask, or copying a
+    request's places, waits on the device per request."""
     out = torch.zeros(candidates.shape[:2], device=candidates.device)
-    for b, places in enumerate(valid.cpu()):
-        kept = places.nonzero().squeeze(1).to(candidates.device)
-        if len(kept):
-            head = scorer.kernel_head(users[b:b + 1])
+    valid = valid.cpu()
+    places = torch.argsort((~valid).to(torch.int8), dim=1, stable=True).to(candidates.device)  # valid places first
+    for b, count in enumerate(valid.sum(1).tolist()):
+        if count:
+            kept, head = places[b, :count], scorer.kernel_head(users[b:b + 1])
             out[b, kept] = head_scores(candidates[b, kept].double(), None, head.experts.double(), head.keys.double(),
                                        head.mask, head.bias_col, head.top_n)[0].float()
     return out
