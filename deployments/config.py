@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from andromeda_core.types import CO_ENGAGEMENT_MAX, COHORTS_MAX, HISTORY_MAX, K_MAX
 
@@ -152,6 +152,13 @@ class Overload(BaseModel):
     Keep it above the slowest request's time without a queue (a large batch)."""
     latency_interval_ms: int = Field(1000, ge=1, le=600_000)
     """How long requests must stay over `latency_target_ms` before the router sheds."""
+
+    @field_validator("router_queue", "shard_queue")
+    @classmethod
+    def _a_queue_holds_one(cls, value: int) -> int:
+        if value == 0:  # Ray Serve refuses the deployed config, naming its own option
+            raise ValueError("must be -1 (unbounded) or at least 1: Ray Serve's max_queued_requests takes no 0")
+        return value
 
     @model_validator(mode="after")
     def _bounds(self) -> "Overload":

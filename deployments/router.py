@@ -173,6 +173,7 @@ class Router:
         self.publisher = Publisher(redis.Redis.from_url(self.config.resolved_redis_url()), self.schema, self.scorer,
                                    shards=self.config.shards, stream=self.config.stream, attempts=5)
         self.metrics = metrics
+        self.last_status: dict[int, dict] = {}  # each shard's last answer to `status` (shard_status)
 
     # -- retrieval -------------------------------------------------------------------------------
 
@@ -327,11 +328,11 @@ class Router:
             if writer.advertiser is not None:  # before the batch is embedded: a refusal costs no ad tower
                 await asyncio.to_thread(self.publisher.check_writer, events, writer, where)
             ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, where)
-            ids = await asyncio.to_thread(self.publisher.publish_ops, ops, writer, where, checked=True)
+            ids = await asyncio.to_thread(self.publisher.publish_ops, ops, writer, where, checked=True,
+                                          on_appended=self.metrics.published.inc)  # each shard's part as appended
         except redis.RedisError as exc:
             raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); retry the whole "
                                     "batch (re-sent events are harmless: they apply by version)", "redis") from None
-        self.metrics.published.inc(len(ids))
         self.answered("ad_events", started)
         return PublishResponse(ids=ids)
 
@@ -374,11 +375,19 @@ class Router:
     # -- operations ------------------------------------------------------------------------------
 
     async def shard_status(self) -> list[dict | None]:
+        """Each shard's status (None: it did not answer). A shard whose queue is full is busy, not gone: its last
+        status stands, marked "overloaded" (the status call waits in the same queue as searches; when it failed,
+        every router's /readyz failed at once, so the Ingress dropped them all, and /metrics lost its scrape)."""
         async def one(shard: int) -> dict | None:
             try:  # probes and scrapes have short deadlines of their own: answer within 2 s
-                return await self.call(shard, "status", attempts=1, timeout_s=2.0)
+                status = await self.call(shard, "status", attempts=1, timeout_s=2.0)
             except ShardUnavailable:
                 return None
+            except Overloaded:
+                last = self.last_status.get(shard)
+                return None if last is None else {**last, "overloaded": True}
+            self.last_status[shard] = status
+            return status
         return list(await asyncio.gather(*(one(s) for s in range(len(self.shards)))))
 
     @app.head("/healthz", include_in_schema=False)  # load balancers' checks often send HEAD

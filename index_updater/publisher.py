@@ -63,13 +63,14 @@ class Publisher:
         return self.publish_ops(prepare_ops(self.schema, self.scorer, parsed))
 
     def publish_ops(self, ops: Sequence, writer: Writer = ADMIN, where: Sequence[str] | None = None,
-                    checked: bool = False) -> list[str]:
+                    checked: bool = False, on_appended: Callable[[int], None] | None = None) -> list[str]:
         """Append already prepared ops: one atomic script per shard stream (owners.APPEND: the entries and the
         owner registry), each retried until acknowledged. Returns the stream ids in the order of `ops`. For an
         advertiser (`writer`), every shard's part is checked first (check_writer; `checked`: the caller just did,
         before embedding the batch); owners.Refused names the event (`where[i]`, default "[i]") that touches
-        another's ad. Only an ad claimed by another writer between that check and its shard's append can leave the
-        other shards' parts appended."""
+        another's ad. Only an ad claimed by another writer between that check and its shard's append, or a shard's
+        stream failing after others took their parts, can leave the other shards' parts appended: `on_appended`
+        is called with each shard's count as it is acknowledged (what a metric of appended events counts)."""
         where = where or [f"[{i}]" for i in range(len(ops))]
         if writer.advertiser is not None and not checked:
             self.check_writer(ops, writer, where)
@@ -82,6 +83,8 @@ class Publisher:
                              [entries[i] for i in positions], writer, [where[i] for i in positions], token)
             for i, entry_id in zip(positions, retry(append, self.attempts)):
                 ids[i] = text(entry_id)
+            if on_appended is not None:
+                on_appended(len(positions))
         return ids
 
     def check_writer(self, events: Sequence, writer: Writer, where: Sequence[str]) -> None:

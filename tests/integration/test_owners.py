@@ -342,6 +342,28 @@ def test_a_resend_after_a_lost_reply_returns_the_first_runs_ids_and_appends_noth
     assert owner(publish, a) == "2 " and owner(publish, b) == "2 "
 
 
+def test_each_shards_part_is_counted_as_appended_even_when_a_later_one_fails(publish, monkeypatch):
+    """A batch spans shards and is atomic within each: when a later shard's stream fails, the parts appended before
+    it are on their streams, and on_appended has counted them (the events-published metric missed them)."""
+    a, b = next(i for i in range(100, 200) if shard_of(i, 2) == 0), next(i for i in range(100, 200) if shard_of(i, 2) == 1)
+    publisher, counted = publish.publisher, []
+    append = publisher._append
+    failing = shard_stream(publish.stream, 1)
+
+    def shard_1_down(**kwargs):
+        if kwargs["keys"][0] == failing and len(kwargs["keys"]) == 3:  # its append (the check goes through)
+            raise redis.ConnectionError("shard 1's Redis is down")
+        return append(**kwargs)
+
+    monkeypatch.setattr(publisher, "_append", shard_1_down)
+    monkeypatch.setattr(publisher, "attempts", 1)
+    ops = prepare_ops(publisher.schema, publisher.scorer, [parse_event(ad(a, 1, 7)), parse_event(ad(a + 0, 2, 7)),
+                                                           parse_event(ad(b, 1, 7))])
+    with pytest.raises(redis.ConnectionError):
+        publisher.publish_ops(ops, on_appended=counted.append)
+    assert counted == [2] and lengths(publish) == [2, 0]
+
+
 def test_two_advertisers_racing_for_new_ids_never_both_get_one(publish):
     ids, won = list(range(1000, 1040)), {7: set(), 8: set()}
 

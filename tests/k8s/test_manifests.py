@@ -263,7 +263,7 @@ def test_workers_probe_readyz_and_healthz_and_the_head_keeps_kuberays_probes(ove
             assert "readinessProbe" not in container and "livenessProbe" not in container
             continue
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "serve"}
-        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "serve"}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/-/healthz", "port": "serve"}  # no router queue
         assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
         assert {"name": "serve", "containerPort": 8000} in container["ports"]
 
@@ -447,6 +447,15 @@ def test_headroom_thresholds_are_the_capacity_models(overlay):
     expected = capacity.headroom_slots(capacity.ad_bytes(inputs, storage, rescore).held, memory, fraction, sharing)
     threshold = re.search(r"\(andromeda_shard_capacity\) > (\d+)", alert_exprs(resources)["AndromedaIndexMemoryHeadroom"])
     assert int(threshold.group(1)) == expected
+
+
+def test_the_gpu_prod_latency_alert_is_at_the_router_budget_of_the_capacity_plan(overlay):
+    name, resources = overlay
+    expr = alert_exprs(resources)["AndromedaLatencyP99"]
+    assert 'stage="total"' in expr and "endpoint=\"retrieve\"" in expr
+    budget = float(re.search(r"> ([0-9.]+)\s*$", expr).group(1))
+    planned = load_capacity_model().load_inputs()["workload"]["router_p99_budget_s"]
+    assert budget == (planned if name == "gpu-prod" else 0.1)  # cpu-dev: CPU passes take tens of ms
 
 
 def test_gpu_prod_pods_hold_a_restart_at_the_largest_table():

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import ActorUnavailableError
+from ray.serve.exceptions import BackPressureError
 
 from andromeda_core.errors import NotFound
 from deployments.router import Router, ShardUnavailable
@@ -70,3 +71,36 @@ def test_a_bug_in_the_shard_is_a_logged_500_and_not_retried(caplog):
     assert len(shard.replies) == 1
     assert type(raised) is RuntimeError and str(raised) == "shard 0 failed"
     assert "shard 0 search failed: ValueError('index out of range')" in caplog.text
+
+
+class Answer:
+    """What handle.status.remote() returns: awaited, `value`, or it raises `error`."""
+
+    def __init__(self, value=None, error: BaseException | None = None):
+        self.value, self.error = value, error
+
+    def __await__(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+        yield  # a generator: awaitable
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_busy_shard_keeps_its_last_status_for_probes_and_scrapes():
+    """The status call waits in the shard's queue like a search: a full queue (Overloaded) keeps the shard's last
+    status, marked overloaded; never answered before, or gone (no answer in time), it is None (unreachable)."""
+    answers = [Answer({"shard": 0, "ready": True}), Answer(error=BackPressureError(num_queued_requests=3,
+                                                                                  max_queued_requests=3)),
+               Answer(error=TimeoutError())]
+    shard = SimpleNamespace(status=SimpleNamespace(remote=lambda: answers.pop(0)))
+    router = SimpleNamespace(shards=[shard], config=SimpleNamespace(shard_timeout_s=5.0, overload=SimpleNamespace(
+        shard_queue=3)), last_status={})
+    router.call = lambda *args, **kwargs: Router.func_or_class.call(router, *args, **kwargs)
+    status = [asyncio.run(Router.func_or_class.shard_status(router))[0] for _ in range(3)]
+    assert status == [{"shard": 0, "ready": True}, {"shard": 0, "ready": True, "overloaded": True}, None]
+    busy = SimpleNamespace(**{**vars(router), "last_status": {}})
+    answers.append(Answer(error=BackPressureError(num_queued_requests=3, max_queued_requests=3)))
+    assert asyncio.run(Router.func_or_class.shard_status(busy)) == [None]
