@@ -13,7 +13,8 @@ SHARD_GAUGES = {
     "lag_seconds": "how long the oldest entry known to be unapplied has waited (0 when caught up)",
     "applied": "stream entries that changed the index",
     "stale": "stream entries that were stale no-ops",
-    "dead_letters": "stream entries sent to the dead-letter stream",
+    "dead_letters": "poison stream entries the replica met (each recorded once in the dead-letter stream), each "
+                    "counted once, whatever it reads again",
     "errors": "errors the consumer recovered from",
     "stream_resets": "times the shard's stream went back behind what the consumer read (a Redis that lost writes took "
                      "over, or the stream was recreated) and was read again from its start",

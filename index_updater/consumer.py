@@ -143,7 +143,7 @@ class ConsumerStats:
 
     applied: int = 0  # entries that changed the index
     stale: int = 0  # entries that were no-ops (not newer than the indexed version)
-    dead_letters: int = 0
+    dead_letters: int = 0  # poison entries met (each recorded once in the dead-letter stream), each counted once
     errors: int = 0  # failed turns of the background loop, each followed by a backoff
     last_error: str = ""
     gap_unrecovered: str = ""  # why the index misses trimmed entries that no snapshot covers; "" when it does not
@@ -215,6 +215,7 @@ class ShardConsumer:
         self._entries_added: int | None = None  # the stream's XINFO entries-added at the last read
         self._last_digest: str | None = None  # entry_digest of the entry at stats.last_id, as read; None: unknown
         self._from_start = False  # reading the stream again from its start (went_back): no gap before its first entry
+        self._met: dict[str, None] = {}  # the poison entries counted in stats.dead_letters (DEAD_LETTER_ONCE's members)
 
     @property
     def schema(self) -> Schema:
@@ -423,14 +424,18 @@ class ShardConsumer:
         entry_id = text(entry_id)
         record = {"source_id": entry_id, "stream": self.source, "reason": exc.message, "field": exc.field or "",
                   "shard": self.shard, "event": fields.get(b"event", b"")}
-        args = [f"{entry_id} {entry_digest(fields)}", DEAD_LETTERS_KEPT, stream_id_key(entry_id)[0],
-                *(x for item in record.items() for x in item)]
+        member = f"{entry_id} {entry_digest(fields)}"
+        args = [member, DEAD_LETTERS_KEPT, stream_id_key(entry_id)[0], *(x for item in record.items() for x in item)]
         try:
             retry(lambda: self._dead_letter_once(keys=[self.dead_letter_stream, self.dead_lettered], args=args))
         except redis.exceptions.OutOfMemoryError as full:  # a full Redis takes no record: the entry is still set
             self._count_error(full, f"{entry_id} is set aside without a dead-letter record")  # aside, the read
             # goes on (a record it could not write would otherwise stop the replica at the entry)
-        self.stats.dead_letters += 1
+        if member not in self._met:  # read again (the stream went back, say), it is not a new one: the metric and
+            self._met[member] = None  # its alert count each once
+            if len(self._met) > DEAD_LETTERS_KEPT:
+                del self._met[next(iter(self._met))]
+            self.stats.dead_letters += 1
         log.warning("dead-lettered %s: %s", entry_id, exc)
 
     def catch_up(self) -> None:

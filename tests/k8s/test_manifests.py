@@ -458,6 +458,13 @@ def test_the_gpu_prod_latency_alert_is_at_the_router_budget_of_the_capacity_plan
     assert budget == (planned if name == "gpu-prod" else 0.1)  # cpu-dev: CPU passes take tens of ms
 
 
+def test_the_metrics_absent_alert_watches_its_own_namespace(overlay):
+    """absent() keeps no labels: unscoped, one namespace's routers hid another's being gone."""
+    _, resources = overlay
+    namespace = one(resources, "PrometheusRule")["metadata"]["namespace"]
+    assert alert_exprs(resources)["AndromedaMetricsAbsent"] == f'absent(andromeda_shard_ready{{namespace="{namespace}"}})'
+
+
 def test_gpu_prod_pods_hold_a_restart_at_the_largest_table():
     """A GPU replica reads its whole snapshot into host memory: the gpu-workers' memory limit is the capacity
     model's, and covers loading a full table of the largest capacity the headroom alert lets a shard reach."""
