@@ -315,7 +315,7 @@ def test_the_deadline_header_is_honoured(svc):
 def test_an_advertisers_write_is_not_bound_by_the_deadline_header(svc):
     """Writes are not bound by X-Request-Timeout-Ms: an advertiser's batch asks the shards who owns its ads, and that
     call was cut by the header's deadline (a 504, where an admin's same write passed)."""
-    got = post(f"{svc.url}/auth/v1/ad-events", [ad(700_020, 1, 7)], svc.issued["acme"],
+    got = post(f"{svc.url}/auth/v1/ad-events", [ad(700_090, 1, 7)], svc.issued["acme"],
                headers={"X-Request-Timeout-Ms": "1"})
     assert got.status_code == 200, got.text
 
