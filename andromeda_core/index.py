@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -204,11 +205,15 @@ class AdIndex:
                              device=self.device).reshape(ad_ids.shape)
         return self.vectors_at(slots), slots >= 0
 
-    def embeddings_of(self, ad_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n, D) float32 embeddings of `ad_ids` for user towers (zeros where not indexed; full precision
-        unless a lossy index keeps no exact copy) and found (n,) bool."""
+    def embeddings_of(self, ad_ids: Sequence[int], now: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, D) float32 embeddings of `ad_ids` for user towers (zeros where not found; full precision unless a
+        lossy index keeps no exact copy) and found (n,) bool. An ad past its end (end <= now, default the clock) is
+        not found, whether or not sweep_expired has freed its slot yet: replicas sweep at their own times, and a user
+        history read the ad on one and not on another."""
         vectors, found = self.exact_embeddings(torch.tensor(list(ad_ids), dtype=torch.int64))
-        return vectors.cpu(), found.cpu()
+        slots = torch.tensor([self._book.slot_of.get(a, 0) for a in ad_ids], dtype=torch.int64, device=self.device)
+        found &= self.columns["end"][slots] > (int(time.time()) if now is None else now)
+        return (vectors * found[:, None]).cpu(), found.cpu()
 
     def get(self, ad_id: int) -> dict:
         """The indexed state of one ad."""

@@ -19,7 +19,8 @@ import torch
 
 from andromeda_core.config import IndexConfig, load_settings
 from andromeda_core.errors import InvalidInput
-from andromeda_core.models.baselines import content_similarity, declared_profiles, declared_similarity, item_knn, most_popular
+from andromeda_core.models.baselines import (WINDOWS, content_similarity, declared_profiles, declared_similarity, item_knn,
+                                            most_popular, tuned)
 from andromeda_core.models.distill import TEACHER_TOP, TEACHER_USERS, Teacher, ask_teacher
 from andromeda_core.models.evaluate import (CUTOFFS, Ranking, bytes_per_ad, counted_flops_per_pair, crossings,
                                             expected_metrics, per_user_metrics, rank_items, ranking_from_scores,
@@ -211,11 +212,14 @@ class Row:
     kind: str = ""  # the learned model behind the row
 
 
-def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[Row], dict[str, list[Row]]]:
-    """(main rows, subset rows by subset name): every model and baseline ranked for the same users."""
+def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[Row], dict[str, list[Row]], dict[str, int]]:
+    """(main rows, subset rows by subset name, the window of each history baseline): every model and baseline
+    ranked for the same users; the baselines' windows chosen on the validation split, as the models' settings."""
     m = trained.models
-    rows = [Row("most popular", "-", most_popular(data, users)), Row("item-kNN", "-", item_knn(data, users)),
-            Row(CONTENT, "-", content_similarity(data, users))]
+    validation = data.eval_users()[:TrainConfig().validation_users]
+    (knn, knn_window), (content, content_window) = (tuned(fn, data, users, validation)
+                                                    for fn in (item_knn, content_similarity))
+    rows = [Row("most popular", "-", most_popular(data, users)), Row("item-kNN", "-", knn), Row(CONTENT, "-", content)]
     profiles = declared_profiles(data)
     if profiles.any():  # the synthetic worlds' users declare interests; MovieLens's declare nothing
         rows.append(Row(DECLARED, "-", declared_similarity(data, users, profiles)))
@@ -235,7 +239,7 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
              Row(CONTENT, "-", content_similarity(data, users, recent=SHORT_HISTORY))]
     short += [learned(kind, keep=SHORT_HISTORY) for kind in ("sasrec", "two_tower", "moe", "ranker")]
     every_ad_new = [learned(kind, content_only=True) for kind in ("sasrec", "two_tower", "moe", "ranker")]
-    return rows, {"short": short, "content_only": every_ad_new}
+    return rows, {"short": short, "content_only": every_ad_new}, {"item-kNN": knn_window, CONTENT: content_window}
 
 
 def asked(data: RecData) -> str:
@@ -443,7 +447,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
     started = time.time()
     trained = train_all(data, retrain)
     users = data.eval_users()[:EVAL_USERS]
-    rows, subsets = rankings(data, trained, users)
+    rows, subsets, windows = rankings(data, trained, users)
     ranker_top = next(r for r in rows if r.name == "ranker").ranking.top[:, :100]
     by_name = {r.name: r for r in rows if r.storage in ("-", "fp32")}
     truth = by_name[ORACLE].ranking.top[:, :100] if data.truth else None  # the true top-100, history excluded
@@ -486,7 +490,9 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"{tuning}; chosen: {distill_label(trained.chosen)} (the teacher is asked at those same states, which "
             f"favours distillation a little). "
             f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "
-            f"part trains: {pair}. {click_weights(trained)}"
+            f"part trains: {pair}. The history baselines' windows, chosen on that validation split among "
+            f"{', '.join(map(str, WINDOWS))}: " + ", ".join(f"{name} the last {w}" for name, w in windows.items()) +
+            f". {click_weights(trained)}"
             f"Cells: mean [95% bootstrap interval over users].\n\n" + body)
 
 
@@ -539,8 +545,9 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
             f"{cores} cores: the data sets in {workers} processes of {threads} torch thread{'s' * (threads > 1)} "
             f"each, torch {torch.__version__}). Models train with default sizes "
             f"(`andromeda train`); checkpoints in `.cache/models/`. Baselines: most popular (training "
-            f"engagements), item-kNN (cosine over co-engagement, summed over the user's last 50), content (cosine of "
-            f"the ad's MiniLM text embedding, the ad tower's input, with the mean of the user's last 50), declared "
+            f"engagements), item-kNN (cosine over co-engagement, summed over the user's last W), content (cosine of "
+            f"the ad's MiniLM text embedding, the ad tower's input, with the mean of the user's last W; W chosen per "
+            f"data set on the validation split, as the models' settings), declared "
             f"interests (the same cosine with the mean MiniLM text of the interests and behaviours the user declares; "
             f"synthetic worlds only: MovieLens users declare nothing), and a "
             f"SASRec-style two-tower (the MoE's sequence expert alone, dot product). The oracle ranks by the "

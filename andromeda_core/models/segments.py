@@ -1,6 +1,6 @@
 """A user's segments: the cohort ids and declared attribute values its segment expert reads, hashed.
 
-Cohort ids come with the request (`user.cohorts`). Declared attributes are the schema's enum-kind user
+Cohort ids come with the request (`user.cohorts`; repeats left out). Declared attributes are the schema's enum-kind user
 categories (interests, behaviors, country, language, ...): each value of the vocabulary is the token
 "category=value" (values outside it, which targeting ignores too, and repeats are left out).
 Id-kind categories (custom audiences, city) and ordinals (age) are left out: too many distinct values
@@ -23,7 +23,7 @@ DESCRIBED = ("interests", "behaviors")  # user categories whose values are words
 
 def segment_ids(cohorts: Sequence[int], attributes: Mapping[str, Any], schema: Schema) -> list[int]:
     """A user's cohorts and declared enum attributes -> up to SEGMENTS non-negative int ids."""
-    tokens = [f"cohort={c}" for c in cohorts]
+    tokens = [f"cohort={c}" for c in dict.fromkeys(cohorts)]  # once each, in order, as the attributes
     for category in schema.categories:
         if category.kind == "enum" and category.source == "user" and category.name in attributes:
             values = attributes[category.name]

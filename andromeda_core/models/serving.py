@@ -101,9 +101,10 @@ class ModelScorer:
                 hist[b, :n], hist_mask[b, :n] = vectors[keep], True
                 hist_event[b, :n] = torch.tensor([EVENTS.index(h.event) for h in events], dtype=torch.int64)
                 hist_age[b, :n] = torch.tensor([max(0, now[b] - h.ts) / 3600 for h in events])
-            engaged = r.user.co_engagement[-CO_ITEMS:]
-            if engaged:
-                co[b, : len(engaged)], co_mask[b, : len(engaged)] = lookup([c.ad_id for c in engaged])
+            if r.user.co_engagement:  # the last CO_ITEMS the index holds, as in training (not the last CO_ITEMS
+                vectors, found = lookup([c.ad_id for c in r.user.co_engagement])  # given, then those held)
+                keep = found.nonzero().flatten()[-CO_ITEMS:]
+                co[b, : len(keep)], co_mask[b, : len(keep)] = vectors[keep], True
             held = segment_ids(r.user.cohorts, r.user.attributes, self.schema)
             segments[b, : len(held)] = torch.tensor(held, dtype=torch.int64)
         context = torch.tensor([self._context(r, t) for r, t in zip(requests, now)], dtype=torch.int64)
@@ -124,4 +125,4 @@ def load_scorer(path: str | Path | None, schema: Schema, device: str | torch.dev
     """The trained checkpoint at `path` on `device`, or, without one, the untrained hashed two-tower."""
     from andromeda_core.models.two_tower import HashedTwoTower
 
-    return ModelScorer.load(path, schema, device) if path else HashedTwoTower(device=device)
+    return ModelScorer.load(path, schema, device) if path else HashedTwoTower(device=device, schema=schema)

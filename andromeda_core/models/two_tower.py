@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from andromeda_core.models import EmbeddingLookup, KernelHead, dot_head
+from andromeda_core.schema import Schema
 from andromeda_core.types import Ad, RetrieveRequest
 
 TOKEN = re.compile(r"[a-z0-9]+")
@@ -30,9 +31,12 @@ def tokenize(text: str) -> list[str]:
 class HashedTwoTower:
     name = "hashed_two_tower"
 
-    def __init__(self, dim: int = 64, buckets: int = 1 << 16, seed: int = 0, device: str | torch.device = "cpu"):
+    def __init__(self, dim: int = 64, buckets: int = 1 << 16, seed: int = 0, device: str | torch.device = "cpu",
+                 schema: Schema | None = None):
+        """schema: the user's values outside its vocabularies are left out, as targeting leaves them (without one,
+        every value's words count)."""
         generator = torch.Generator().manual_seed(seed)
-        self.dim, self.buckets = dim, buckets
+        self.dim, self.buckets, self.schema = dim, buckets, schema
         self.table = torch.randn(buckets, dim, generator=generator) / dim**0.5  # drawn on the CPU: same on every device
         self.to(device)
 
@@ -53,15 +57,21 @@ class HashedTwoTower:
         """-> (n, D) float32 on the CPU."""
         return self._embed([tokenize(f"{a.creative.title} {a.creative.body} {a.creative.category}") for a in ads]).cpu()
 
+    def _values(self, r: RetrieveRequest) -> list[str]:
+        """The user's interest, behaviour and life-event values, each once (and with a schema, those of its
+        vocabularies: an unknown value, which targeting says matches nothing, moved every score)."""
+        words = []
+        for category in USER_TEXT_CATEGORIES:
+            value = r.user.attributes.get(category)
+            known = self.schema.by_name.get(category) if self.schema is not None else None
+            words += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)
+                      and (known is None or known.value_index(v) is not None)]
+        return list(dict.fromkeys(words))
+
     def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup,
                      now: Sequence[int] = ()) -> torch.Tensor:
         """-> (B, D) user embeddings on the device."""
-        texts = []
-        for r in requests:
-            values = [r.user.attributes.get(c) for c in USER_TEXT_CATEGORIES]
-            words = [v for value in values if value for v in (value if isinstance(value, list) else [value])]
-            texts.append([t for w in words if isinstance(w, str) for t in tokenize(w)])
-        content = self._embed(texts)
+        content = self._embed([[t for w in self._values(r) for t in tokenize(w)] for r in requests])
         history = torch.zeros_like(content)
         for b, r in enumerate(requests):
             engaged, found = lookup([h.ad_id for h in r.user.history if h.event in POSITIVE_EVENTS])

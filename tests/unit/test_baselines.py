@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from andromeda_core.models.baselines import (content_similarity, declared_profiles, declared_similarity, item_knn,
-                                             most_popular, training_matrix)
-from andromeda_core.models.evaluate import ranking_from_scores
+                                             most_popular, training_matrix, tuned)
+from andromeda_core.models.evaluate import mean_metric, ranking_from_scores
 from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.segments import described_table, segment_ids
 
@@ -116,6 +116,18 @@ def test_item_knn_matches_cosines_by_hand(recent, neighbours):
         for split in (0, 1):
             ranking = item_knn(data, data.eval_users(), split, recent=recent, neighbours=neighbours)
             check(ranking, data, split, lambda u, seq, p: brute_knn(seqs, n_items, seq, p, recent, neighbours))
+
+
+def test_a_baselines_window_is_the_one_that_validates_best_and_the_test_split_is_not_read():
+    data = random_data(0)
+    users, validation = data.eval_users(), data.eval_users()[:5]
+    scores = {w: mean_metric(item_knn(data, validation, split=0, recent=w).target_rank) for w in (1, 2, 50)}
+    ranking, window = tuned(item_knn, data, users, validation, windows=(1, 2, 50))
+    assert scores[window] == max(scores.values()) and window == min(w for w in scores if scores[w] == scores[window])
+    assert np.array_equal(ranking.target_rank, item_knn(data, users, recent=window).target_rank)
+    for u in users:  # the test items changed: the choice reads validation engagements only
+        data.users.items[u][-1] = (data.users.items[u][-1] + 1) % len(data.items.ids)
+    assert tuned(item_knn, data, users, validation, windows=(1, 2, 50))[1] == window
 
 
 def test_item_knn_fits_on_training_positions_only():

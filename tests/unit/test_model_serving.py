@@ -9,7 +9,7 @@ import torch
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import prepare_ops
-from andromeda_core.models.retrieval import RetrievalModel
+from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel
 from andromeda_core.models.serving import ModelScorer
 from andromeda_core.models.towers import Dims
 from andromeda_core.quantization import STORAGE, round_trip
@@ -115,6 +115,34 @@ def test_history_lookup_masks_unknown_ads(default_schema, scorer, events):
     assert found.tolist() == [True, False, True] and vectors[1].abs().sum() == 0
     state = scorer.encode_users([request()], index.embeddings_of, [3600 * 30])
     assert state.experts.shape == (1, 6, 64) and state.mask[0].tolist() == [True, True, True, True, True, True]
+
+
+def test_co_engagements_are_the_last_ones_the_index_holds_as_in_training(default_schema, scorer, events):
+    """Training keeps a user's last CO_ITEMS co-engaged ads among those it knows; serving took the last CO_ITEMS
+    given, then dropped those not indexed, so unknown ids after known ones switched the expert off."""
+    index = indexed(default_schema, scorer, events)
+
+    def state(co: list[int]):
+        body = {"user": {"user_id": 1, "co_engagement": [{"surface": "reels", "ad_id": a} for a in co]},
+                "context": {"ts": 3600 * 30}}
+        return scorer.encode_users([parse_request(body)], index.embeddings_of, [3600 * 30])
+
+    known, unknown = [2, 3, 4], list(range(900, 900 + CO_ITEMS))
+    assert torch.equal(state(known + unknown).experts, state(known).experts)
+    assert not torch.equal(state(known).experts, state([]).experts)
+
+
+def test_a_history_ad_past_its_end_is_not_found_swept_or_not(default_schema, scorer):
+    """Replicas sweep expired ads at their own times: the history must not read an ad on one and not another."""
+    index = AdIndex(default_schema, scorer.dim)
+    ending = upsert(1, title="trail running shoes")
+    ending["ad"]["end_time"] = 1000
+    index.apply(prepare_ops(default_schema, scorer, [parse_event(ending), parse_event(upsert(2, title="yoga"))]))
+    before = index.embeddings_of([1, 2], now=2000)
+    assert before[1].tolist() == [False, True] and index.embeddings_of([1, 2], now=999)[1].tolist() == [True, True]
+    index.sweep_expired(2000)
+    after = index.embeddings_of([1, 2], now=2000)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 def test_a_ranker_is_not_served(default_schema):

@@ -7,6 +7,7 @@ import torch
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
+from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import (Retriever, TopK, UserQuery, compile_requests, concat_queries, exact_scores,
                                      split_topk)
@@ -56,6 +57,20 @@ def test_exact_scores_of_a_candidate_do_not_depend_on_its_company(scorer):
     many = exact_scores(scorer, users, ads[None], torch.ones((1, 26), dtype=torch.bool))[0]
     two = exact_scores(scorer, users, ads[None, :2], torch.ones((1, 2), dtype=torch.bool))[0]
     assert many[0] == many[25] == two[0] and torch.allclose(many, scorer.score(users, ads)[0])
+
+
+def test_the_default_scorer_leaves_out_values_targeting_ignores_and_repeats(small_schema):
+    """With its schema the untrained two-tower reads a user's interests as targeting does: an unknown value (which
+    "matches nothing") and a repeat moved every score."""
+    two_tower = HashedTwoTower(dim=16, buckets=4096, schema=small_schema)
+    known = next(c for c in small_schema.categories if c.name == "interests").vocabulary[0]
+
+    def user(values: list[str]) -> torch.Tensor:
+        request = parse_request({"user": {"user_id": 1, "attributes": {"interests": values}}})
+        return two_tower.encode_users([request], lambda ids: (torch.zeros((len(ids), 16)), torch.zeros(len(ids), dtype=torch.bool)))
+
+    assert torch.equal(user([known, "zz_not_a_value", known]), user([known]))
+    assert not torch.equal(user([known]), user([]))
 
 
 def test_fewer_eligible_than_k_and_empty_index(small_schema, scorer):

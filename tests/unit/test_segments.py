@@ -28,6 +28,7 @@ def test_values_outside_the_vocabulary_and_repeats_are_left_out(default_schema):
     repeats; targeting ignores the same values."""
     odd = {"country": 5, "gender": True, "interests": ["running", "Running", "no-such-interest", "running"]}
     assert segment_ids([], odd, default_schema) == [zlib.crc32(b"interests=running")]
+    assert segment_ids([5, 6, 5, 5], {}, default_schema) == segment_ids([5, 6], {}, default_schema)  # cohorts too
 
 
 def test_at_most_segments_cohorts_first(default_schema):
