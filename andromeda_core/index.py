@@ -197,23 +197,14 @@ class AdIndex:
             *rows.shape, self.dim)
         return vectors * (slots >= 0)[..., None]
 
-    def exact_embeddings(self, ad_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ad_ids (...) int64 -> (full-precision float32 embeddings (..., D), zeros where not indexed;
-        found (...) bool)."""
-        slot_of = self._book.slot_of
-        slots = torch.tensor([slot_of.get(a, -1) for a in ad_ids.flatten().tolist()], dtype=torch.int64,
-                             device=self.device).reshape(ad_ids.shape)
-        return self.vectors_at(slots), slots >= 0
-
     def embeddings_of(self, ad_ids: Sequence[int], now: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, D) float32 embeddings of `ad_ids` for user towers (zeros where not found; full precision unless a
         lossy index keeps no exact copy) and found (n,) bool. An ad past its end (end <= now, default the clock) is
-        not found, whether or not sweep_expired has freed its slot yet: replicas sweep at their own times, and a user
-        history read the ad on one and not on another."""
-        vectors, found = self.exact_embeddings(torch.tensor(list(ad_ids), dtype=torch.int64))
-        slots = torch.tensor([self._book.slot_of.get(a, 0) for a in ad_ids], dtype=torch.int64, device=self.device)
-        found &= self.columns["end"][slots] > (int(time.time()) if now is None else now)
-        return (vectors * found[:, None]).cpu(), found.cpu()
+        not found, whether or not sweep_expired has freed its slot yet: replicas sweep at their own times, and a
+        user's history read the ad on one and not on another."""
+        slots = torch.tensor([self._book.slot_of.get(a, -1) for a in ad_ids], dtype=torch.int64, device=self.device)
+        found = (slots >= 0) & (self.columns["end"][slots.clamp(min=0)] > (int(time.time()) if now is None else now))
+        return self.vectors_at(torch.where(found, slots, -1)).cpu(), found.cpu()
 
     def get(self, ad_id: int) -> dict:
         """The indexed state of one ad."""

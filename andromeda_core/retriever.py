@@ -76,8 +76,9 @@ def exact_scores(scorer: Scorer, users: Any, candidates: torch.Tensor, valid: to
     """Each request's valid candidates, candidates (B, m, S) float32, valid (B, m) bool -> (B, m) float32 scores (0
     where not valid): the scorer's head (`kernel_head`, of that request alone) applied in float64
     (kernels.reference.fused.head_scores) and rounded to float32 once. So a score depends on the user state and the
-    ad alone (a learned model's user towers, run on the request's batch, may still differ in the last bits): a float32 matmul's rounding changes with the number of candidates and a candidate's place among them (an
-    ad scored 1.0000001 in one place, 1.0 in another), which ordered equal ads differently on two shards or on two
+    ad alone (a learned model's user towers, run on the request's batch, may still differ in the last bits): a
+    float32 matmul's rounding changes with the number of candidates and a candidate's place among them (an ad
+    scored 1.0000001 in one place, 1.0 in another), which ordered equal ads differently on two shards or on two
     replicas of other slot layouts. Two float64 evaluations of one score (their error about 1e-16 of it) round to
     different float32s only where they straddle a rounding boundary. The mask is read on the host, and each
     request's valid places go back to the device, once for the batch: indexing by a device mask, or copying a

@@ -75,8 +75,8 @@ def test_round_trip_keeps_the_storage_format_and_exact_copy(tmp_path, small_sche
     restored, _ = load_snapshot(save_snapshot(index, tmp_path / "index.snap"), small_schema)
     assert restored.columns["embedding"].dtype == storage and restored.keeps_exact == exact_copy
     assert restored.digest() == index.digest()
-    ids = torch.tensor([[1, 5, 404]])
-    assert all(torch.equal(a, b) for a, b in zip(restored.exact_embeddings(ids), index.exact_embeddings(ids)))
+    ids = [1, 5, 404]
+    assert all(torch.equal(a, b) for a, b in zip(restored.embeddings_of(ids), index.embeddings_of(ids)))
 
 
 def test_corrupted_byte_is_detected(tmp_path, populated, small_schema):
