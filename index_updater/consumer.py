@@ -69,11 +69,14 @@ class StreamGap(RuntimeError):
     """Entries after the last applied id were trimmed away; the index must be reloaded from a snapshot."""
 
 
+ALLOCATION_ERRORS = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))  # torch < 2.5:
+# only torch.cuda has it (pyproject allows torch 2.4)
+
+
 def out_of_memory(exc: Exception) -> bool:
     """Whether exc says an allocation failed (a GPU's allocator, or the CPU's: a table that cannot grow), which a later
     try may get past."""
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+    return isinstance(exc, ALLOCATION_ERRORS) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def no_stream(exc: Exception) -> bool:
