@@ -22,7 +22,7 @@ import torch
 
 from andromeda_core.errors import AndromedaError
 from andromeda_core.index import AdIndex
-from andromeda_core.models import KernelHead, Scorer
+from andromeda_core.models import KernelHead, Scorer, score_each
 from andromeda_core.schema import Schema
 from andromeda_core.targeting import UserValues, compile_user
 from andromeda_core.types import FLOAT32_MAX, RetrieveRequest, RetrieveResponse, ScoredAd, parse_request
@@ -74,24 +74,19 @@ class TopK(NumpyPickled):
 
 def exact_scores(scorer: Scorer, users: Any, candidates: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Each request's valid candidates, candidates (B, m, S) float32, valid (B, m) bool -> (B, m) float32 scores (0
-    where not valid): the scorer's head (`kernel_head`, of that request alone) applied in float64
-    (kernels.reference.fused.head_scores) and rounded to float32 once. So a score depends on the user state and the
-    ad alone (a learned model's user towers, run on the request's batch, may still differ in the last bits): a
-    float32 matmul's rounding changes with the number of candidates and a candidate's place among them (an ad
-    scored 1.0000001 in one place, 1.0 in another), which ordered equal ads differently on two shards or on two
-    replicas of other slot layouts. Two float64 evaluations of one score (their error about 1e-16 of it) round to
-    different float32s only where they straddle a rounding boundary. The mask is read on the host, and each
-    request's valid places go back to the device, once for the batch: indexing by a device mask, or copying a
-    request's places, waits on the device per request."""
-    out = torch.zeros(candidates.shape[:2], device=candidates.device)
-    valid = valid.cpu()
-    places = torch.argsort((~valid).to(torch.int8), dim=1, stable=True).to(candidates.device)  # valid places first
-    for b, count in enumerate(valid.sum(1).tolist()):
-        if count:
-            kept, head = places[b, :count], scorer.kernel_head(users[b:b + 1])
-            out[b, kept] = head_scores(candidates[b, kept].double(), None, head.experts.double(), head.keys.double(),
-                                       head.mask, head.bias_col, head.top_n)[0].float()
-    return out
+    where not valid; score_each: each request by itself): the scorer's head (`kernel_head`, of that request alone)
+    applied in float64 (kernels.reference.fused.head_scores) and rounded to float32 once. So a score depends on the
+    user state and the ad alone (a learned model's user towers, run on the request's batch, may still differ in the
+    last bits): a float32 matmul's rounding changes with the number of candidates and a candidate's place among
+    them (an ad scored 1.0000001 in one place, 1.0 in another), which ordered equal ads differently on two shards
+    or on two replicas of other slot layouts. Two float64 evaluations of one score (their error about 1e-16 of it)
+    round to different float32s only where they straddle a rounding boundary."""
+    def in_float64(user: Any, ads: torch.Tensor) -> torch.Tensor:
+        head = scorer.kernel_head(user)
+        return head_scores(ads.double(), None, head.experts.double(), head.keys.double(), head.mask, head.bias_col,
+                           head.top_n)
+
+    return score_each(in_float64, users, candidates, valid)
 
 
 def merge_topks(parts: Sequence[TopK], k: int) -> TopK:
