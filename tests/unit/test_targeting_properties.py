@@ -147,8 +147,12 @@ def test_retrieve_returns_best_eligible_in_order(small_schema, scorer, ad_list, 
     # Nothing left out scores better than the worst returned ad.
     if got:
         users = scorer.encode_users([request], index.embeddings_of)
-        emb = {i: exact_scores(scorer, users, index.embeddings_of([i])[0][None], torch.ones((1, 1), dtype=torch.bool))
-               [0, 0].item() for i in eligible}  # each ad scored alone, as the retriever rescores
+        def alone(ad_id: int) -> float:  # each ad scored alone, as the retriever rescores
+            vector, found = index.embeddings_of([ad_id], NOW)  # at the request's time (an ad may end after it)
+            assert found.all()
+            return exact_scores(scorer, users, vector[None], torch.ones((1, 1), dtype=torch.bool))[0, 0].item()
+
+        emb = {i: alone(i) for i in eligible}
         worst = got[-1]
         assert all((-s, i) >= (-worst[1], worst[0]) for i, s in emb.items() if i not in {g[0] for g in got})
 
