@@ -209,7 +209,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
     print(f"published {total} events to {publisher.stream} at {redact(url)}")
 
 
-LAYOUT_FLAGS = {"shards": "--shards (or ANDROMEDA_SHARDS)", "schema": "--schema (or ANDROMEDA_SCHEMA)",
+LAYOUT_FLAGS = {"shards": "--shards (or ANDROMEDA_SHARDS)", "schema": "andromeda --schema (or ANDROMEDA_SCHEMA)",
                 "model": "--model", "dim": "--model"}
 
 
@@ -316,7 +316,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("eval", help="quality report of every model and baseline on every data set; trains the missing "
-                                    "checkpoints (about 45 minutes on 2 CPU cores) and rewrites docs/quality.md")
+                                    "checkpoints (about 35 minutes on 2 CPU cores) and rewrites docs/quality.md")
     s.add_argument("--data", nargs="+", choices=DATASETS, default=list(DATASETS),
                    help="data sets to evaluate (default: MovieLens and both synthetic worlds)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")

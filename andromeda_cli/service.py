@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file
+from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in
 from andromeda_core.config import load_settings, redact, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
@@ -246,9 +246,10 @@ def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> N
 
 def cmd_serve(args: argparse.Namespace) -> None:
     settings = load_settings()
-    if not settings.redis_url:
-        raise InvalidInput("REDIS_URL is not set (`andromeda up` starts a local redis-server for you)")
     config = service_config(args, settings.redis_url)
+    if not config.redis_url:
+        raise InvalidInput("REDIS_URL is not set, nor redis_url in --config (`andromeda up` starts a local redis-server "
+                           "for you)")
     check_reachable(config)
     if warning := other_shard_count(config, f"republish them to empty streams with `andromeda publish --shards "
                                             f"{config.shards}`"):  # a warning, not a refusal: a few entries of
@@ -348,6 +349,8 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 def cmd_serve_config(args: argparse.Namespace) -> None:
     config = service_config(args, args.redis, check_files=False)  # no --redis: replicas read REDIS_URL
+    for warning in cluster_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     text = yaml.safe_dump(config.to_serve_config(), sort_keys=False)
     if args.out:
         Path(args.out).write_text(text)
@@ -356,14 +359,26 @@ def cmd_serve_config(args: argparse.Namespace) -> None:
         print(text, end="")
 
 
+def cluster_warnings(config: ServiceConfig) -> list[str]:
+    """What in a Serve config written for a cluster keeps it local: a loopback host (each node's proxy then listens on
+    its own loopback only) and relative paths (each replica resolves them from its own working directory)."""
+    warnings = []
+    if config.host in ("127.0.0.1", "localhost", "::1"):
+        warnings.append(f"host {config.host}: other machines cannot reach the proxies (--host 0.0.0.0 for a cluster)")
+    for name in ("snapshot_dir", "model", "schema_path"):
+        if (path := getattr(config, name)) and not Path(path).is_absolute():
+            warnings.append(f"{name} {path} is relative: each replica resolves it from its own working directory")
+    return warnings
+
+
 def add_service_flags(s: argparse.ArgumentParser) -> None:
     from andromeda_core.quantization import STORAGE
 
     s.add_argument("--config", type=input_file, default=None, help="ServiceConfig YAML; flags override it")
     s.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    s.add_argument("--shards", type=int, default=None, help="index shards (default 1)")
-    s.add_argument("--replicas", type=int, default=None, help="replicas per shard (default 1)")
+    s.add_argument("--port", type=int_in(1, 65535), default=None, help="HTTP port (default 8000)")
+    s.add_argument("--shards", type=int_in(1, 1024), default=None, help="index shards (default 1)")
+    s.add_argument("--replicas", type=int_in(1, 256), default=None, help="replicas per shard (default 1)")
     s.add_argument("--model", type=Path, default=None, help="trained checkpoint")
     s.add_argument("--storage", choices=sorted(STORAGE), default=None, help="ad vector storage (default fp32)")
 

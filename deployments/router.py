@@ -251,10 +251,11 @@ class Router:
         return lookup, {s for s, reply in zip(by_shard, replies) if reply is None}
 
     async def ask(self, shard: int, allow_partial: bool, method: str, *args: Any) -> Any:
-        """`call`, except that with allow_partial a shard that does not answer gives None."""
+        """`call`, except that with allow_partial a shard that does not answer (ShardUnavailable) or whose queue is
+        full (Overloaded) gives None. A shard's own error (its answer, or a bug) still fails the request."""
         try:
             return await self.call(shard, method, *args)
-        except ShardUnavailable:
+        except (ShardUnavailable, Overloaded):
             if allow_partial:
                 return None
             raise

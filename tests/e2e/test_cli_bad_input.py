@@ -38,6 +38,7 @@ FILES = {
     "binary.yaml": bytes(range(256)),
     "not_a_checkpoint.safetensors": "hello",
     "a_file": "x",
+    "redis_config.yaml": "redis_url: redis://127.0.0.1:1/0\n",
 }
 
 
@@ -143,6 +144,12 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("up", "--demo-ads", "0"), {}, ("argument --demo-ads", ">= 1")),
     (("up", "--demo-ads", "-5"), {}, ("argument --demo-ads",)),
     (("serve", "--demo-ads", "-5"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("argument --demo-ads", ">= 0")),
+    (("serve", "--port", "70000"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("argument --port", "in [1, 65535]")),
+    (("serve-config", "--shards", "0"), {}, ("argument --shards", "in [1, 1024]")),
+    (("up", "--replicas", "257"), {}, ("argument --replicas", "in [1, 256]")),
+    (("serve", "--config", "{d}/redis_config.yaml"), {"REDIS_URL": ""},  # the file's redis_url, as REDIS_URL would be
+     ("cannot reach Redis at redis://127.0.0.1:1/0",)),
+    (("serve",), {"REDIS_URL": ""}, ("REDIS_URL is not set, nor redis_url in --config",)),
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "-1"), {}, ("argument --steps",)),
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "0"), {}, ("argument --steps",)),
     (("train", "--data", "synthetic", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors",
@@ -228,6 +235,15 @@ def test_serve_config_names_a_schema_of_the_machines_it_runs_on(capsys, monkeypa
     monkeypatch.setenv("ANDROMEDA_SCHEMA", "/srv/andromeda/schema.yaml")
     code, out, err = andromeda(capsys, "serve-config")
     assert code == 0 and "schema_path: /srv/andromeda/schema.yaml" in out, err
+
+
+def test_serve_config_warns_of_what_keeps_it_on_one_machine(d, capsys):
+    """The defaults serve this machine: a loopback host and a relative snapshot folder; a cluster's config sets both."""
+    code, out, err = andromeda(capsys, "serve-config")
+    assert code == 0 and "warning: host 127.0.0.1" in err and "warning: snapshot_dir var/snapshots is relative" in err
+    (d / "cluster.yaml").write_text("snapshot_dir: /srv/andromeda/snapshots\n")
+    code, out, err = andromeda(capsys, "serve-config", "--host", "0.0.0.0", "--config", d / "cluster.yaml")
+    assert code == 0 and "snapshot_dir: /srv/andromeda/snapshots" in out and "warning" not in err, err
 
 
 def test_a_reader_that_goes_away_ends_the_output_quietly(capsys):

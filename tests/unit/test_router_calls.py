@@ -1,7 +1,7 @@
-"""The router's calls to a shard (Router.call), error paths only, against a stand-in shard handle: what is retried
-(no answer in time, a dead or unreachable replica), what passes through (the shard's own AndromedaError), what is a
-logged 500 and not retried (any other exception: a bug in the shard's code, as Serve raises it over gRPC).
-tests/integration runs the same calls through a real Ray Serve."""
+"""The router's calls to a shard (Router.call, Router.ask) and its merge, against stand-in shard handles and answers:
+what is retried (no answer in time, a dead or unreachable replica), what passes through (the shard's own
+AndromedaError), what is a logged 500 and not retried (any other exception: a bug in the shard's code, as Serve raises
+it over gRPC), what allow_partial leaves out. tests/integration runs the same calls through a real Ray Serve."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +9,17 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 from ray.exceptions import ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 
-from andromeda_core.errors import NotFound
+from andromeda_core.errors import NotFound, Overloaded
+from andromeda_core.retriever import TopK, compile_requests
+from andromeda_core.schema import load_schema
+from andromeda_core.types import parse_request
+from deployments.metrics import ServiceMetrics
 from deployments.router import Router, ShardUnavailable
+from deployments.shard import ShardAnswer
 
 
 class Reply:
@@ -104,3 +110,41 @@ def test_a_busy_shard_keeps_its_last_status_for_probes_and_scrapes():
     busy = SimpleNamespace(**{**vars(router), "last_status": {}})
     answers.append(Answer(error=BackPressureError(num_queued_requests=3, max_queued_requests=3)))
     assert asyncio.run(Router.func_or_class.shard_status(busy)) == [None]
+
+
+@pytest.mark.parametrize("error", [TimeoutError(), BackPressureError(num_queued_requests=3, max_queued_requests=3)])
+def test_allow_partial_leaves_out_a_shard_that_does_not_answer_or_is_full(error):
+    """With allow_partial, a shard that does not answer or whose queue is full gives None (listed missing); without it,
+    the request fails: ShardUnavailable, Overloaded."""
+    router = SimpleNamespace(shards=[Shard(error)], config=SimpleNamespace(shard_timeout_s=5.0, overload=SimpleNamespace(
+        shard_queue=3)))
+    router.call = lambda *args, **kwargs: Router.func_or_class.call(router, *args, **kwargs)
+    assert asyncio.run(Router.func_or_class.ask(router, 0, True, "search", "query")) is None
+    with pytest.raises(ShardUnavailable if isinstance(error, TimeoutError) else Overloaded):
+        asyncio.run(Router.func_or_class.ask(router, 0, False, "search", "query"))
+
+
+def test_allow_partial_does_not_hide_a_shards_own_error():
+    router = SimpleNamespace(shards=[Shard(NotFound("ad 7 is not indexed", "ad_id"))],
+                             config=SimpleNamespace(shard_timeout_s=5.0))
+    router.call = lambda *args, **kwargs: Router.func_or_class.call(router, *args, **kwargs)
+    with pytest.raises(NotFound):
+        asyncio.run(Router.func_or_class.ask(router, 0, True, "search", "query"))
+
+
+def test_the_merge_lists_shards_missing_from_the_search_or_the_history_lookup():
+    """Shard 1 gave no answer (allow_partial): the response is shard 0's top-k and lists shard 1, and shard 2, which
+    missed the history lookup though its search answered; no shard answering at all is ShardUnavailable."""
+    requests = [parse_request({"user": {"user_id": 1}, "k": 2})]
+    compiled = compile_requests(load_schema(), requests)
+
+    def part(ids, scores, eligible, watermark):
+        return ShardAnswer(TopK(torch.tensor([ids]), torch.tensor([scores]), torch.tensor([eligible])), watermark, 1.0, 10)
+
+    router = SimpleNamespace(metrics=ServiceMetrics())
+    answers = [part([4, 6], [0.5, 0.25], 7, "5-0"), None, part([9, -1], [0.75, float("-inf")], 1, "3-0")]
+    response = Router.func_or_class.merge(router, requests, compiled, answers, {2}, 0.0)[0]
+    assert [(a.ad_id, a.score) for a in response.ads] == [(9, 0.75), (4, 0.5)] and response.eligible == 8
+    assert response.missing_shards == [1, 2] and response.shard_watermarks == ["5-0", None, "3-0"]
+    with pytest.raises(ShardUnavailable):
+        Router.func_or_class.merge(router, requests, compiled, [None, None], set(), 0.0)
