@@ -13,6 +13,9 @@ File format (JSON):
     {"tokens": [{"name": "acme-ci", "role": "advertiser", "advertiser_id": 7,
                  "salt": "<hex>", "hash": "<hex>"}, ...]}
 
+A key named twice in one object, or a key not shown here, is refused naming it (of two values of one key, parsers
+keep different ones: `"role": "reader", "role": "admin"` must not be an admin token to anyone).
+
 Roles: `admin` (any write, any read), `advertiser` (writes to its own ads only; reads), `reader` (reads).
 Nothing here logs a token, a hash or an Authorization header.
 """
@@ -32,8 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from andromeda_core import strict_json
+
 log = logging.getLogger(__name__)
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # whole names only (fullmatch: "$" would let a final newline in)
+ENTRY_KEYS = {"name", "role", "advertiser_id", "salt", "hash"}
 Role = Literal["admin", "advertiser", "reader"]
 ROLES = ("admin", "advertiser", "reader")
 
@@ -76,18 +82,22 @@ class TokenFileError(ValueError):
 def parse_token_file(text: str) -> dict[str, TokenEntry]:
     """The file's entries by name; raises TokenFileError naming the first bad field."""
     try:
-        data = json.loads(text)
-    except ValueError as exc:
+        data = strict_json.loads(text)  # a key twice ("role": "reader", "role": "admin") is refused, not the last kept
+    except json.JSONDecodeError as exc:
         raise TokenFileError(f"not JSON ({exc.msg} at line {exc.lineno})", "token_file") from None
-    if not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
-        raise TokenFileError('expected {"tokens": [...]}', "tokens")
+    except (strict_json.NotJSON, RecursionError) as exc:
+        raise TokenFileError(f"not JSON ({exc or 'nested too deeply'})", "token_file") from None
+    if not isinstance(data, dict) or set(data) != {"tokens"} or not isinstance(data["tokens"], list):
+        raise TokenFileError('expected {"tokens": [...]} and nothing else', "tokens")
     entries: dict[str, TokenEntry] = {}
     for i, item in enumerate(data["tokens"]):
         where = f"tokens[{i}]"
         if not isinstance(item, dict):
             raise TokenFileError("expected an object", where)
+        if unknown := sorted(set(item) - ENTRY_KEYS):
+            raise TokenFileError(f"unknown key (an entry has {', '.join(sorted(ENTRY_KEYS))})", f"{where}.{unknown[0]}")
         name, role, advertiser = item.get("name"), item.get("role"), item.get("advertiser_id")
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise TokenFileError("must be 1-64 letters, digits, '_' or '-'", f"{where}.name")
         if name in entries:
             raise TokenFileError(f"duplicate name {name}", f"{where}.name")
@@ -110,7 +120,7 @@ def parse_token_file(text: str) -> dict[str, TokenEntry]:
 
 def new_token(name: str, role: Role, advertiser_id: int | None = None) -> tuple[str, dict]:
     """(token, file entry): the token is shown once to whoever asked for it; only the entry is stored."""
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):
         raise ValueError("name must be 1-64 letters, digits, '_' or '-'")
     token = f"{name}.{base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip('=')}"
     salt = secrets.token_bytes(16)

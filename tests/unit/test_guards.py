@@ -52,6 +52,8 @@ def test_a_changed_file_is_reloaded_and_a_broken_one_keeps_the_old_tokens(tmp_pa
     ({"advertiser_id": "7"}, "tokens[0].advertiser_id"),
     ({"salt": "zz"}, "tokens[0]"),
     ({"hash": "00"}, "tokens[0]"),
+    ({"name": "acme\n"}, "tokens[0].name"),  # a final newline: no HTTP header carries the token
+    ({"expires": 0}, "tokens[0].expires"),  # unknown: refused, not ignored
 ])
 def test_a_bad_token_file_names_the_field(entry, field):
     good = new_token("acme", "advertiser", 7)[1]
@@ -60,6 +62,18 @@ def test_a_bad_token_file_names_the_field(entry, field):
     assert info.value.field == field
     with pytest.raises(TokenFileError, match="duplicate"):
         parse_token_file(json.dumps({"tokens": [good, good]}))
+
+
+def test_a_token_file_naming_a_key_twice_is_refused():
+    """{"role": "reader", "role": "admin"} would be an admin token to json.loads (the last value wins)."""
+    good = json.dumps(new_token("acme", "reader")[1])
+    twice = good.replace('"role": "reader"', '"role": "reader", "role": "admin"')
+    assert twice != good
+    for text in ('{"tokens": [%s]}' % twice, '{"tokens": [%s], "tokens": []}' % good, '{"tokens": [], "extra": 1}'):
+        with pytest.raises(TokenFileError):
+            parse_token_file(text)
+    with pytest.raises(ValueError):
+        new_token("acme\n", "reader")
 
 
 def test_token_bucket_allows_a_burst_then_refills_and_stays_bounded():
