@@ -91,3 +91,13 @@ def shown(value: object, limit: int = 40) -> str:
     """`repr(value)` cut to `limit` characters, for echoing caller input in a message."""
     text = repr(value[:limit + 1] if isinstance(value, str) else value)  # cut first: a value may be megabytes
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether exc says an allocation failed (a GPU's allocator, or the CPU's: a table that cannot grow), which a later
+    try may get past: no fault of the data being loaded or applied."""
+    import torch  # here: the CLI's errors need no torch
+
+    allocation = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))  # torch < 2.5: only
+    # torch.cuda has it (pyproject allows torch 2.4)
+    return isinstance(exc, allocation) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

@@ -314,6 +314,7 @@ class AdIndex:
                                                            dtype=torch.int64)
         tensors.update(self.clauses.export_state())
         layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
+                  "schema_fingerprint": self.schema.fingerprint(),
                   "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
                   "embedding_dtype": dtype_name(self.specs["embedding"].dtype),
                   "exact_copy": str(self.keeps_exact), "refs_width": str(self.clauses.width)}
@@ -325,6 +326,9 @@ class AdIndex:
         if layout["schema_name"] != schema.name or layout["schema_version"] != str(schema.version):
             raise ValueError(f"state was written for schema {layout['schema_name']} v{layout['schema_version']}, "
                              f"not {schema.name} v{schema.version}")
+        if layout.get("schema_fingerprint", schema.fingerprint()) != schema.fingerprint():  # (none before 2026-12-05)
+            raise ValueError(f"state was written for another content of schema {schema.name} v{schema.version} "
+                             f"(give a schema a new version whenever its content changes)")
         index = cls(schema, int(layout["dim"]), capacity=int(layout["capacity"]), device=device,
                     embedding_dtype=getattr(torch, layout["embedding_dtype"]),
                     exact_copy=layout.get("exact_copy") == "True", refs_width=int(layout["refs_width"]))

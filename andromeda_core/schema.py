@@ -5,6 +5,8 @@ word); a larger one (big enums, `id` spaces) to fixed-width lists of value indic
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -116,6 +118,11 @@ class Schema:
         return {"name": self.name, "version": self.version,
                 "categories": [c.to_json() for c in self.categories]}
 
+    def fingerprint(self) -> str:
+        """A hash of the whole content (16 hex digits): two schemas of one name and version may still differ (a
+        vocabulary reordered without a new version), and an index's bits mean values by their place."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+
 
 def _category_from_dict(raw: Any, where: str) -> Category:
     if not isinstance(raw, dict):
@@ -178,10 +185,28 @@ def schema_from_dict(raw: Any) -> Schema:
     return Schema(name=str(raw.get("name", "custom")), version=version, categories=cats, by_name=by_name)
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing a mapping that names a key twice (SafeLoader keeps the last: `shards: 2` then
+    `shards: 3` would read 3 without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (list, dict)):  # unhashable: SafeLoader refuses it below
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> Any:
-    """A YAML file's content; a file that is not YAML text is an InvalidInput naming it (and the line)."""
+    """A YAML file's content; a file that is not YAML text, or names a key twice in one mapping, is an InvalidInput
+    naming it (and the line)."""
     try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"not UTF-8 text (byte {exc.start})", str(path)) from None
     except yaml.YAMLError as exc:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from andromeda_core.errors import SnapshotCorrupt
+from andromeda_core.errors import SnapshotCorrupt, out_of_memory
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 
@@ -83,6 +83,11 @@ def load_snapshot(path: str | Path, schema: Schema, device: str | torch.device =
         raise SnapshotCorrupt(f"snapshot {path} failed its checksum")
     try:
         index = AdIndex.from_state(schema, tensors, meta, device)
-    except (KeyError, ValueError) as exc:
-        raise SnapshotCorrupt(f"snapshot {path} does not fit this index: {exc}") from None
-    return index, json.loads(meta["user"])
+        user = json.loads(meta["user"])
+    except Exception as exc:  # a layout its checksum vouches for but this code cannot take: never a half index
+        if out_of_memory(exc):  # the file may be fine: no reason to pass it over for an older one
+            raise
+        raise SnapshotCorrupt(f"snapshot {path} does not fit this index: {type(exc).__name__}: {exc}") from None
+    if not isinstance(user, dict):
+        raise SnapshotCorrupt(f"snapshot {path}: its metadata is not an object")
+    return index, user

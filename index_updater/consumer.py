@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 import redis
-import torch
 
 from andromeda_core.config import redact, tls_hint
+from andromeda_core.errors import out_of_memory
 from andromeda_core.export import TableCopy
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
@@ -67,16 +67,6 @@ return {redis.call('XINFO', 'STREAM', KEYS[1]), redis.call('XRANGE', KEYS[1], AR
 
 class StreamGap(RuntimeError):
     """Entries after the last applied id were trimmed away; the index must be reloaded from a snapshot."""
-
-
-ALLOCATION_ERRORS = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))  # torch < 2.5:
-# only torch.cuda has it (pyproject allows torch 2.4)
-
-
-def out_of_memory(exc: Exception) -> bool:
-    """Whether exc says an allocation failed (a GPU's allocator, or the CPU's: a table that cannot grow), which a later
-    try may get past."""
-    return isinstance(exc, ALLOCATION_ERRORS) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def no_stream(exc: Exception) -> bool:

@@ -39,6 +39,8 @@ FILES = {
     "not_a_checkpoint.safetensors": "hello",
     "a_file": "x",
     "redis_config.yaml": "redis_url: redis://127.0.0.1:1/0\n",
+    "twice_shards.yaml": "shards: 2\nshards: 3\n",
+    "twice_name.yaml": "categories:\n- name: a\n  kind: enum\n  name: b\n  vocabulary: [x]\n",
 }
 
 
@@ -109,6 +111,8 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("--schema", "{d}/bad.yaml", "schema"), {}, ("bad.yaml:2", "not YAML")),
     (("--schema", "{d}/binary.yaml", "schema"), {}, ("binary.yaml", "not UTF-8")),
     (("--schema", "{d}/ok.json", "schema"), {}, ("ok.json.categories", "list of categories")),
+    (("--schema", "{d}/twice_name.yaml", "schema"), {}, ("twice_name.yaml:4", "'name' appears twice")),
+    (("serve-config", "--config", "{d}/twice_shards.yaml"), {}, ("twice_shards.yaml:2", "'shards' appears twice")),
     (("schema",), {"ANDROMEDA_SCHEMA": "{d}"}, ("ANDROMEDA_SCHEMA", "Is a directory")),
     (("schema",), {"ANDROMEDA_SCHEMA": "{d}/missing.yaml"}, ("ANDROMEDA_SCHEMA", "No such file")),
     (("schema",), {"ANDROMEDA_SCHEMA": ""}, ("ANDROMEDA_SCHEMA", "must not be empty")),

@@ -100,3 +100,29 @@ def test_snapshot_of_another_schema_is_refused(tmp_path, populated):
     other = schema_from_dict({**SMALL_SCHEMA, "version": 2})
     with pytest.raises(SnapshotCorrupt, match="schema"):
         load_snapshot(path, other)
+
+
+def test_snapshot_of_another_content_under_the_same_schema_version_is_refused(tmp_path, populated):
+    """A vocabulary reordered without a new version: the index's bits would mean other values."""
+    path = save_snapshot(populated, tmp_path / "index.snap")
+    reordered = [{**c, "vocabulary": ["CA", "US", "GB", "DE", "FR"]} if c["name"] == "country" else c
+                 for c in SMALL_SCHEMA["categories"]]
+    with pytest.raises(SnapshotCorrupt, match="another content of schema small-test v1"):
+        load_snapshot(path, schema_from_dict({**SMALL_SCHEMA, "categories": reordered}))
+
+
+@pytest.mark.parametrize("change", [{"embedding_dtype": "bogus"}, {"embedding_dtype": "__name__"},
+                                    {"high_water": "999999"}, {"dim": "7"}, {"capacity": "-1"}, {"refs_width": "x"}])
+def test_a_layout_that_does_not_fit_is_corrupt_not_a_crash(tmp_path, populated, small_schema, change):
+    """Header fields its checksum vouches for (a writer's bug, a crafted file) that this code cannot load: SnapshotCorrupt,
+    which a replica passes over for an older snapshot, never another exception that stops its start."""
+    tensors, layout = populated.export_state()
+    path = snapshot.save_state(tensors, {**layout, **change}, tmp_path / "bad.snap")
+    with pytest.raises(SnapshotCorrupt, match="does not fit this index"):
+        load_snapshot(path, small_schema)
+
+
+def test_caller_metadata_that_is_not_an_object_is_corrupt(tmp_path, populated, small_schema):
+    path = snapshot.save_state(*populated.export_state(), tmp_path / "list.snap", [1])
+    with pytest.raises(SnapshotCorrupt, match="not an object"):
+        load_snapshot(path, small_schema)
