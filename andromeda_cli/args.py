@@ -90,7 +90,7 @@ def checkpoint(option: str, path: Path | None) -> Iterator[None]:
     """Loading the checkpoint `path` given by `option`: a file that is not one is an error naming both."""
     try:
         yield
-    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:  # OSError: e.g. /dev/null
         if path is None:  # no checkpoint was read
             raise
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

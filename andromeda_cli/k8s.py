@@ -68,9 +68,8 @@ def overlays(given: list[Path]) -> list[Path]:
 
 def cmd_k8s_config(args: argparse.Namespace) -> None:
     stale = []
-    for overlay in overlays(args.overlays):
-        text = serve_config_patch(overlay_config(overlay))
-        target = overlay / PATCH_FILE
+    patches = [(overlay / PATCH_FILE, serve_config_patch(overlay_config(overlay))) for overlay in overlays(args.overlays)]
+    for target, text in patches:  # every overlay checked before any is written
         if args.check:
             if not target.is_file() or target.read_text() != text:
                 stale.append(target)

@@ -140,6 +140,9 @@ def _category_from_dict(raw: Any, where: str) -> Category:
     source = raw.get("source", "user")
     if source not in SOURCES:
         raise InvalidInput(f"source must be one of {SOURCES}", f"{where}.source")
+    if source == "context" and name == "ts":  # context.ts is the request's time: it never reaches targeting
+        raise InvalidInput("context.ts is the request's time, not a targeting category: choose another name",
+                           f"{where}.name")
     multi = raw.get("multi", False)
     if not isinstance(multi, bool):
         raise InvalidInput("multi must be true or false", f"{where}.multi")
@@ -175,6 +178,8 @@ def _category_from_dict(raw: Any, where: str) -> Category:
 def schema_from_dict(raw: Any) -> Schema:
     if not isinstance(raw, dict) or not isinstance(raw.get("categories"), list):
         raise InvalidInput("a schema is a mapping with a list of categories", "categories")
+    if unknown := sorted(set(raw) - {"name", "version", "categories"}, key=str):
+        raise InvalidInput("unknown key (a schema has name, version and categories)", str(unknown[0]))
     version = raw.get("version", 1)
     if type(version) is not int:
         raise InvalidInput("must be an integer", "version")

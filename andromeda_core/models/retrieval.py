@@ -144,6 +144,8 @@ class RetrievalModel(nn.Module):
     def load(cls, path: str | Path) -> tuple["RetrievalModel", dict]:
         with safe_open(str(path), framework="pt") as f:
             config = json.loads(f.metadata()["config"])
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: its config is not a JSON object")
         if config.get("model_version") != MODEL_VERSION:
             raise ValueError(f"{path}: model version {config.get('model_version')} is not {MODEL_VERSION}")
         tensors = load_file(str(path))

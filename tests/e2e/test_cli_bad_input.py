@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
+from safetensors.torch import save_file
 
 from andromeda_cli.main import main, parser
 from index_updater.local_redis import LocalRedis, free_port
@@ -259,3 +261,10 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(capsys):
                            stderr=subprocess.PIPE)
     cli.stdout.close()  # `andromeda schema --json | head -c 0`
     assert cli.wait(timeout=120) == 141 and cli.stderr.read() == b""
+
+
+def test_a_checkpoint_with_a_config_that_is_not_an_object_names_the_flag(d, capsys):
+    save_file({"x": torch.zeros(1)}, str(d / "list_config.safetensors"), metadata={"config": "[1, 2]"})
+    for model in (d / "list_config.safetensors", "/dev/null"):
+        assert_refused(andromeda(capsys, *RETRIEVE, d / "events.jsonl", "--request", d / "ok.json", "--model", model),
+                       "--model")

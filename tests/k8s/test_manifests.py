@@ -211,6 +211,15 @@ def test_k8s_config_refuses_a_redis_url_in_the_overlay(tmp_path, capsys):
     assert "redis_url" in capsys.readouterr().err and not (tmp_path / PATCH_FILE).exists()
 
 
+def test_k8s_config_writes_no_overlay_when_one_is_bad(tmp_path, capsys):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for overlay, text in ((good, "shards: 2\n"), (bad, 'shards: "x"\n')):
+        overlay.mkdir()
+        (overlay / "service.yaml").write_text(text)
+    assert main(["k8s-config", str(good), str(bad)]) == 2
+    assert "shards" in capsys.readouterr().err and not (good / PATCH_FILE).exists()
+
+
 # -- the pods -------------------------------------------------------------------------------------------------
 
 

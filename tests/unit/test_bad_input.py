@@ -125,6 +125,9 @@ def test_bad_request_values_name_the_field(small_schema, attributes, context, fi
     (lambda s: s["categories"].append({"name": "x", "kind": "ordinal", "range": [0, 1000]}), "categories.x.range"),
     (lambda s: s["categories"].append({"name": "x", "kind": "id"}), "categories.x.cardinality"),
     (lambda s: s["categories"].append(dict(s["categories"][0])), "categories"),
+    (lambda s: s["categories"].append({"name": "ts", "kind": "ordinal", "range": [0, 5], "source": "context"}),
+     "categories.ts.name"),  # context.ts is the request's time: such a category could never match
+    (lambda s: s.update(verison=2), "verison"),  # a typo is refused, not ignored
 ])
 def test_bad_schema_names_the_field(mutate, field):
     raw = {**SMALL_SCHEMA, "categories": [dict(c) for c in SMALL_SCHEMA["categories"]]}
