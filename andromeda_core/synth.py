@@ -14,14 +14,17 @@ topics of ads and users, the generator's config). Deterministic for a seed; ad c
 from __future__ import annotations
 
 import json
+import os
+import zipfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
+from andromeda_core.errors import InvalidInput
 from andromeda_core.schema import Schema, load_schema
 
 FACETS = ("beginners", "enthusiasts", "gear", "news", "events", "videos", "brands", "deals", "communities",
@@ -275,22 +278,29 @@ def iter_ad_chunks(world: World, workers: int = 2) -> Iterator[tuple[str, np.nda
         yield from pool.map(_ad_chunk, jobs)
 
 
-def world_config(out: str | Path) -> WorldConfig | None:
-    """The config of the world written to `out`, or None when `out` holds no complete world."""
-    truth = Path(out) / "truth.npz"  # written last
+def read_truth(out: str | Path, read: Callable[[Any], Any]) -> Any:
+    """read(the arrays of `out`/truth.npz), or None when there is no such file (no complete world: it is written
+    last, and removed first when a world is written over); a file that is not one synthesize wrote is an
+    InvalidInput naming it."""
+    truth = Path(out) / "truth.npz"
     if not truth.is_file():
         return None
-    with np.load(truth) as arrays:
-        return WorldConfig(**json.loads(str(arrays["config"])))
+    try:
+        with np.load(truth, allow_pickle=False) as arrays:
+            return read(arrays)
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+        raise InvalidInput(f"not a world written by `andromeda synth` ({type(exc).__name__}: {exc})"[:300],
+                           str(truth)) from None
+
+
+def world_config(out: str | Path) -> WorldConfig | None:
+    """The config of the world written to `out`, or None when `out` holds no complete world."""
+    return read_truth(out, lambda arrays: WorldConfig(**json.loads(str(arrays["config"]))))
 
 
 def is_current(out: str | Path) -> bool:
     """Whether `out` holds a complete world drawn by this GENERATOR (older ones lack what the report reads)."""
-    truth = Path(out) / "truth.npz"
-    if not truth.is_file():
-        return False
-    with np.load(truth) as arrays:
-        return "generator" in arrays.files and int(arrays["generator"]) == GENERATOR
+    return bool(read_truth(out, lambda arrays: "generator" in arrays.files and int(arrays["generator"]) == GENERATOR))
 
 
 def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, workers: int = 2,
@@ -298,6 +308,7 @@ def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, 
     """Write the world to `out`; returns the directory."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "truth.npz").unlink(missing_ok=True)  # until the new one is written, `out` holds no complete world
     world = World(schema or load_schema(), cfg)
     topics = np.empty(cfg.ads, np.int16)
     latents = np.empty((cfg.ads, cfg.latent_dim), np.float16)
@@ -320,6 +331,9 @@ def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, 
             request, user_topics[u], user_latents[u], log = _user(world, rng, u + 1, by_topic, latents, quality)
             req_f.write(json.dumps(request, separators=(",", ":")) + "\n")
             log_f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in log)
-    np.savez(out / "truth.npz", ad_latent=latents, ad_quality=quality, ad_topic=topics, user_latent=user_latents,
-             user_topic=user_topics, generator=GENERATOR, config=json.dumps(asdict(cfg)))
+    partial = out / ".truth.npz.tmp"
+    with open(partial, "wb") as f:
+        np.savez(f, ad_latent=latents, ad_quality=quality, ad_topic=topics, user_latent=user_latents,
+                 user_topic=user_topics, generator=GENERATOR, config=json.dumps(asdict(cfg)))
+    os.replace(partial, out / "truth.npz")  # whole or not at all: it says the world is complete
     return out

@@ -8,7 +8,10 @@ import pytest
 from andromeda_core.ingest import load_events, read_events
 from andromeda_core.index import AdIndex
 from andromeda_core.retriever import Retriever
-from andromeda_core.synth import WorldConfig, engagement_probability, is_current, synthesize, truth_scores
+from andromeda_core import synth
+from andromeda_core.errors import InvalidInput
+from andromeda_core.synth import (WorldConfig, engagement_probability, is_current, synthesize, truth_scores,
+                                  world_config)
 from andromeda_core.types import parse_request
 
 
@@ -102,3 +105,27 @@ def test_a_world_of_an_older_generator_is_not_current(world, tmp_path):
     with np.load(world / "truth.npz") as arrays:
         np.savez(tmp_path / "truth.npz", **{k: arrays[k] for k in arrays.files if k != "generator"})
     assert not is_current(tmp_path)
+
+
+def test_a_world_written_over_is_no_world_until_complete(tmp_path, default_schema, monkeypatch):
+    """synth stopped part way over an existing world (Ctrl-C) left the old truth.npz beside empty files: demo, train
+    and eval took it for that world."""
+    small = WorldConfig(ads=30, users=2, seed=1)
+    synthesize(small, tmp_path, default_schema, workers=1, progress=False)
+    assert world_config(tmp_path) == small
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synth, "_user", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(WorldConfig(ads=40, users=2, seed=2), tmp_path, default_schema, workers=1, progress=False)
+    assert world_config(tmp_path) is None and not is_current(tmp_path)
+
+
+def test_a_truth_file_that_synth_did_not_write_is_named(tmp_path):
+    (tmp_path / "truth.npz").write_bytes(b"\x93NUMPY garbage" * 20)
+    for read in (world_config, is_current):
+        with pytest.raises(InvalidInput) as error:
+            read(tmp_path)
+        assert error.value.field == str(tmp_path / "truth.npz") and "not a world written by" in error.value.message
