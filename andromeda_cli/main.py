@@ -226,7 +226,7 @@ def check_layout(publisher, args: argparse.Namespace) -> None:
 def cmd_token(args: argparse.Namespace) -> None:
     from deployments.auth import NAME, add_token
 
-    if not NAME.match(args.name):
+    if not NAME.fullmatch(args.name):
         raise InvalidInput("must be 1-64 letters, digits, '_' or '-'", "--name")
     if args.role == "advertiser" and args.advertiser is None:
         raise InvalidInput("--role advertiser needs --advertiser (the advertiser_id the token may write for)",

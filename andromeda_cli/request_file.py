@@ -2,6 +2,7 @@
 (its targeting values too) before any work, an error naming the file, line and field."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,20 @@ def read_requests(path: Path, schema: Schema, k: int | None = None) -> list[Retr
     try:
         docs = [(whole, strict_json.read(text, whole))]
     except InvalidInput:
-        if len(lines) == 1:
+        if len(lines) == 1 or not _json_alone(lines[0][1]):  # one document over several lines: its own error
             raise
         docs = [(where, strict_json.read(line, where)) for where, line in lines]
     return [_request(doc, where, schema, k) for where, doc in docs]
+
+
+def _json_alone(line: str) -> bool:
+    """Whether a line is JSON by itself, as the first line of JSON lines is (a key twice allowed here: read again
+    strictly, it is refused naming its line)."""
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _request(doc: Any, where: str, schema: Schema, k: int | None) -> RetrieveRequest:
