@@ -35,6 +35,7 @@ from andromeda_core.synth import WorldConfig, synthesize, world_config
 from andromeda_core.types import K_MAX, TIME_LIMIT
 
 REQUEST_BATCH = 16  # requests sharing one pass over the table
+WORLD_MAX = 100_000_000  # ads or users of a synthetic world at most (its arrays hold about 100 bytes per ad)
 DEMO_ADS, DEMO_USERS = 50000, 100
 
 
@@ -262,8 +263,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_schema)
 
     s = sub.add_parser("synth", help="write a synthetic ads world")
-    s.add_argument("--ads", type=POSITIVE, required=True, help="number of ads")
-    s.add_argument("--users", type=POSITIVE, required=True, help="number of users (one request each)")
+    s.add_argument("--ads", type=int_in(1, WORLD_MAX), required=True, help="number of ads")
+    s.add_argument("--users", type=int_in(1, WORLD_MAX), required=True, help="number of users (one request each)")
     s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed; a seed gives the same world")
     s.add_argument("--out", type=output_dir, required=True, help="directory to write the world into")
     s.add_argument("--workers", type=POSITIVE, default=2, help="processes generating ad chunks")

@@ -61,6 +61,10 @@ class WorldConfig:
     chunk: int = 50000
 
 
+WORLD_CATEGORIES = ("interests", "behaviors", "life_events", "custom_audiences", "country", "age", "gender",
+                    "device_os", "language", "surface", "placement")  # the categories its ads target and its users hold
+
+
 class World:
     """The shared, seed-determined parts of the world: topics, their centres and verticals."""
 
@@ -306,10 +310,14 @@ def is_current(out: str | Path) -> bool:
 def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, workers: int = 2,
                progress: bool = True) -> Path:
     """Write the world to `out`; returns the directory."""
+    schema = schema or load_schema()
+    if missing := [name for name in WORLD_CATEGORIES if name not in schema.by_name]:
+        raise InvalidInput(f"the synthetic world draws the shipped schema's categories; this schema has no "
+                           f"{', '.join(missing)}", "schema")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "truth.npz").unlink(missing_ok=True)  # until the new one is written, `out` holds no complete world
-    world = World(schema or load_schema(), cfg)
+    world = World(schema, cfg)
     topics = np.empty(cfg.ads, np.int16)
     latents = np.empty((cfg.ads, cfg.latent_dim), np.float16)
     quality = np.empty(cfg.ads, np.float32)

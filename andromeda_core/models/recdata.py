@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from andromeda_core.config import load_settings
+from andromeda_core.errors import InvalidInput
 from andromeda_core.models.segments import segment_ids
 from andromeda_core.models.text import encode_texts_cached
 from andromeda_core.schema import load_schema
@@ -96,7 +97,16 @@ class RecData:
 
 
 def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
-    """Items = the world's ads (latest upsert); users = its requests, histories = their clicks."""
+    """Items = the world's ads (latest upsert); users = its requests, histories = their clicks. Files that are not
+    what `andromeda synth` writes are an InvalidInput naming the world."""
+    try:
+        return _load_synthetic(world, max_ads)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise InvalidInput(f"not a world written by `andromeda synth` ({type(exc).__name__}: {exc})"[:300],
+                           str(world)) from None
+
+
+def _load_synthetic(world: Path, max_ads: int | None) -> RecData:
     schema = load_schema()
     ads: dict[int, dict] = {}
     with open(world / "events.jsonl", encoding="utf-8") as f:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from andromeda_core.config import load_settings
+from andromeda_core.errors import InvalidInput
 from andromeda_core.models.recdata import EVENTS, Items, RecData, Users, load_movielens, load_synthetic
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_cli.main import main
@@ -52,6 +53,16 @@ def test_synthetic_loader_keeps_latest_versions_and_clicks(tmp_path, default_sch
     clicks = [h["ad_id"] for h in first["user"]["history"]]
     assert data.items.ids[data.users.items[0]].tolist() == clicks
     assert data.users.context[0, 0] == default_schema.by_name["surface"].value_index(first["context"]["surface"]) + 1
+
+
+@pytest.mark.parametrize("name, text", [("engagements.jsonl", "garbage\n"), ("requests.jsonl", '{"user": 1}\n')])
+def test_a_damaged_world_file_names_the_world(tmp_path, default_schema, name, text):
+    world = synthesize(WorldConfig(ads=40, users=3, seed=2), tmp_path, default_schema, workers=1, progress=False)
+    with open(world / name, "a", encoding="utf-8") as f:
+        f.write(text)
+    with pytest.raises(InvalidInput) as error:
+        load_synthetic(world)
+    assert error.value.field == str(world) and "not a world written by" in error.value.message
 
 
 def test_synthetic_impressions_are_the_logged_ones_before_the_held_out_engagements(tmp_path, default_schema):
