@@ -95,3 +95,7 @@ def checkpoint(option: str, path: Path | None) -> Iterator[None]:
             raise
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InvalidInput(f"{path} is not a checkpoint written by `andromeda train` ({reason})", option) from None
+    except InvalidInput as exc:  # a checkpoint, but not one this command takes (e.g. a ranker's to serve)
+        if path is None or exc.field != "model":
+            raise
+        raise InvalidInput(f"{path}: {exc.message}", option) from None

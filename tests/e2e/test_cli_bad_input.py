@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from andromeda_cli.main import main, parser
+from andromeda_core.models.retrieval import RetrievalModel
+from andromeda_core.models.towers import Dims
 from index_updater.local_redis import LocalRedis, free_port
 from index_updater.records import shard_stream
 from tests.conftest import upsert
@@ -278,3 +280,9 @@ def test_a_checkpoint_with_a_config_that_is_not_an_object_names_the_flag(d, caps
     for model in (d / "list_config.safetensors", "/dev/null"):
         assert_refused(andromeda(capsys, *RETRIEVE, d / "events.jsonl", "--request", d / "ok.json", "--model", model),
                        "--model")
+
+
+def test_serving_a_ranker_checkpoint_names_the_flag_and_file(d, capsys):
+    RetrievalModel("ranker", Dims(categories=4)).save(d / "ranker.safetensors", {"categories": ["sports"]})
+    assert_refused(andromeda(capsys, *RETRIEVE, d / "events.jsonl", "--request", d / "ok.json", "--model",
+                             d / "ranker.safetensors"), "--model", "ranker.safetensors", "is not served")
