@@ -202,9 +202,10 @@ class AdIndex:
         lossy index keeps no exact copy) and found (n,) bool. An ad past its end (end <= now, default the clock) is
         not found, whether or not sweep_expired has freed its slot yet: replicas sweep at their own times, and a
         user's history read the ad on one and not on another."""
-        slots = torch.tensor([self._book.slot_of.get(a, -1) for a in ad_ids], dtype=torch.int64, device=self.device)
-        found = (slots >= 0) & (self.columns["end"][slots.clamp(min=0)] > (int(time.time()) if now is None else now))
-        return self.vectors_at(torch.where(found, slots, -1)).cpu(), found.cpu()
+        with self.reading():  # the slots and the columns of one state (callers may hold it already)
+            slots = torch.tensor([self._book.slot_of.get(a, -1) for a in ad_ids], dtype=torch.int64, device=self.device)
+            found = (slots >= 0) & (self.columns["end"][slots.clamp(min=0)] > (int(time.time()) if now is None else now))
+            return self.vectors_at(torch.where(found, slots, -1)).cpu(), found.cpu()
 
     def get(self, ad_id: int) -> dict:
         """The indexed state of one ad."""
@@ -400,24 +401,44 @@ class AdIndex:
 
     def _commit(self, plan: SlotPlan, staged: dict[str, Any]) -> None:
         """Make the plan's writes (into grown copies when the batch needs more slots), then commit its bookkeeping
-        and drop the clause references of the rows it overwrote or freed."""
+        and drop the clause references of the rows it overwrote or freed. All or nothing: should a step fail (out
+        of memory on the device), the clause references it took are dropped again and the columns are as before."""
         columns = self._grown(plan.capacity_needed)
-        replaced = columns["refs"][torch.tensor([*plan.row_at, *plan.freed], dtype=torch.int64, device=self.device)]
-        if plan.row_at:
-            refs = np.full((len(staged["clauses"]), self.clauses.width), ALWAYS, dtype=np.int32)
-            for row in plan.row_at.values():
-                refs[row] = self.clauses.refs(staged["clauses"][row])
-            staged = {**staged, "refs": torch.from_numpy(refs).to(self.device)}
-        writes = self._writer.writes(plan, staged, columns)  # computed in full: nothing fails midway
-        for name, slots, values in writes:
-            columns[name][slots] = values
-        if self._exports and writes:
-            written = torch.cat([slots for _, slots, _ in writes])
+        replaced = columns["refs"][torch.tensor([*plan.row_at, *plan.freed], dtype=torch.int64,
+                                                device=self.device)].cpu().numpy()
+        taken: list[np.ndarray] = []  # rows of refs whose clauses this batch took
+        try:
+            if plan.row_at:
+                refs = np.full((len(staged["clauses"]), self.clauses.width), ALWAYS, dtype=np.int32)
+                for row in plan.row_at.values():
+                    refs[row] = self.clauses.refs(staged["clauses"][row])
+                    taken.append(refs[row])
+                staged = {**staged, "refs": torch.from_numpy(refs).to(self.device)}
+            writes = self._writer.writes(plan, staged, columns)  # computed in full before any is made
+            written = torch.cat([slots for _, slots, _ in writes]) if self._exports and writes else None
+            self._write(columns, writes)
+        except BaseException:
+            self.clauses.release(np.array(taken, dtype=np.int32).reshape(-1, self.clauses.width))
+            raise
+        if written is not None:
             for copy in self._exports:
                 copy.note_written(written)
-        self.clauses.release(replaced.cpu().numpy())
+        self.clauses.release(replaced)
         self.columns = columns
         plan.commit(self.capacity)
+
+    def _write(self, columns: dict[str, torch.Tensor], writes: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Make the writes (column name, slots, values) into columns, all or none: into the live columns, the values
+        they overwrite are kept first and put back should one fail (grown copies are simply not adopted)."""
+        kept = [] if columns is not self.columns else [(name, slots, columns[name][slots].clone())
+                                                        for name, slots, _ in writes]
+        try:
+            for name, slots, values in writes:
+                columns[name][slots] = values
+        except BaseException:
+            for name, slots, old in kept:
+                columns[name][slots] = old
+            raise
 
     def _grown(self, needed: int) -> dict[str, torch.Tensor]:
         """The columns themselves when `needed` slots fit, else copies doubled in capacity until they do."""

@@ -114,13 +114,18 @@ class ShardReplica:
         self.expired += len(queries) - len(live)
         if not live:
             return out
-        watermark = None if self.consumer.stats.last_id == "0-0" else self.consumer.stats.last_id
-        scanned = self.retriever.index.high_water
-        result = await asyncio.to_thread(self.retriever.search, concat_queries([queries[i].query for i in live]))
+        result, watermark, scanned = await asyncio.to_thread(self._search, concat_queries([queries[i].query for i in live]))
         took = (time.perf_counter() - started) * 1000
         for i, part in zip(live, split_topk(result, [len(queries[i]) for i in live])):
             out[i] = ShardAnswer(part, watermark, took, scanned)
         return out
+
+    def _search(self, query: UserQuery) -> tuple[TopK, str | None, int]:
+        """(the search's result, the stream id the index had applied, the slots it scanned), of one state of the
+        index: a batch applied between reading them and the pass would make them disagree."""
+        with self.retriever.index.reading():
+            last_id, scanned = self.consumer.stats.last_id, self.retriever.index.high_water
+            return self.retriever.search(query), None if last_id == "0-0" else last_id, scanned
 
     def owners(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None, int | None]]:
         """(advertiser, content version, status version) of each ad as this replica's index has them

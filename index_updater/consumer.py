@@ -261,6 +261,8 @@ class ShardConsumer:
                 log.error("the newest snapshot covers %s, but the stream lost entries up to %s after it; keeping the "
                           "index", meta["stream_id"], gap)
                 return False
+            if stream_id_key(meta["stream_id"]) < stream_id_key(self.stats.last_id):  # searches read last_id as the
+                self.stats.last_id = meta["stream_id"]  # state they saw: never newer than it, before adopt or after
             self.index.adopt(converted)
             self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
             self._entries_added, self._from_start = meta.get("entries_added"), False  # as the stream was then

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from andromeda_core import writer
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.models.two_tower import HashedTwoTower
@@ -311,6 +312,48 @@ def test_a_sweep_whose_write_fails_changes_nothing(index, scorer, monkeypatch):
             index.sweep_expired(NOW)
     assert index.digest() == before and 1 in index and len(index) == 2
     assert index.sweep_expired(NOW) == 1 and 1 not in index and eligible(index, now=NOW - 1) == [2]
+
+
+def test_a_batch_whose_commit_runs_out_of_memory_changes_nothing(index, scorer, monkeypatch):
+    """The consumer applies a read again after an out-of-memory error: the failed try must have taken no clause
+    reference (a leaked one outlives every ad and makes each later snapshot unrestorable)."""
+    apply_events(index, scorer, [upsert(1, targeting={"city": {"any_of": ["c1"]}})])
+    before, in_use = index.digest(), len(index.clauses)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(writer.RowWriter, "writes", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            apply_events(index, scorer, [upsert(2, targeting={"city": {"any_of": ["c7"]}})])
+    assert index.digest() == before and len(index.clauses) == in_use
+    assert apply_events(index, scorer, [upsert(2, targeting={"city": {"any_of": ["c7"]}}),
+                                        {"op": "delete", "ad_id": 2, "version": 2}]) == [True, True]
+    assert len(index.clauses) == in_use
+    AdIndex.from_state(index.schema, *index.export_state(copy=True))  # restorable: every clause has an ad
+
+
+@pytest.mark.parametrize("failing_write", [1, 3, 6])
+def test_an_edit_whose_column_write_fails_midway_changes_nothing(index, scorer, monkeypatch, failing_write):
+    """A device write failing after some of the batch's columns were written: they are put back, so no search sees
+    the new bid beside the old targeting and version."""
+    apply_events(index, scorer, [upsert(1, 1, {"city": {"any_of": ["c1"]}}, bid=1.0)])
+    before, state, in_use = index.digest(), index.get(1), len(index.clauses)
+    setitem, calls = torch.Tensor.__setitem__, [0]
+
+    def flaky(self, key, value):
+        calls[0] += 1
+        if calls[0] == failing_write:
+            raise RuntimeError("device write failed")
+        return setitem(self, key, value)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "__setitem__", flaky)
+        with pytest.raises(RuntimeError, match="device write failed"):
+            apply_events(index, scorer, [upsert(1, 2, {"city": {"any_of": ["c7"]}}, bid=5.0)])
+    assert index.digest() == before and index.get(1) == state and len(index.clauses) == in_use
+    assert eligible(index, {"city": "c1"}) == [1] and eligible(index, {"city": "c7"}) == []
 
 
 def test_a_value_index_outside_its_category_is_rejected(index, scorer):
