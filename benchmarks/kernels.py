@@ -4,24 +4,23 @@ The table is the project's synthetic world of --ads ads (events -> compile -> cl
 with random ad vectors of the MoE's stored shape (S = 113: D = 64 expert dims, G = 16 gating dims, a
 bias) in fp16 or int8 with block scales; requests are the world's own (their targeting values and times)
 with random user experts (E = 6, top 2). --tile N repeats the table N times for larger corpora (the same
-ads over again: same clauses, same eligible share). Peers, each over the same table and requests:
+ads over again: same clauses, same eligible share, a clause dictionary no larger than the world's). Peers, each over the same table and requests:
 
 - reference: kernels.reference.fused, the PyTorch reference, in chunks of 65,536 slots;
 - naive: a multi-kernel PyTorch pipeline per request (mask, gather eligible rows, matmul, top-2 softmax
   gating, top-k);
-- FAISS IndexFlatIP over the same vectors in fp32 (no targeting; on CUDA, where the image has no
-  faiss-gpu, a flat fp16 GEMM + torch.topk over the same vectors stands in);
+- FAISS IndexFlatIP over the same vectors in fp32 (no targeting), at its fastest of 1 or --threads threads and
+  of its two distance paths (faiss_best; on CUDA, where the image has no faiss-gpu, a flat fp16 GEMM + torch.topk
+  over the same vectors stands in);
 - torch.topk alone over one score per ad.
 
 Reported per (storage, B): ads/s (ads scanned per second, whatever B), user-ad pairs/s, the bytes per
-ad the fused pass reads (status 1 + start 8 + end 8 + refs 4 C, plus the vector bytes of the ads some request
-of the batch is eligible for, whose rows it reads once for all of them: int8 D + G + 1 bytes and their scales,
-fp16 2 (D + G + 1)), the GB/s that makes and its share of
-the copy bandwidth measured in the same run (a 1 GiB torch copy: bytes read + written per second), the
-GFLOP/s of the MoE head over the eligible pairs (its analytical FLOPs per pair, MoEHead.flops_per_pair) and
-their share of the peak FLOP rate measured in the same run (one large matmul: fp32 on the CPU, where the pass
-computes in fp32; fp16 on a GPU, whose pass multiplies on fp16 tensor cores), and the time with the MoE's user
-towers for the same B requests added (end to end on the device).
+ad the fused pass reads (bytes_per_ad: the match columns, and the vector rows it loads counted in the cache lines
+or GPU sectors they occupy), the GB/s that makes and its share of the read and the copy bandwidth measured in the
+same run, the GFLOP/s of the MoE head over the eligible pairs (its analytical FLOPs per pair,
+MoEHead.flops_per_pair) and their share of the peak FLOP rate measured in the same run (one large matmul: fp32 on
+the CPU, where the pass computes in fp32; fp16 on a GPU, whose pass multiplies on fp16 tensor cores), and the time
+with the MoE's user towers for the same B requests added (end to end on the device).
 
     python -m benchmarks.kernels --ads 1000000 --tile 1 10          # CPU
     python -m benchmarks.kernels --device cuda --ads 1000000 --tile 1 100
@@ -205,16 +204,42 @@ def copy_gbs(device: str) -> float:
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
+def read_gbs(device: str) -> float:
+    """Bytes read per second summing 1 GiB of float32 (a read-only stream, as the scan is; a copy's stores also
+    cost the memory a read for ownership, so its rate understates what reads alone reach)."""
+    src = torch.ones(2**28, dtype=torch.float32, device=device)
+    seconds = median_seconds(lambda: (src.sum(), sync(device)), 5)
+    return src.numel() * 4 / seconds / 1e9
+
+
 def timed(fn, device: str, repeats: int) -> float:
     return median_seconds(lambda: (fn(), sync(device)), repeats)
 
 
-def vector_bytes(storage: str) -> float:
-    """Bytes of one ad's vector the fused pass reads: the D + G dims and the bias (int8: plus their scales)."""
-    if storage == "int8":
-        blocks = len({d // reference.SCALE_BLOCK for d in [*range(D + G), S - 1]})
-        return D + G + 1 + 4 * blocks
-    return 2 * (D + G + 1)
+MATCH_BYTES = 1 + 8 + 8  # status, start, end per ad (plus 4 per clause ref), read in order: whole cache lines of them
+
+
+def vector_bytes(storage: str, device: str) -> int:
+    """Bytes of memory one ad's row costs the fused pass: the units of transfer (64-byte cache lines on the CPU,
+    32-byte sectors on a GPU) holding the D + G dims and the bias of a row (rows start ROW_ALIGN-aligned, as an
+    AdIndex lays them out), and for int8 those holding the row's scales (8 floats: one unit)."""
+    unit = 32 if device == "cuda" else 64
+    size = 1 if storage == "int8" else 2
+    used = {byte // unit for d in [*range(D + G), S - 1] for byte in range(d * size, (d + 1) * size)}
+    scales = 1 if storage == "int8" else 0
+    return (len(used) + scales) * unit
+
+
+def bytes_per_ad(storage: str, device: str, refs: int, read: float, threshold_scan: bool) -> float:
+    """What the fused pass reads per ad: its match columns, and the rows it loads: on the CPU those of the ads some
+    request of the batch is eligible for (`read`, a share), on a GPU every row of every block (the Triton scan loads
+    a block's rows before it knows which match), the threshold scan's sample of 1 in SAMPLE_STRIDE blocks again."""
+    match = MATCH_BYTES + 4 * refs
+    if device != "cuda":
+        return match + read * vector_bytes(storage, device)
+    from kernels.triton.fused import SAMPLE_STRIDE
+
+    return (match + vector_bytes(storage, device)) * (1 + (1 / SAMPLE_STRIDE if threshold_scan else 0))
 
 
 def rows_read(world: Table, requests: Requests, B: int) -> float:
@@ -249,11 +274,10 @@ def main() -> None:
         fused.SKIP_BELOW_TAU, args.no_write = False, True
     torch.set_num_threads(args.threads)
     dev = args.device
-    gen = torch.Generator().manual_seed(0)
-    copy = copy_gbs(dev)
+    copy, read_bw = copy_gbs(dev), read_gbs(dev)
     peak = matmul_gflops(dev, torch.float32 if dev == "cpu" else torch.float16)
-    print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), matmul {peak:.0f} GFLOP/s, "
-          f"kernels: {dispatch.implementation(dev)}")
+    print(f"machine: {machine()}\ncopy bandwidth {copy:.1f} GB/s (read + write), read bandwidth {read_bw:.1f} GB/s, "
+          f"matmul {peak:.0f} GFLOP/s, kernels: {dispatch.implementation(dev)}")
     rows = []
     world, requests = table_and_requests(p, args.table, args.ads, args.batch, args.workdir)
     if args.save_table and not args.table:
@@ -262,12 +286,19 @@ def main() -> None:
     read = {B: rows_read(world, requests, B) for B in args.batch}  # the same share whatever the tiling
     for times in args.tile:
         n = times * len(world.status)
-        flat_scan = faiss_flat(world.vectors.repeat(times, 1)) if dev == "cpu" else torch_flat(world.vectors, times, dev)
+        queries = {B: np.random.default_rng(B).random((B, S), dtype=np.float32) for B in args.batch}
+        if dev == "cpu":  # once per size and batch: its work does not depend on our storage
+            flat_scan = faiss_flat(world.vectors.repeat(times, 1))
+            flat = {B: faiss_best(flat_scan, queries[B], args.threads, args.repeats) for B in args.batch}
+        else:
+            flat_scan = torch_flat(world.vectors, times, dev)
+            flat = {B: (timed(lambda: flat_scan(queries[B]), dev, args.repeats), "") for B in args.batch}
+        flat_scan = None  # frees its copy of the vectors before ours is made
         scores = torch.randn((max(args.batch), n), device=dev)
         for storage in args.storage:
             on = stored[storage].tiled(times, dev)
-            for B in args.batch:
-                req = tuple(t.to(dev) for t in requests.batch(B, gen))
+            for B in args.batch:  # the same requests and experts in every storage
+                req = tuple(t.to(dev) for t in requests.batch(B, torch.Generator().manual_seed(B)))
                 args_ = (on.status, on.start, on.end, on.refs, on.vectors, on.scales, *req, S - 1, TOP_N)
                 ours = timed(lambda: dispatch.fused_scan(*args_, K), dev, args.repeats)
                 match = timed(lambda: dispatch.clause_match(on.status, on.start, on.end, on.refs, req[1], req[0]),
@@ -276,31 +307,29 @@ def main() -> None:
                 peers = n * B <= args.peer_pairs
                 ref = timed(lambda: reference_pass(on, req, K), dev, 1) if peers else None
                 naive = timed(lambda: naive_pass(on, req, K), dev, 1) if peers else None
-                queries = np.random.rand(B, S).astype(np.float32)
-                flat = timed(lambda: flat_scan(queries), dev, args.repeats)
                 topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
                 tower = timed(towers(dev, B), dev, args.repeats)
-                per_ad = 1 + 8 + 8 + 4 * on.refs.shape[1] + read[B] * vector_bytes(storage)
+                gated, threshold_scan = gated_share(args_) if dev == "cuda" else (None, False)
+                per_ad = bytes_per_ad(storage, dev, on.refs.shape[1], read[B], threshold_scan)
                 row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, read=read[B], per_ad=per_ad, ref=ref,
-                           naive=naive, faiss=flat, topk=topk, tower=tower, gbs=n * per_ad / ours / 1e9,
-                           gflops=B * n * eligible * FLOPS_PER_PAIR / ours / 1e9,
-                           gated=gated_share(args_) if dev == "cuda" else None)
+                           naive=naive, faiss=flat[B][0], faiss_setup=flat[B][1], topk=topk, tower=tower,
+                           gbs=n * per_ad / ours / 1e9, gflops=B * n * eligible * FLOPS_PER_PAIR / ours / 1e9, gated=gated)
                 rows.append(row)
-                print(line(row, copy, peak))
+                print(line(row, read_bw, peak))
             on = None  # frees the device copy before the next storage
-        flat_scan = None  # frees its copy of the vectors before the next size
     if not args.no_write:
-        write_section(f"kernels-{dev}", report(rows, args, copy, peak))
+        write_section(f"kernels-{dev}", report(rows, args, copy, read_bw, peak))
 
 
-def gated_share(args_: tuple) -> float:
-    """The share of (block, request) pairs whose gating the Triton pass computed (1 where it kept per-block top-k;
-    below 1 where its threshold scan skipped blocks that could not reach tau)."""
+def gated_share(args_: tuple) -> tuple[float, bool]:
+    """(the share of (block, request) pairs whose gating the Triton pass computed: 1 where it kept per-block top-k,
+    below 1 where its threshold scan skipped blocks that could not reach tau; whether it took the threshold scan)."""
     from kernels.triton import fused
 
     stats = {}
     fused.fused_scan(*args_, K, stats=stats)
-    return float(stats["scored"].float().mean()) / stats["blocks"] if stats["path"] == "threshold" else 1.0
+    threshold = stats["path"] == "threshold"
+    return (float(stats["scored"].float().mean()) / stats["blocks"] if threshold else 1.0), threshold
 
 
 def share(x: float | None) -> str:
@@ -311,10 +340,32 @@ def faiss_flat(vectors: torch.Tensor):
     """FAISS IndexFlatIP over (n, S) fp32 vectors: queries (B, S) -> its top-K search."""
     import faiss
 
-    faiss.omp_set_num_threads(torch.get_num_threads())
     flat = faiss.IndexFlatIP(vectors.shape[1])
     flat.add(vectors.numpy())
     return lambda queries: flat.search(queries, K)
+
+
+def faiss_best(search, queries: np.ndarray, threads: int, repeats: int) -> tuple[float, str]:
+    """FAISS's fastest time for these queries (the median of `repeats`) over its settings that change speed, and
+    which: 1 or `threads` OpenMP threads (with fewer queries than threads, FAISS 1.15 splits the table between
+    threads, which on 2 cores took twice the time of one thread), and BLAS or its own loop for the distances
+    (distance_compute_blas_threshold: 1.15's default, 128,000 queries, keeps every batch here off BLAS; 20, the
+    earlier default, sends batches of 20 and more to it). Restores the settings it found."""
+    import faiss
+
+    default = faiss.cvar.distance_compute_blas_threshold
+    best = (float("inf"), "")
+    try:
+        for n_threads in sorted({1, threads}):
+            for blas in sorted({default, 20}):
+                faiss.omp_set_num_threads(n_threads)
+                faiss.cvar.distance_compute_blas_threshold = blas
+                seconds = median_seconds(lambda: search(queries), repeats)
+                best = min(best, (seconds, f"{n_threads} thread{'s' if n_threads > 1 else ''}, BLAS from {blas:,} queries"))
+    finally:
+        faiss.omp_set_num_threads(threads)
+        faiss.cvar.distance_compute_blas_threshold = default
+    return best
 
 
 def torch_flat(vectors: torch.Tensor, times: int, device: str):
@@ -350,47 +401,65 @@ def ratio(peer: float | None, ours: float) -> str:
     return "-" if peer is None else f"{peer / ours:.2f}x"
 
 
-def line(r: dict, copy: float, peak: float) -> str:
+def line(r: dict, read_bw: float, peak: float) -> str:
     return (f"{r['n']:>11,} ads {r['storage']} B={r['B']:<3} ours {ms(r['ours']):>8} ms "
             f"({r['n'] / r['ours'] / 1e6:8.1f}M ads/s, {r['n'] * r['B'] / r['ours'] / 1e6:9.1f}M pairs/s, "
-            f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / copy:.0%} of copy, "
+            f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / read_bw:.0%} of read, "
             f"{r['gflops']:.1f} GFLOP/s = {r['gflops'] / peak:.1%} of matmul)  eligible {r['eligible']:.1%}, rows read {r['read']:.1%}  "
             f"match alone {ms(r['match'])} ms ({r['n'] / r['match'] / 1e9:.2f}G ads/s)  "
-            f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])})  "
+            f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])}"
+            f"{'; ' + r['faiss_setup'] if r['faiss_setup'] else ''})  "
             f"topk {ms(r['topk'])}  with the user towers {ms(r['tower'] + r['ours'])} ms "
             f"({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M ads/s)  blocks gated {share(r['gated'])}")
 
 
-def report(rows: list[dict], args, copy: float, peak: float) -> str:
-    table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of copy bw | GFLOP/s "
-             "| share of peak FLOPs | eligible | rows read | match alone ms (ads/s) | reference ms | naive ms | FAISS ms "
-             "| FAISS time / ours | torch.topk ms | with the user towers ms (ads/s) | blocks gated |",
-             "|---" * 21 + "|"]
+def report(rows: list[dict], args, copy: float, read_bw: float, peak: float) -> str:
+    cpu = args.device == "cpu"
+    table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of read bw | share of copy bw "
+             "| GFLOP/s | share of peak FLOPs | eligible | rows read | match alone ms (ads/s) | reference ms | naive ms "
+             "| FAISS ms | FAISS time / ours | torch.topk ms | with the user towers ms (ads/s) | blocks gated |",
+             "|---" * 22 + "|"]
     for r in rows:
         table.append(f"| {r['n']:,} | {r['storage']} | {r['B']} | {ms(r['ours'])} | {r['n'] / r['ours'] / 1e6:.1f}M | "
                      f"{r['n'] * r['B'] / r['ours'] / 1e6:.1f}M | {r['per_ad']:.0f} | {r['gbs']:.1f} | "
-                     f"{r['gbs'] / copy:.0%} | {r['gflops']:.1f} | {r['gflops'] / peak:.1%} | {r['eligible']:.1%} | {r['read']:.1%} | "
-                     f"{ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
+                     f"{r['gbs'] / read_bw:.0%} | {r['gbs'] / copy:.0%} | {r['gflops']:.1f} | {r['gflops'] / peak:.1%} | "
+                     f"{r['eligible']:.1%} | {r['read']:.1%} | {ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
                      f"{ms(r['ref'])} | {ms(r['naive'])} | "
                      f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} | "
                      f"{ms(r['tower'] + r['ours'])} ({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M) | {share(r['gated'])} |")
+    setups = sorted({(r["B"], r["faiss_setup"]) for r in rows if r["faiss_setup"]})
     command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, args.tile))} "
                f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}")
+    rows_text = ("the vector rows of the \"rows read\": the ads some request of the batch is eligible for, whose row the "
+                 "pass reads once for all of them, counted in the 64-byte cache lines they occupy (an fp16 row's 80 "
+                 "dims and bias span 4 lines; an int8 row's 2, and 1 of scales)" if cpu else
+                 "every ad's vector row, counted in the 32-byte sectors it occupies: the Triton scan loads a block's "
+                 "rows before it knows which of them match; where it takes the threshold scan, its sample of 1 block "
+                 "in 16 again")
+    faiss_text = (f"FAISS = {FLAT[cpu]}, timed once per size and batch at its fastest of 1 or {args.threads} threads and "
+                  f"BLAS from 20 queries or from 1.15's default of 128,000 (" +
+                  "; ".join(f"B = {B}: {setup}" for B, setup in setups) + ")") if cpu else f"FAISS = {FLAT[cpu]}"
     return f"""## Fused kernels on {args.device} ({dispatch.implementation(args.device)}) beside their peers
 
 `{command}`
 
-Machine: {machine()}. Measured in the same run: copy bandwidth {copy:.1f} GB/s (read + write), peak FLOP rate
-{peak:,.0f} GFLOP/s (one {"fp32 matmul of 2048 x 2048" if args.device == "cpu" else "fp16 matmul of 8192 x 8192"}).
-Table: the synthetic world of {args.ads:,} ads (tiled for larger corpora), random vectors of the MoE's
-stored shape (S = {S}), the world's requests with random user experts (E = {E}, top {TOP_N}); k = {K}.
+Machine: {machine()}. Measured in the same run: read bandwidth {read_bw:.1f} GB/s (summing 1 GiB), copy bandwidth
+{copy:.1f} GB/s (read + write), peak FLOP rate
+{peak:,.0f} GFLOP/s (one {"fp32 matmul of 2048 x 2048" if cpu else "fp16 matmul of 8192 x 8192"}).
+Table: the synthetic world of {args.ads:,} ads (tiled for larger corpora: the same ads over again, so a tiled table
+keeps the world's clause dictionary, and a request's table of clause bits stays as small as at {args.ads:,} ads, where a
+corpus of that many distinct ads would have more clauses), random vectors of the MoE's
+stored shape (S = {S}), the world's requests with random user experts (E = {E}, top {TOP_N}; the same for both
+storages); k = {K}.
 Ours = `kernels.dispatch.fused_scan`; "match alone" = `kernels.dispatch.clause_match` (the standalone
-match: the (B, n) eligibility mask); bytes/ad counts what the fused pass reads (41 B of status, window and clause
-refs per ad, plus the vector bytes of the "rows read": the ads some request of the batch is eligible for, whose
-row the pass reads once for all of them; "eligible" is the mean share per request); GFLOP/s counts the MoE head's {FLOPS_PER_PAIR} FLOPs per
-eligible user-ad pair (gating logits, similarities, top-{TOP_N} softmax, gated sum, bias: the work the model defines;
-the passes skip work that cannot enter the top-k, the CPU pass an ad's gating and the GPU pass whole blocks, so they
-execute fewer). FAISS = {FLAT[args.device == "cpu"]}. Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
+match, writing the (B, n) eligibility mask); bytes/ad counts what the fused pass reads: {MATCH_BYTES} B of status and
+window and 4 B per clause ref per ad, plus {rows_text}; "eligible" is the mean share per request. The shares of
+bandwidth divide those bytes per second by the read bandwidth (the scan only reads) and by the copy bandwidth.
+Pairs/s counts every user-ad pair of the batch, eligible or not. GFLOP/s counts the MoE head's {FLOPS_PER_PAIR} FLOPs
+per eligible user-ad pair as the reference computes it (gating logits, every expert's similarity, top-{TOP_N} softmax,
+gated sum, bias; {FLOPS_PER_PAIR - 2 * (E - TOP_N) * D} if only the chosen experts' similarities were computed; the passes
+also skip work that cannot enter the top-k, the CPU pass an ad's gating and the GPU pass whole blocks). {faiss_text}.
+Reference and naive are run only up to {args.peer_pairs:,.0f} user-ad
 pairs ("-" beyond). "With the user towers" adds the time of the MoE's user towers for the B requests (default
 sizes, random weights, full histories) and their kernel head, on the same device: end to end but for the
 request's parsing and lookups. "Blocks gated" (CUDA): the share of (block of 128 ads, request) pairs whose gating the

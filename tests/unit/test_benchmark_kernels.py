@@ -1,9 +1,12 @@
-"""benchmarks.kernels: the vector bytes it counts are those of the rows the pass reads, once per batch."""
+"""benchmarks.kernels: the vector bytes it counts are those of the rows the pass reads, once per batch, in the units
+memory moves them in; FAISS is timed at its fastest."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from benchmarks.kernels import Requests, Table, rows_read
+from benchmarks import kernels
+from benchmarks.kernels import Requests, Table, bytes_per_ad, rows_read, vector_bytes
 from kernels.reference.fused import ALWAYS
 
 
@@ -16,3 +19,24 @@ def test_rows_read_is_the_share_of_ads_some_request_of_the_batch_may_be_served()
     requests = Requests(torch.tensor([5, 15]), torch.zeros((2, 1), dtype=torch.int32))
     assert rows_read(table, requests, 1) == 0.5
     assert rows_read(table, requests, 2) == 0.75
+
+
+def test_row_bytes_are_the_cache_lines_or_sectors_a_row_occupies():
+    """fp16 rows of 128 dims (256 B): dims 0-79 span bytes 0-159 and the bias 224-225: 4 lines of 64 B on the CPU,
+    6 sectors of 32 B on a GPU; int8 rows (128 B): bytes 0-79 and 112, 2 lines or 4 sectors, and a unit of scales."""
+    assert (vector_bytes("fp16", "cpu"), vector_bytes("fp16", "cuda")) == (256, 192)
+    assert (vector_bytes("int8", "cpu"), vector_bytes("int8", "cuda")) == (128 + 64, 128 + 32)
+    refs = 6
+    assert bytes_per_ad("int8", "cpu", refs, 0.25, False) == 17 + 24 + 0.25 * 192
+    assert bytes_per_ad("fp16", "cuda", refs, 0.25, False) == 17 + 24 + 192  # every row, matched or not
+    assert bytes_per_ad("fp16", "cuda", refs, 0.25, True) == (17 + 24 + 192) * (1 + 1 / 16)  # and the sample again
+
+
+def test_faiss_is_timed_at_its_fastest_setting_and_left_as_found(monkeypatch):
+    faiss = pytest.importorskip("faiss")
+    default = faiss.cvar.distance_compute_blas_threshold
+    cost = {(1, 20): 3.0, (1, default): 2.0, (2, 20): 5.0, (2, default): 4.0}
+    monkeypatch.setattr(kernels, "median_seconds", lambda fn, repeats: cost[(faiss.omp_get_max_threads(),
+                                                                              faiss.cvar.distance_compute_blas_threshold)])
+    assert kernels.faiss_best(lambda queries: None, None, 2, 3) == (2.0, f"1 thread, BLAS from {default:,} queries")
+    assert faiss.omp_get_max_threads() == 2 and faiss.cvar.distance_compute_blas_threshold == default
