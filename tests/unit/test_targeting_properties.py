@@ -146,7 +146,7 @@ def test_retrieve_returns_best_eligible_in_order(small_schema, scorer, ad_list, 
     assert got == sorted(got, key=lambda p: (-p[1], p[0]))
     # Nothing left out scores better than the worst returned ad.
     if got:
-        users = scorer.encode_users([request], index.embeddings_of)
+        users = scorer.encode_users([request], index.embeddings_of, [NOW])
         def alone(ad_id: int) -> float:  # each ad scored alone, as the retriever rescores
             vector, found = index.embeddings_of([ad_id], NOW)  # at the request's time (an ad may end after it)
             assert found.all()
