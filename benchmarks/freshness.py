@@ -19,6 +19,7 @@ import os
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -131,7 +132,7 @@ def apply_rate(consumer: ShardConsumer, commands, done, backlog: int, load: Quer
 
 def freshness(consumer: ShardConsumer, commands, done, rate: int, seconds: float, load: QueryLoad) -> dict:
     """XADD -> servable latency of edits published at `rate` events/s for `seconds`, queries served meanwhile."""
-    consumer.stats.apply_latency_ms.clear()
+    consumer.stats.apply_latency_ms = deque()  # every event's: the consumer keeps the newest 100,000 only
     before, queries, started = consumer.stats.applied, load.count, time.perf_counter()
     commands.put(("rate", rate, seconds))
     publish_seconds, mine = done.get()
