@@ -31,20 +31,22 @@ def read_requests(path: Path, schema: Schema, k: int | None = None) -> list[Retr
     try:
         docs = [(whole, strict_json.read(text, whole))]
     except InvalidInput:
-        if len(lines) == 1 or not _json_alone(lines[0][1]):  # one document over several lines: its own error
+        if len(lines) == 1 or _goes_on(lines[0][1]):  # one document over several lines: its own error
             raise
         docs = [(where, strict_json.read(line, where)) for where, line in lines]
     return [_request(doc, where, schema, k) for where, doc in docs]
 
 
-def _json_alone(line: str) -> bool:
-    """Whether a line is JSON by itself, as the first line of JSON lines is (a key twice allowed here: read again
-    strictly, it is refused naming its line)."""
+def _goes_on(line: str) -> bool:
+    """Whether a line starts a JSON document that goes on past it (JSON cut off at the line's end, as the first line
+    of a pretty-printed request is), rather than being one of JSON lines, good or broken within the line."""
     try:
         json.loads(line)
+    except json.JSONDecodeError as exc:
+        return exc.pos >= len(line.rstrip())
     except (ValueError, RecursionError):
         return False
-    return True
+    return False
 
 
 def _request(doc: Any, where: str, schema: Schema, k: int | None) -> RetrieveRequest:

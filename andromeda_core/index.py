@@ -330,8 +330,10 @@ class AdIndex:
         if layout.get("schema_fingerprint", schema.fingerprint()) != schema.fingerprint():  # (none before 2026-12-05)
             raise ValueError(f"state was written for another content of schema {schema.name} v{schema.version} "
                              f"(give a schema a new version whenever its content changes)")
-        index = cls(schema, int(layout["dim"]), capacity=int(layout["capacity"]), device=device,
-                    embedding_dtype=getattr(torch, layout["embedding_dtype"]),
+        dtype = getattr(torch, layout["embedding_dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"embedding_dtype {layout['embedding_dtype'][:40]!r} is not a torch dtype")
+        index = cls(schema, int(layout["dim"]), capacity=int(layout["capacity"]), device=device, embedding_dtype=dtype,
                     exact_copy=layout.get("exact_copy") == "True", refs_width=int(layout["refs_width"]))
         book = index._book
         n = book.high_water = int(layout["high_water"])
@@ -416,13 +418,14 @@ class AdIndex:
                 staged = {**staged, "refs": torch.from_numpy(refs).to(self.device)}
             writes = self._writer.writes(plan, staged, columns)  # computed in full before any is made
             written = torch.cat([slots for _, slots, _ in writes]) if self._exports and writes else None
-            self._write(columns, writes)
+            try:
+                self._write(columns, writes)
+            finally:  # copied again by exports in progress: new, or put back after a failed write they may have read
+                for copy in self._exports if written is not None else ():
+                    copy.note_written(written)
         except BaseException:
             self.clauses.release(np.array(taken, dtype=np.int32).reshape(-1, self.clauses.width))
             raise
-        if written is not None:
-            for copy in self._exports:
-                copy.note_written(written)
         self.clauses.release(replaced)
         self.columns = columns
         plan.commit(self.capacity)

@@ -197,6 +197,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: explicit keys override merged ones
+                continue
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, (list, dict)):  # unhashable: SafeLoader refuses it below
                 continue

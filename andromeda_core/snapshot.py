@@ -84,8 +84,8 @@ def load_snapshot(path: str | Path, schema: Schema, device: str | torch.device =
     try:
         index = AdIndex.from_state(schema, tensors, meta, device)
         user = json.loads(meta["user"])
-    except Exception as exc:  # a layout its checksum vouches for but this code cannot take: never a half index
-        if out_of_memory(exc):  # the file may be fine: no reason to pass it over for an older one
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:  # a layout its checksum vouches for
+        if out_of_memory(exc):  # but this code cannot take (never a half index); out of memory: the file may be fine
             raise
         raise SnapshotCorrupt(f"snapshot {path} does not fit this index: {type(exc).__name__}: {exc}") from None
     if not isinstance(user, dict):

@@ -4,7 +4,8 @@ The table is the project's synthetic world of --ads ads (events -> compile -> cl
 with random ad vectors of the MoE's stored shape (S = 113: D = 64 expert dims, G = 16 gating dims, a
 bias) in fp16 or int8 with block scales; requests are the world's own (their targeting values and times)
 with random user experts (E = 6, top 2). --tile N repeats the table N times for larger corpora (the same
-ads over again: same clauses, same eligible share, a clause dictionary no larger than the world's). Peers, each over the same table and requests:
+ads over again: same clauses, same eligible share, a clause dictionary no larger than the world's). Peers, each
+over the same table and requests:
 
 - reference: kernels.reference.fused, the PyTorch reference, in chunks of 65,536 slots;
 - naive: a multi-kernel PyTorch pipeline per request (mask, gather eligible rows, matmul, top-2 softmax
@@ -350,7 +351,8 @@ def faiss_best(search, queries: np.ndarray, threads: int, repeats: int) -> tuple
     which: 1 or `threads` OpenMP threads (with fewer queries than threads, FAISS 1.15 splits the table between
     threads, which on 2 cores took twice the time of one thread), and BLAS or its own loop for the distances
     (distance_compute_blas_threshold: 1.15's default, 128,000 queries, keeps every batch here off BLAS; 20, the
-    earlier default, sends batches of 20 and more to it). Restores the settings it found."""
+    earlier default, sends batches of 20 and more to it). Leaves FAISS at `threads` threads and its default
+    threshold."""
     import faiss
 
     default = faiss.cvar.distance_compute_blas_threshold

@@ -87,6 +87,8 @@ def parse_token_file(text: str) -> dict[str, TokenEntry]:
         raise TokenFileError(f"not JSON ({exc.msg} at line {exc.lineno})", "token_file") from None
     except (strict_json.NotJSON, RecursionError) as exc:
         raise TokenFileError(f"not JSON ({exc or 'nested too deeply'})", "token_file") from None
+    except ValueError:  # json's only other error
+        raise TokenFileError("not JSON (a number has thousands of digits)", "token_file") from None
     if not isinstance(data, dict) or set(data) != {"tokens"} or not isinstance(data["tokens"], list):
         raise TokenFileError('expected {"tokens": [...]} and nothing else', "tokens")
     entries: dict[str, TokenEntry] = {}

@@ -5,6 +5,7 @@ its stream does so up to the oldest snapshot in its directory."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Callable, Iterator
@@ -16,6 +17,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
 from andromeda_core.snapshot import header, load_snapshot, save_state
 
+log = logging.getLogger(__name__)
 NAME = re.compile(r"^snapshot-(\d{15})-(\d{10})\.safetensors$")
 
 
@@ -52,7 +54,8 @@ class SnapshotStore:
         for path in self.paths():
             try:
                 yield load_snapshot(path, schema, device)
-            except SnapshotCorrupt:
+            except SnapshotCorrupt as exc:  # logged: a schema changed under its version passes over every one
+                log.error("%s; passing over it for an older snapshot", exc)
                 continue
 
     def set_aside(self, stale: Callable[[dict], bool]) -> list[str]:

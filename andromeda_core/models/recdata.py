@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import csv
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -21,7 +23,7 @@ from andromeda_core.config import load_settings
 from andromeda_core.errors import InvalidInput
 from andromeda_core.models.segments import segment_ids
 from andromeda_core.models.text import encode_texts_cached
-from andromeda_core.schema import load_schema
+from andromeda_core.schema import Schema, load_schema
 
 CLICK_SMOOTHING = 2.0  # impressions at the overall click rate added to each item's counts (RecData.click_logodds)
 EVENTS = ("impression", "click", "like", "share", "conversion", "hide")
@@ -96,32 +98,43 @@ class RecData:
         return np.flatnonzero(np.bincount(rows, minlength=len(self.items.ids)) >= at_least)
 
 
-def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
-    """Items = the world's ads (latest upsert); users = its requests, histories = their clicks. Files that are not
-    what `andromeda synth` writes are an InvalidInput naming the world."""
+@contextmanager
+def world_files(world: Path) -> Iterator[None]:
+    """Reading the files of a synthetic world: files that are not what `andromeda synth` writes (a line that is not
+    JSON, a request of another shape) are an InvalidInput naming the world."""
     try:
-        return _load_synthetic(world, max_ads)
+        yield
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise InvalidInput(f"not a world written by `andromeda synth` ({type(exc).__name__}: {exc})"[:300],
                            str(world)) from None
 
 
-def _load_synthetic(world: Path, max_ads: int | None) -> RecData:
+def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
+    """Items = the world's ads (latest upsert); users = its requests, histories = their clicks."""
     schema = load_schema()
-    ads: dict[int, dict] = {}
-    with open(world / "events.jsonl", encoding="utf-8") as f:
-        for line in f:
-            event = json.loads(line)
-            if event["op"] == "upsert" and (max_ads is None or event["ad"]["ad_id"] <= max_ads):
-                ads[event["ad"]["ad_id"]] = event["ad"]
-    order = sorted(ads)
-    categories = sorted({ads[i]["creative"]["category"] for i in order})
-    texts = [f"{ads[i]['creative']['title']}. {ads[i]['creative']['body']}" for i in order]
-    items = Items(ids=np.array(order), text=encode_texts_cached(texts),
-                  category=np.array([categories.index(ads[i]["creative"]["category"]) for i in order]),
-                  advertiser=np.array([ads[i]["advertiser_id"] for i in order]),
-                  bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories)
-    row = {ad_id: r for r, ad_id in enumerate(order)}
+    with world_files(world):
+        ads: dict[int, dict] = {}
+        with open(world / "events.jsonl", encoding="utf-8") as f:
+            for line in f:
+                event = json.loads(line)
+                if event["op"] == "upsert" and (max_ads is None or event["ad"]["ad_id"] <= max_ads):
+                    ads[event["ad"]["ad_id"]] = event["ad"]
+        order = sorted(ads)
+        categories = sorted({ads[i]["creative"]["category"] for i in order})
+        texts = [f"{ads[i]['creative']['title']}. {ads[i]['creative']['body']}" for i in order]
+    text = encode_texts_cached(texts)  # outside: the text encoder's failure is not the world's
+    with world_files(world):
+        items = Items(ids=np.array(order), text=text,
+                      category=np.array([categories.index(ads[i]["creative"]["category"]) for i in order]),
+                      advertiser=np.array([ads[i]["advertiser_id"] for i in order]),
+                      bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories)
+        users, truth = _synthetic_users(world, schema, {ad_id: r for r, ad_id in enumerate(order)})
+        truth["item_ad"] = np.array(order) - 1  # each item's row in the world's ad arrays
+    return RecData("synthetic", items, users, truth)
+
+
+def _synthetic_users(world: Path, schema: Schema, row: dict[int, int]) -> tuple[Users, dict[str, np.ndarray]]:
+    """The world's users (row: ad id -> item row) and its truth arrays."""
     surfaces, placements = schema.by_name["surface"], schema.by_name["placement"]
     seqs, events, times, segments, co, context, now, user_ids = [], [], [], [], [], [], [], {}
     with open(world / "requests.jsonl", encoding="utf-8") as f:
@@ -143,9 +156,7 @@ def _load_synthetic(world: Path, max_ads: int | None) -> RecData:
     shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
     with np.load(world / "truth.npz") as saved:
         truth = {name: saved[name] for name in saved.files if name not in ("config", "generator")}
-    truth["item_ad"] = np.array(order) - 1  # each item's row in the world's ad arrays
-    users = Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown)
-    return RecData("synthetic", items, users, truth)
+    return Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown), truth
 
 
 def _impressions(log: Path, row: dict[int, int], user_ids: dict[int, int],

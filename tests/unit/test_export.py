@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -77,3 +78,27 @@ def test_a_copy_of_a_table_replaced_meanwhile_is_dropped(small_schema, scorer):
     assert index.finish_export(copy) is None
     apply_events(index, scorer, [upsert(2)])  # nothing is noted for it any more
     assert not copy.written
+
+
+def test_a_copy_that_read_a_failed_write_midway_takes_the_restored_rows(small_schema, scorer, monkeypatch):
+    """A batch's column write fails after some columns were written, while the copy's bulk part (which runs without
+    the lock) reads them: the index puts the old values back, and the copy takes those rows again, so the snapshot
+    holds no part of the failed batch (its clause would refer to no ad and the snapshot would not load)."""
+    index = AdIndex(small_schema, scorer.dim, capacity=4)
+    apply_events(index, scorer, [upsert(1, 1, {"country": {"any_of": ["US"]}}, bid=1.0)])
+    copy = index.begin_export()
+    setitem, calls = torch.Tensor.__setitem__, [0]
+
+    def fails_midway(self, key, value):
+        calls[0] += 1
+        if calls[0] == 9:  # after some of the edit's columns
+            copy.copy_bulk()
+            raise RuntimeError("device write failed")
+        return setitem(self, key, value)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "__setitem__", fails_midway)
+        with pytest.raises(RuntimeError, match="device write failed"):
+            apply_events(index, scorer, [upsert(1, 2, {"country": {"any_of": ["CA"]}}, bid=5.0)])
+    restored = AdIndex.from_state(small_schema, *index.finish_export(copy))
+    assert restored.digest() == index.digest() and restored.get(1)["bid"] == 1.0

@@ -69,7 +69,8 @@ def test_a_token_file_naming_a_key_twice_is_refused():
     good = json.dumps(new_token("acme", "reader")[1])
     twice = good.replace('"role": "reader"', '"role": "reader", "role": "admin"')
     assert twice != good
-    for text in ('{"tokens": [%s]}' % twice, '{"tokens": [%s], "tokens": []}' % good, '{"tokens": [], "extra": 1}'):
+    for text in ('{"tokens": [%s]}' % twice, '{"tokens": [%s], "tokens": []}' % good, '{"tokens": [], "extra": 1}',
+                 '{"tokens": [%s]}' % good.replace('"role"', '"advertiser_id": %s, "role"' % ("9" * 5001))):
         with pytest.raises(TokenFileError):
             parse_token_file(text)
     with pytest.raises(ValueError):

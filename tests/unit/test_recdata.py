@@ -9,6 +9,7 @@ import pytest
 
 from andromeda_core.config import load_settings
 from andromeda_core.errors import InvalidInput
+from andromeda_core.models import recdata
 from andromeda_core.models.recdata import EVENTS, Items, RecData, Users, load_movielens, load_synthetic
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_cli.main import main
@@ -119,3 +120,14 @@ def test_a_click_weight_is_refused_for_data_without_impressions(small_movielens,
 def test_movielens_logs_no_impressions(small_movielens):
     data = load_movielens(small_movielens[0])
     assert data.users.shown == [] and not data.click_logodds().any()
+
+
+def test_a_text_encoder_failure_is_not_called_a_bad_world(tmp_path, default_schema, monkeypatch):
+    world = synthesize(WorldConfig(ads=40, users=3, seed=2), tmp_path, default_schema, workers=1, progress=False)
+
+    def broken(texts):
+        raise AttributeError("the sentence model failed")
+
+    monkeypatch.setattr(recdata, "encode_texts_cached", broken)
+    with pytest.raises(AttributeError, match="the sentence model failed"):
+        load_synthetic(world)

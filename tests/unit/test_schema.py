@@ -2,6 +2,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
+from andromeda_core.errors import InvalidInput
+from andromeda_core.schema import load_schema, read_yaml
+
 
 def test_default_schema_has_the_promised_breadth(default_schema):
     kinds = Counter(c.kind for c in default_schema.categories)
@@ -20,3 +25,17 @@ def test_encodings_follow_vocabulary_size(default_schema):
     assert by["interests"].encoding == "list" and by["custom_audiences"].encoding == "list"
     assert by["age"].encoding == "bitset" and by["age"].value_index(13) == 0 and by["age"].value_index(101) is None
     assert by["gender"].value_index(1) is None and by["custom_audiences"].value_index(True) is None
+
+
+def test_yaml_refuses_a_key_twice_but_keeps_merge_keys(tmp_path):
+    """A mapping naming a key twice is refused (its last value would win unseen); `<<: *anchor` merges as YAML
+    means, the mapping's own keys overriding the merged ones."""
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("name: m\ncategories:\n  - &base {name: country, kind: enum, vocabulary: [US, CA]}\n"
+                      "  - <<: *base\n    name: lang\n")
+    assert [c.name for c in load_schema(merged).categories] == ["country", "lang"]
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("a: 1\nb: {c: 1, c: 2}\n")
+    with pytest.raises(InvalidInput, match="'c' appears twice") as error:
+        read_yaml(twice)
+    assert error.value.field == f"{twice}:2"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -10,6 +11,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core import snapshot
 from andromeda_core.schema import schema_from_dict
 from andromeda_core.snapshot import load_snapshot, save_snapshot
+from index_updater.snapshots import SnapshotStore
 from tests.conftest import SMALL_SCHEMA, apply_events, upsert
 
 
@@ -126,3 +128,15 @@ def test_caller_metadata_that_is_not_an_object_is_corrupt(tmp_path, populated, s
     path = snapshot.save_state(*populated.export_state(), tmp_path / "list.snap", [1])
     with pytest.raises(SnapshotCorrupt, match="not an object"):
         load_snapshot(path, small_schema)
+
+
+def test_a_store_says_which_snapshot_it_passes_over_and_why(tmp_path, populated, small_schema, caplog):
+    """A schema changed under its version makes a replica pass over every snapshot: each is logged with the reason,
+    not skipped in silence."""
+    store = SnapshotStore(tmp_path)
+    store.write(populated, "5-0")
+    reordered = [{**c, "vocabulary": ["CA", "US", "GB", "DE", "FR"]} if c["name"] == "country" else c
+                 for c in SMALL_SCHEMA["categories"]]
+    with caplog.at_level(logging.ERROR, logger="index_updater.snapshots"):
+        assert list(store.valid(schema_from_dict({**SMALL_SCHEMA, "categories": reordered}))) == []
+    assert "another content of schema small-test v1" in caplog.text and "passing over it" in caplog.text
