@@ -53,6 +53,21 @@ def make_ad(ad_id: int, version: int = 1, targeting: dict | None = None, **field
             "targeting": targeting or {}, **fields}
 
 
+def failing_write(monkeypatch, on_call: int, meanwhile=lambda: None) -> None:
+    """Tensor writes (`t[key] = value`) fail from call number on_call on with RuntimeError("device write failed"),
+    meanwhile() running just before the failure (e.g. another thread's read); undone with monkeypatch."""
+    setitem, calls = torch.Tensor.__setitem__, [0]
+
+    def write(self, key, value):
+        calls[0] += 1
+        if calls[0] == on_call:
+            meanwhile()
+            raise RuntimeError("device write failed")
+        return setitem(self, key, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", write)
+
+
 def wait_until(condition, seconds: float = 10.0) -> bool:
     """Poll `condition` until it holds or `seconds` pass (a bound against hanging, not a timing claim)."""
     deadline = time.monotonic() + seconds

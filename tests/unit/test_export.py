@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from andromeda_core import export
 from andromeda_core.index import AdIndex
-from tests.conftest import apply_events, upsert
+from tests.conftest import apply_events, failing_write, upsert
 
 
 def same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
@@ -87,17 +87,8 @@ def test_a_copy_that_read_a_failed_write_midway_takes_the_restored_rows(small_sc
     index = AdIndex(small_schema, scorer.dim, capacity=4)
     apply_events(index, scorer, [upsert(1, 1, {"country": {"any_of": ["US"]}}, bid=1.0)])
     copy = index.begin_export()
-    setitem, calls = torch.Tensor.__setitem__, [0]
-
-    def fails_midway(self, key, value):
-        calls[0] += 1
-        if calls[0] == 9:  # after some of the edit's columns
-            copy.copy_bulk()
-            raise RuntimeError("device write failed")
-        return setitem(self, key, value)
-
     with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "__setitem__", fails_midway)
+        failing_write(m, on_call=9, meanwhile=copy.copy_bulk)  # after some of the edit's columns
         with pytest.raises(RuntimeError, match="device write failed"):
             apply_events(index, scorer, [upsert(1, 2, {"country": {"any_of": ["CA"]}}, bid=5.0)])
     restored = AdIndex.from_state(small_schema, *index.finish_export(copy))

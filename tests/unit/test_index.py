@@ -16,7 +16,7 @@ from andromeda_core.ops import PreparedAd
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.targeting import CompiledTargeting, compile_targeting, compile_user
 from andromeda_core.types import parse_event
-from tests.conftest import apply_events, make_ad, upsert
+from tests.conftest import apply_events, failing_write, make_ad, upsert
 
 NOW = 10_000
 
@@ -303,11 +303,8 @@ def test_a_sweep_whose_write_fails_changes_nothing(index, scorer, monkeypatch):
     apply_events(index, scorer, [upsert(1, end_time=NOW), upsert(2)])
     before = index.digest()
 
-    def device_failure(*args):
-        raise RuntimeError("device write failed")
-
     with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "__setitem__", device_failure)
+        failing_write(m, on_call=1)
         with pytest.raises(RuntimeError, match="device write failed"):
             index.sweep_expired(NOW)
     assert index.digest() == before and 1 in index and len(index) == 2
@@ -334,22 +331,14 @@ def test_a_batch_whose_commit_runs_out_of_memory_changes_nothing(index, scorer, 
     AdIndex.from_state(index.schema, *index.export_state(copy=True))  # restorable: every clause has an ad
 
 
-@pytest.mark.parametrize("failing_write", [1, 3, 6])
-def test_an_edit_whose_column_write_fails_midway_changes_nothing(index, scorer, monkeypatch, failing_write):
+@pytest.mark.parametrize("write", [1, 3, 6])
+def test_an_edit_whose_column_write_fails_midway_changes_nothing(index, scorer, monkeypatch, write):
     """A device write failing after some of the batch's columns were written: they are put back, so no search sees
     the new bid beside the old targeting and version."""
     apply_events(index, scorer, [upsert(1, 1, {"city": {"any_of": ["c1"]}}, bid=1.0)])
     before, state, in_use = index.digest(), index.get(1), len(index.clauses)
-    setitem, calls = torch.Tensor.__setitem__, [0]
-
-    def flaky(self, key, value):
-        calls[0] += 1
-        if calls[0] == failing_write:
-            raise RuntimeError("device write failed")
-        return setitem(self, key, value)
-
     with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "__setitem__", flaky)
+        failing_write(m, on_call=write)
         with pytest.raises(RuntimeError, match="device write failed"):
             apply_events(index, scorer, [upsert(1, 2, {"city": {"any_of": ["c7"]}}, bid=5.0)])
     assert index.digest() == before and index.get(1) == state and len(index.clauses) == in_use
