@@ -421,8 +421,9 @@ class AdIndex:
             try:
                 self._write(columns, writes)
             finally:  # copied again by exports in progress: new, or put back after a failed write they may have read
-                for copy in self._exports if written is not None else ():
-                    copy.note_written(written)
+                if written is not None:
+                    for copy in self._exports:
+                        copy.note_written(written)
         except BaseException:
             self.clauses.release(np.array(taken, dtype=np.int32).reshape(-1, self.clauses.width))
             raise

@@ -17,6 +17,7 @@ import json
 import os
 import zipfile
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -289,12 +290,21 @@ def read_truth(out: str | Path, read: Callable[[Any], Any]) -> Any:
     truth = Path(out) / "truth.npz"
     if not truth.is_file():
         return None
+    with world_files(truth), np.load(truth, allow_pickle=False) as arrays:
+        return read(arrays)
+
+
+@contextmanager
+def world_files(where: Path) -> Iterator[None]:
+    """Reading what synthesize wrote at `where` (a world, or one of its files): content it does not write (a line
+    that is not JSON, a request of another shape, a truth.npz of other arrays, empty or not an archive) is an
+    InvalidInput naming `where`."""
     try:
-        with np.load(truth, allow_pickle=False) as arrays:
-            return read(arrays)
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+        yield
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError,
+            zipfile.BadZipFile) as exc:
         raise InvalidInput(f"not a world written by `andromeda synth` ({type(exc).__name__}: {exc})"[:300],
-                           str(truth)) from None
+                           str(where)) from None
 
 
 def world_config(out: str | Path) -> WorldConfig | None:

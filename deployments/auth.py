@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Literal
 
 from andromeda_core import strict_json
+from andromeda_core.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # whole names only (fullmatch: "$" would let a final newline in)
@@ -82,13 +83,9 @@ class TokenFileError(ValueError):
 def parse_token_file(text: str) -> dict[str, TokenEntry]:
     """The file's entries by name; raises TokenFileError naming the first bad field."""
     try:
-        data = strict_json.loads(text)  # a key twice ("role": "reader", "role": "admin") is refused, not the last kept
-    except json.JSONDecodeError as exc:
-        raise TokenFileError(f"not JSON ({exc.msg} at line {exc.lineno})", "token_file") from None
-    except (strict_json.NotJSON, RecursionError) as exc:
-        raise TokenFileError(f"not JSON ({exc or 'nested too deeply'})", "token_file") from None
-    except ValueError:  # json's only other error
-        raise TokenFileError("not JSON (a number has thousands of digits)", "token_file") from None
+        data = strict_json.read(text, "token_file")  # a key twice ("role": "reader", "role": "admin") is refused
+    except InvalidInput as exc:
+        raise TokenFileError(exc.message, exc.field) from None
     if not isinstance(data, dict) or set(data) != {"tokens"} or not isinstance(data["tokens"], list):
         raise TokenFileError('expected {"tokens": [...]} and nothing else', "tokens")
     entries: dict[str, TokenEntry] = {}

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import csv
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from andromeda_core.config import load_settings
-from andromeda_core.errors import InvalidInput
 from andromeda_core.models.segments import segment_ids
 from andromeda_core.models.text import encode_texts_cached
 from andromeda_core.schema import Schema, load_schema
+from andromeda_core.synth import read_truth, world_files
 
 CLICK_SMOOTHING = 2.0  # impressions at the overall click rate added to each item's counts (RecData.click_logodds)
 EVENTS = ("impression", "click", "like", "share", "conversion", "hide")
@@ -98,17 +96,6 @@ class RecData:
         return np.flatnonzero(np.bincount(rows, minlength=len(self.items.ids)) >= at_least)
 
 
-@contextmanager
-def world_files(world: Path) -> Iterator[None]:
-    """Reading the files of a synthetic world: files that are not what `andromeda synth` writes (a line that is not
-    JSON, a request of another shape) are an InvalidInput naming the world."""
-    try:
-        yield
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise InvalidInput(f"not a world written by `andromeda synth` ({type(exc).__name__}: {exc})"[:300],
-                           str(world)) from None
-
-
 def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
     """Items = the world's ads (latest upsert); users = its requests, histories = their clicks."""
     schema = load_schema()
@@ -154,8 +141,8 @@ def _synthetic_users(world: Path, schema: Schema, row: dict[int, int]) -> tuple[
                             ctx["ts"] // 3600 % 24])
             now.append(ctx["ts"])
     shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
-    with np.load(world / "truth.npz") as saved:
-        truth = {name: saved[name] for name in saved.files if name not in ("config", "generator")}
+    truth = read_truth(world, lambda saved: {name: saved[name] for name in saved.files
+                                             if name not in ("config", "generator")})
     return Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown), truth
 
 

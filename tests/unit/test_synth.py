@@ -124,8 +124,9 @@ def test_a_world_written_over_is_no_world_until_complete(tmp_path, default_schem
 
 
 def test_a_truth_file_that_synth_did_not_write_is_named(tmp_path):
-    (tmp_path / "truth.npz").write_bytes(b"\x93NUMPY garbage" * 20)
-    for read in (world_config, is_current):
-        with pytest.raises(InvalidInput) as error:
-            read(tmp_path)
-        assert error.value.field == str(tmp_path / "truth.npz") and "not a world written by" in error.value.message
+    for content in (b"\x93NUMPY garbage" * 20, b""):  # an empty file raised EOFError
+        (tmp_path / "truth.npz").write_bytes(content)
+        for read in (world_config, is_current):
+            with pytest.raises(InvalidInput) as error:
+                read(tmp_path)
+            assert error.value.field == str(tmp_path / "truth.npz") and "not a world written by" in error.value.message
