@@ -231,16 +231,18 @@ def vector_bytes(storage: str, device: str) -> int:
     return (len(used) + scales) * unit
 
 
-def bytes_per_ad(storage: str, device: str, refs: int, read: float, threshold_scan: bool) -> float:
-    """What the fused pass reads per ad: its match columns, and the rows it loads: on the CPU those of the ads some
-    request of the batch is eligible for (`read`, a share), on a GPU every row of every block (the Triton scan loads
-    a block's rows before it knows which match), the threshold scan's sample of 1 in SAMPLE_STRIDE blocks again."""
+def bytes_per_ad(storage: str, device: str, refs: int, read: float, threshold_scan: bool, B: int) -> float:
+    """What the fused pass of B requests reads per ad: its match columns, and the rows it loads: on the CPU, and on a
+    GPU for batches of up to MATCHED_ROWS_MAX_B, those of the ads some request of the batch is eligible for (`read`,
+    a share); on a GPU for larger batches every row of every block (the Triton scan loads a block's rows before it
+    knows which match); on a GPU the threshold scan's sample of 1 in SAMPLE_STRIDE blocks again."""
     match = MATCH_BYTES + 4 * refs
     if device != "cuda":
         return match + read * vector_bytes(storage, device)
-    from kernels.triton.fused import SAMPLE_STRIDE
+    from kernels.triton.fused import MATCHED_ROWS_MAX_B, SAMPLE_STRIDE
 
-    return (match + vector_bytes(storage, device)) * (1 + (1 / SAMPLE_STRIDE if threshold_scan else 0))
+    rows = read if B <= MATCHED_ROWS_MAX_B else 1.0
+    return (match + rows * vector_bytes(storage, device)) * (1 + (1 / SAMPLE_STRIDE if threshold_scan else 0))
 
 
 def rows_read(world: Table, requests: Requests, B: int) -> float:
@@ -311,7 +313,7 @@ def main() -> None:
                 topk = timed(lambda: scores[:B].topk(K, dim=1), dev, args.repeats)
                 tower = timed(towers(dev, B), dev, args.repeats)
                 gated, threshold_scan = gated_share(args_) if dev == "cuda" else (None, False)
-                per_ad = bytes_per_ad(storage, dev, on.refs.shape[1], read[B], threshold_scan)
+                per_ad = bytes_per_ad(storage, dev, on.refs.shape[1], read[B], threshold_scan, B)
                 row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, read=read[B], per_ad=per_ad, ref=ref,
                            naive=naive, faiss=flat[B][0], faiss_setup=flat[B][1], topk=topk, tower=tower,
                            gbs=n * per_ad / ours / 1e9, gflops=B * n * eligible * FLOPS_PER_PAIR / ours / 1e9, gated=gated)

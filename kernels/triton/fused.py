@@ -44,6 +44,9 @@ PER_BLOCK_BYTES = 1 << 31  # the per-block scan's partials, (B, blocks, width) i
 # 100M-ad table with 64 requests would take 51 GB) the requests go in parts, each a pass of its own
 KEEP_TOP, KEEP_MAX, KEEP_ABOVE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what a block keeps: its top WIDTH keys, its best key, the keys >= tau
 SKIP_BELOW_TAU = True  # the threshold scan skips the gating of blocks that cannot reach tau (False: for A/B runs)
+MATCHED_ROWS_MAX_B = 4  # batches of at most this many requests load only the vector rows some request matches (the
+# masked-off rows' sectors are never fetched) and match each request twice; larger batches, where most rows match
+# some request, load every row of a block (0: always every row, for A/B runs). Chosen without a GPU: unmeasured
 # Integers that change while serving (the table's rows, the batch, the clause words, the partials, k): not
 # specialised, where Triton would compile a kernel again each time one became 1 or a multiple of 16, requests waiting.
 UNSPECIALISED = {"_scan_kernel": ("n", "last", "B", "W"), "_merge_kernel": ("P", "m")}
@@ -59,15 +62,19 @@ _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 @triton.jit
 def load_tile(rows_ptr, C0: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, KP: tl.constexpr,
-              STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+              STRIDE: tl.constexpr, BLOCK: tl.constexpr, rows_ok=None):
     """Columns C0 .. C0 + KP of the BLOCK rows STRIDE elements apart from rows_ptr -> (BLOCK, KP) as stored, 0
-    outside columns C0 + LO .. C0 + HI. Int32 offsets from one pointer: with STRIDE a constant each element is one
-    load at an immediate offset of its thread's address, and the rows need no mask (the caller keeps them in the
-    table)."""
+    outside columns C0 + LO .. C0 + HI and in the rows rows_ok (BLOCK,) bool leaves out (None: none; a row left out
+    is not read). Int32 offsets from one pointer: with STRIDE a constant each element is one load at an immediate
+    offset of its thread's address, and the rows need no bounds mask (the caller keeps them in the table)."""
     k = tl.arange(0, KP)[None, :]
     ptrs = rows_ptr + tl.arange(0, BLOCK)[:, None] * STRIDE + (C0 + k)
     if LO > 0 or HI < KP:
+        if rows_ok is not None:
+            return tl.load(ptrs, mask=(k >= LO) & (k < HI) & rows_ok[:, None], other=0)
         return tl.load(ptrs, mask=(k >= LO) & (k < HI), other=0)
+    if rows_ok is not None:
+        return tl.load(ptrs, mask=rows_ok[:, None], other=0)
     return tl.load(ptrs)
 
 
@@ -185,7 +192,7 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
                  STRIDE_R: tl.constexpr, CP: tl.constexpr, STRIDE_V: tl.constexpr, STRIDE_S: tl.constexpr,
                  D: tl.constexpr, DW: tl.constexpr, G: tl.constexpr, G0: tl.constexpr, GW: tl.constexpr,
                  EP: tl.constexpr, TOP_N: tl.constexpr, BIAS_COL: tl.constexpr, BLOCK: tl.constexpr,
-                 WIDTH: tl.constexpr, KEEP: tl.constexpr, SKIP: tl.constexpr):
+                 WIDTH: tl.constexpr, KEEP: tl.constexpr, SKIP: tl.constexpr, MATCHED_ROWS: tl.constexpr):
     """Program i serves block i * block_stride of BLOCK slots for every request b, keeping by KEEP:
     KEEP_TOP its WIDTH best keys at part[b, i] (B, programs, WIDTH) (all BLOCK keys, unsorted, when WIDTH == BLOCK);
     KEEP_MAX its best key at part[b, i] (B, programs); KEEP_ABOVE its keys >= tau[b] appended to part[b]
@@ -193,8 +200,10 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
     KEEP_ABOVE skips the gating and keys of a block without an eligible slot or, with SKIP, where no eligible slot
     may reach tau[b] (may_reach), and counts the blocks it scored in scored (B,) int32. KEEP_TOP and KEEP_ABOVE add the block's eligible counts to eligible (B,).
     The vector rows read are the BLOCK from min(first slot, last) (last: the table's rows - BLOCK), all inside the
-    table: the last block reads back over its neighbour's slots and leaves them ineligible. Tiles: a columns
-    0 .. DW, q columns G0 .. G0 + GW (float tables: G0 = D; int8: from D's scale block on), bias BIAS_COL (< 0: 0)."""
+    table: the last block reads back over its neighbour's slots and leaves them ineligible; with MATCHED_ROWS only
+    the rows of slots some request matches (the block is matched once more first), the others read as 0, which
+    no key carries. Tiles: a columns 0 .. DW, q columns G0 .. G0 + GW (float tables: G0 = D; int8: from D's scale
+    block on), bias BIAS_COL (< 0: 0)."""
     QUANT: tl.constexpr = vec_ptr.dtype.element_ty == tl.int8
     pid = tl.program_id(0)
     first = (pid * block_stride).to(tl.int64) * BLOCK
@@ -203,23 +212,30 @@ def _scan_kernel(status_ptr, start_ptr, end_ptr, refs_ptr, vec_ptr, scale_ptr, n
     servable, start, end, clause, negate = load_slots(status_ptr, start_ptr, end_ptr, refs_ptr, offs, n, C,
                                                       STRIDE_R, CP)
     servable = servable & (offs >= first)
+    rows_ok = None
+    if MATCHED_ROWS:  # only the rows some request matches are read
+        rows_ok = offs < 0
+        for b in range(B):
+            rows_ok = rows_ok | match_request(servable, start, end, clause, negate, truth_ptr + b * W,
+                                              tl.load(now_ptr + b))
     rows = vec_ptr + base * STRIDE_V
-    a = load_tile(rows, 0, 0, D, DW, STRIDE_V, BLOCK)
-    q = load_tile(rows, G0, D - G0, D + G - G0, GW, STRIDE_V, BLOCK) if G > 0 else None
+    a = load_tile(rows, 0, 0, D, DW, STRIDE_V, BLOCK, rows_ok)
+    q = load_tile(rows, G0, D - G0, D + G - G0, GW, STRIDE_V, BLOCK, rows_ok) if G > 0 else None
     bias = tl.zeros((BLOCK,), tl.float32)
     if BIAS_COL >= 0:
-        bias = tl.reshape(load_tile(rows, BIAS_COL, 0, 1, 1, STRIDE_V, BLOCK), (BLOCK,)).to(tl.float32)
+        bias = tl.reshape(load_tile(rows, BIAS_COL, 0, 1, 1, STRIDE_V, BLOCK, rows_ok), (BLOCK,)).to(tl.float32)
     a_scale, q_scale = None, None
     SD: tl.constexpr = DW // _SCALE_BLOCK  # int8: the scale columns of the tiles
     SG: tl.constexpr = GW // _SCALE_BLOCK
     if QUANT:
         scales = scale_ptr + base * STRIDE_S
-        a_scale = load_tile(scales, 0, 0, tl.cdiv(D, _SCALE_BLOCK), SD, STRIDE_S, BLOCK)
+        a_scale = load_tile(scales, 0, 0, tl.cdiv(D, _SCALE_BLOCK), SD, STRIDE_S, BLOCK, rows_ok)
         if G > 0:
             q_scale = load_tile(scales, G0 // _SCALE_BLOCK, 0, tl.cdiv(D + G, _SCALE_BLOCK) - G0 // _SCALE_BLOCK,
-                                SG, STRIDE_S, BLOCK)
+                                SG, STRIDE_S, BLOCK, rows_ok)
         if BIAS_COL >= 0:
-            bias *= tl.reshape(load_tile(scales, BIAS_COL // _SCALE_BLOCK, 0, 1, 1, STRIDE_S, BLOCK), (BLOCK,))
+            bias *= tl.reshape(load_tile(scales, BIAS_COL // _SCALE_BLOCK, 0, 1, 1, STRIDE_S, BLOCK, rows_ok),
+                               (BLOCK,))
     EXPERTS: tl.constexpr = DW * (SD if QUANT else 1) * EP  # elements of a request's operands (fused_scan)
     KEYS: tl.constexpr = GW * (SG if QUANT else 1) * EP
     if KEEP == KEEP_TOP:  # row: where request b's keys go, stepped per request (pointer arithmetic: 64-bit)
@@ -452,7 +468,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
             C=refs.shape[1], STRIDE_R=refs.stride(0), CP=triton.next_power_of_2(refs.shape[1]),
             STRIDE_V=vectors.stride(0), STRIDE_S=scales.stride(0), D=D, DW=DW, G=G, G0=G0, GW=GW, EP=EP,
             TOP_N=min(top_n, E), BIAS_COL=bias_col, BLOCK=BLOCK, WIDTH=width, KEEP=keep, SKIP=SKIP_BELOW_TAU,
-            num_warps=SCAN_WARPS)
+            MATCHED_ROWS=B <= MATCHED_ROWS_MAX_B, num_warps=SCAN_WARPS)
 
     sample_stride = SAMPLE_STRIDE if sample_stride is None else sample_stride
     sampled = blocks // sample_stride if sample_stride else 0
@@ -494,21 +510,26 @@ def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: 
     launch, seconds, while requests wait): for each power of two a shortlist rounds up to (the only compile-time
     shape requests change; above MERGE_MAX_K torch merges), the threshold scan (also over a table too small to take
     it yet) and the per-block one (taken when candidates overflow), and the merge of every round (one round, and a
-    first, a middle and a last)."""
+    first, a middle and a last), each scan for a batch of one request and one of MATCHED_ROWS_MAX_B + 1 (the
+    first request repeated: the two ways of loading rows)."""
     if status.shape[0] == 0:  # passes skip an empty table: its first ads' first pass compiles
         return
-    head = (now, truth, experts, keys, mask, bias_col, top_n)
-    args = (status, start, end, refs, vectors, scales, *head)
+    table = (status, start, end, refs, vectors, scales)
     rows = SAMPLE_STRIDE * BLOCK  # the fewest slots the threshold scan is taken over (at m = 1)
-    if status.shape[0] < rows:  # not over this table, so warm it over one grown by slots of no ad (unservable)
-        grown = [None if t is None else torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
-                 for t in (status, start, end, refs, vectors, scales)]
-        fused_scan(*grown, *head, 1)
-    for K in (2**j for j in range(max(MERGE_MAX_K, BLOCK).bit_length())):
-        path: dict = {}
-        fused_scan(*args, K, stats=path)
-        if path["path"] == "threshold":
-            fused_scan(*args, K, sample_stride=0)
+    grown = [None if t is None else torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+             for t in table] if status.shape[0] < rows else None  # slots of no ad (unservable) past a table too
+    # small for the threshold scan
+    shortlists = [2**j for j in range(max(MERGE_MAX_K, BLOCK).bit_length())]
+    for B in {1, MATCHED_ROWS_MAX_B + 1}:
+        head = (*(r[:1].repeat(B, *[1] * (r.dim() - 1)) for r in (now, truth, experts, keys, mask)), bias_col, top_n)
+        if grown is not None:  # the threshold scan, not over this table, so over the grown one
+            fused_scan(*grown, *head, 1)
+        for K in shortlists:
+            path: dict = {}
+            fused_scan(*table, *head, K, stats=path)
+            if path["path"] == "threshold":
+                fused_scan(*table, *head, K, sample_stride=0)
+    for K in shortlists:
         for width in {min(K, BLOCK), BLOCK}:
             for P in (1, merge_fan(width, K) * merge_fan(K, K) + 1):
                 merge_partials(torch.full((1, P, width), NO_KEY, dtype=torch.int64, device=status.device), K)

@@ -27,9 +27,10 @@ def test_row_bytes_are_the_cache_lines_or_sectors_a_row_occupies():
     assert (vector_bytes("fp16", "cpu"), vector_bytes("fp16", "cuda")) == (256, 192)
     assert (vector_bytes("int8", "cpu"), vector_bytes("int8", "cuda")) == (128 + 64, 128 + 32)
     refs = 6
-    assert bytes_per_ad("int8", "cpu", refs, 0.25, False) == 17 + 24 + 0.25 * 192
-    assert bytes_per_ad("fp16", "cuda", refs, 0.25, False) == 17 + 24 + 192  # every row, matched or not
-    assert bytes_per_ad("fp16", "cuda", refs, 0.25, True) == (17 + 24 + 192) * (1 + 1 / 16)  # and the sample again
+    assert bytes_per_ad("int8", "cpu", refs, 0.25, False, 16) == 17 + 24 + 0.25 * 192
+    assert bytes_per_ad("fp16", "cuda", refs, 0.25, False, 16) == 17 + 24 + 192  # every row, matched or not
+    assert bytes_per_ad("fp16", "cuda", refs, 0.25, True, 16) == (17 + 24 + 192) * (1 + 1 / 16)  # and the sample again
+    assert bytes_per_ad("fp16", "cuda", refs, 0.25, False, 4) == 17 + 24 + 0.25 * 192  # a small batch: matched rows
 
 
 def test_faiss_is_timed_at_its_fastest_setting_and_left_as_found(monkeypatch):
