@@ -12,7 +12,8 @@ merge folds. Where too few blocks are sampled, or the candidates overflow their 
 order), the scan keeps every block's top-m instead (exact too, B x n keys).
 
 Scoring runs on tensor cores. A program loads its table tiles once (int32 offsets at a constant row stride from
-one pointer, no row masks: the last block reads back over its neighbour's rows and leaves them ineligible); the
+one pointer, no bounds masks: the last block reads back over its neighbour's rows and leaves them ineligible; for
+small batches a row mask leaves out the rows no request matched, MATCHED_ROWS_MAX_B); the
 request side comes split on the host (mma_operand): each expert and each request's gating keys scaled by a power
 of two, then rounded to float16 hi plus float16 lo = the rest. float16 tiles are exact as float16 and take two
 float16 dots (hi, lo) with float32 accumulation; int8 tiles too (q is exact in float16), against a block-diagonal

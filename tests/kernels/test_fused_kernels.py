@@ -426,9 +426,11 @@ def test_threshold_scan_skips_the_gating_of_blocks_below_tau(monkeypatch, dtype)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy meets the NaNs
-def test_threshold_scan_with_nan_and_infinite_values_equals_reference():
+@pytest.mark.parametrize("matched_rows_max_b", [4, 0])  # only the matched rows loaded, or every row
+def test_threshold_scan_with_nan_and_infinite_values_equals_reference(monkeypatch, matched_rows_max_b):
     """NaN and infinite similarities and biases in the threshold scan's skip test, then a tau whose score is -inf
     (every bias but two -inf): the answers are the reference's (Triton)."""
+    monkeypatch.setattr(fused, "MATCHED_ROWS_MAX_B", matched_rows_max_b)
     gen = torch.Generator().manual_seed(37)
     n, m = 1500, 4
     status, start, end, refs = servable_table(n)
@@ -695,6 +697,8 @@ def compile_for_sm90():
                                        ("*fp16", 1, 1), ("*fp16", 1, 2), ("*i8", 1, 2))]
     builds += [scan(vec, WIDTH=width, KEEP=keep, MATCHED_ROWS=True)  # small batches: only the matched rows loaded
                for vec, width, keep in (("*fp16", 16, 0), ("*fp16", 1, 2), ("*i8", 1, 2))]
+    builds += [scan("*fp16", WIDTH=1, KEEP=2, STRIDE_V=128, MATCHED_ROWS=masked)  # rows padded to 256 bytes, as an
+               for masked in (False, True)]  # AdIndex lays them out: the vector loads can be 128-bit
     builds += [scan("*fp16", G=0, TOP_N=1, WIDTH=16, KEEP=0),  # the dot product (E = 1)
                scan("*i8", D=40, G0=32, GW=32, BIAS_COL=-1, WIDTH=1, KEEP=2),  # q's tile over two scale blocks
                (fused._merge_kernel, {}, dict(W_IN=128, FAN=16, K=256, FINAL=False), 4),
@@ -715,7 +719,7 @@ def compile_for_sm90():
                            for dump in ("--dump-resource-usage", "--dump-sass"))
         instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?!NOP)\S", sass, re.M))
         print(fn.__name__, types.get("vec_ptr"), constants, re.search(r"REG:\d+ STACK:\d+", usage).group(),
-              f"SHARED:{kernel.metadata.shared} SASS:{instructions}")
+              f"SHARED:{kernel.metadata.shared} SASS:{instructions} LDG128:{len(re.findall(r'LDG[.]E[.]128', sass))}")
 
 
 def test_kernels_compile_for_sm90_without_spills():
@@ -727,9 +731,11 @@ def test_kernels_compile_for_sm90_without_spills():
                           "compile_for_sm90()"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     spilled = re.findall(r"STACK:(\d+)", run.stdout)
-    assert len(spilled) == 15 and set(spilled) == {"0"}, run.stdout
+    assert len(spilled) == 17 and set(spilled) == {"0"}, run.stdout
     shared = [int(b) for b in re.findall(r"SHARED:(\d+)", run.stdout)]  # within sm_90's 227 KB a block may opt in to
-    assert len(shared) == 15 and max(shared) <= 227 * 1024, run.stdout
+    assert len(shared) == 17 and max(shared) <= 227 * 1024, run.stdout
+    wide = re.findall(r"'STRIDE_V': 128.*'MATCHED_ROWS': (\w+).*LDG128:(\d+)", run.stdout)  # the row mask keeps
+    assert len(wide) == 2 and wide[0][1] == wide[1][1] != "0", wide  # every vector load as wide as without it
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernels at realistic sizes")
@@ -795,7 +801,7 @@ def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch
     gen = torch.Generator().manual_seed(5)
     blocks = 3 * fused.SAMPLE_STRIDE + 1  # 3 sampled: the threshold scan up to m = 3, the per-block one beyond
     table = make_table(gen, blocks * fused.BLOCK + 5, 3, 21, torch.float16)
-    requests = make_requests(gen, 4, 6, 12, 8)
+    requests = make_requests(gen, fused.MATCHED_ROWS_MAX_B + 2, 6, 12, 8)
     for small in (False, True):
         launched.clear()
         warmed_over = [None if t is None else t[:fused.BLOCK + 3] for t in table] if small else table
@@ -803,7 +809,7 @@ def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch
         warmed = set(launched)
         launched.clear()
         paths = set()
-        for B in (1, 3, 4):
+        for B in (1, 3, fused.MATCHED_ROWS_MAX_B, fused.MATCHED_ROWS_MAX_B + 2):  # both ways of loading rows
             for m in (1, 2, 3, 9, 100):
                 path: dict = {}
                 fused.fused_scan(*on_device(table), *on_device([r[:B] for r in requests]), 20, 2, m, stats=path)
@@ -813,3 +819,5 @@ def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch
         fused.fused_scan(*on_device(grown), *on_device(requests), 20, 2, 7)
         assert launched and launched <= warmed, (small, launched - warmed)
         assert {kernel for kernel, _, _, _ in warmed} == {"_scan_kernel", "_merge_kernel"}
+        assert {dict(constants)["MATCHED_ROWS"] for kernel, _, _, constants in warmed if kernel == "_scan_kernel"} == {
+            True, False}
