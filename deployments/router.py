@@ -9,6 +9,7 @@ import asyncio
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Sequence
 
 import grpc
@@ -135,6 +136,13 @@ class ShardUnavailable(AndromedaError):
     """A shard did not answer within its deadline, twice."""
 
 
+@dataclass(frozen=True)
+class Missing:
+    """A shard's place among the answers when allow_partial left it out, and why: ShardUnavailable or Overloaded."""
+
+    error: AndromedaError
+
+
 class StreamUnavailable(AndromedaError):
     """Redis did not take the events (after a few quick retries); nothing of the failed shard was appended."""
 
@@ -238,7 +246,7 @@ class Router:
         replies = await asyncio.gather(*(self.ask(s, allow_partial, "vectors", ids) for s, ids in by_shard.items()))
         found: dict[int, torch.Tensor] = {}
         for ids, reply in zip(by_shard.values(), replies):
-            if reply is not None:
+            if not isinstance(reply, Missing):
                 found.update((i, v) for i, v, hit in zip(ids, reply.vectors, reply.found.tolist()) if hit)
         zero = torch.zeros(self.scorer.dim)
 
@@ -248,16 +256,17 @@ class Router:
             return (torch.stack([found.get(i, zero) for i in ad_ids]),
                     torch.tensor([i in found for i in ad_ids], dtype=torch.bool))
 
-        return lookup, {s for s, reply in zip(by_shard, replies) if reply is None}
+        return lookup, {s for s, reply in zip(by_shard, replies) if isinstance(reply, Missing)}
 
     async def ask(self, shard: int, allow_partial: bool, method: str, *args: Any) -> Any:
         """`call`, except that with allow_partial a shard that does not answer (ShardUnavailable) or whose queue is
-        full (Overloaded) gives None. A shard's own error (its answer, or a bug) still fails the request."""
+        full (Overloaded) gives Missing(that error). A shard's own error (its answer, or a bug) still fails the
+        request."""
         try:
             return await self.call(shard, method, *args)
-        except (ShardUnavailable, Overloaded):
+        except (ShardUnavailable, Overloaded) as exc:
             if allow_partial:
-                return None
+                return Missing(exc)
             raise
 
     async def call(self, shard: int, method: str, *args: Any, attempts: int = 2, timeout_s: float | None = None) -> Any:
@@ -290,19 +299,22 @@ class Router:
         raise ShardUnavailable(f"shard {shard} did not answer ({type(error).__name__}); retry later", f"shard {shard}")
 
     def merge(self, requests: Sequence[RetrieveRequest], compiled: Sequence[CompiledRequest],
-              answers: Sequence[ShardAnswer | None], unreachable: set[int], started: float) -> list[RetrieveResponse]:
+              answers: Sequence[ShardAnswer | Missing], unreachable: set[int], started: float) -> list[RetrieveResponse]:
         """Exact merge of the shards' partial top-k; eligible counts add up. Shards that did not answer
-        the search or the history lookup are listed as missing."""
-        present = [a for a in answers if a is not None]
-        missing = sorted(unreachable | {s for s, a in enumerate(answers) if a is None})
+        the search or the history lookup are listed as missing. With no answer at all: Overloaded when every
+        shard's queue was full, else ShardUnavailable."""
+        present = {s: a for s, a in enumerate(answers) if not isinstance(a, Missing)}
+        missing = sorted(unreachable | (set(range(len(answers))) - set(present)))
         if not present:
+            if answers and all(isinstance(a.error, Overloaded) for a in answers):
+                raise Overloaded("every shard's queue is full; retry after Retry-After", "shard")
             raise ShardUnavailable("no shard answered", "shard")
-        merged = merge_topks([a.topk for a in present], max(r.k for r in requests))
-        for a, s in zip(present, (s for s, a in enumerate(answers) if a is not None)):
+        merged = merge_topks([a.topk for a in present.values()], max(r.k for r in requests))
+        for s, a in present.items():
             self.metrics.shard_latency.labels(str(s)).observe(a.search_ms / 1000)
         self.metrics.eligible.inc(int(merged.eligible.sum()))
-        self.metrics.scanned.inc(len(requests) * sum(a.scanned for a in present))
-        watermarks = [a.watermark if a is not None else None for a in answers]
+        self.metrics.scanned.inc(len(requests) * sum(a.scanned for a in present.values()))
+        watermarks = [present[s].watermark if s in present else None for s in range(len(answers))]
         took_ms = round((time.perf_counter() - started) * 1000, 3)
         out = []
         for b, (r, c) in enumerate(zip(requests, compiled)):

@@ -18,7 +18,7 @@ from andromeda_core.retriever import TopK, compile_requests
 from andromeda_core.schema import load_schema
 from andromeda_core.types import parse_request
 from deployments.metrics import ServiceMetrics
-from deployments.router import Router, ShardUnavailable
+from deployments.router import Missing, Router, ShardUnavailable
 from deployments.shard import ShardAnswer
 
 
@@ -114,13 +114,15 @@ def test_a_busy_shard_keeps_its_last_status_for_probes_and_scrapes():
 
 @pytest.mark.parametrize("error", [TimeoutError(), BackPressureError(num_queued_requests=3, max_queued_requests=3)])
 def test_allow_partial_leaves_out_a_shard_that_does_not_answer_or_is_full(error):
-    """With allow_partial, a shard that does not answer or whose queue is full gives None (listed missing); without it,
-    the request fails: ShardUnavailable, Overloaded."""
+    """With allow_partial, a shard that does not answer or whose queue is full gives Missing(why) (listed missing);
+    without it, the request fails: ShardUnavailable, Overloaded."""
     router = SimpleNamespace(shards=[Shard(error)], config=SimpleNamespace(shard_timeout_s=5.0, overload=SimpleNamespace(
         shard_queue=3)))
     router.call = lambda *args, **kwargs: Router.func_or_class.call(router, *args, **kwargs)
-    assert asyncio.run(Router.func_or_class.ask(router, 0, True, "search", "query")) is None
-    with pytest.raises(ShardUnavailable if isinstance(error, TimeoutError) else Overloaded):
+    why = ShardUnavailable if isinstance(error, TimeoutError) else Overloaded
+    left_out = asyncio.run(Router.func_or_class.ask(router, 0, True, "search", "query"))
+    assert isinstance(left_out, Missing) and type(left_out.error) is why
+    with pytest.raises(why):
         asyncio.run(Router.func_or_class.ask(router, 0, False, "search", "query"))
 
 
@@ -134,7 +136,8 @@ def test_allow_partial_does_not_hide_a_shards_own_error():
 
 def test_the_merge_lists_shards_missing_from_the_search_or_the_history_lookup():
     """Shard 1 gave no answer (allow_partial): the response is shard 0's top-k and lists shard 1, and shard 2, which
-    missed the history lookup though its search answered; no shard answering at all is ShardUnavailable."""
+    missed the history lookup though its search answered. No shard answering at all is Overloaded when every shard's
+    queue was full, else ShardUnavailable."""
     requests = [parse_request({"user": {"user_id": 1}, "k": 2})]
     compiled = compile_requests(load_schema(), requests)
 
@@ -142,9 +145,12 @@ def test_the_merge_lists_shards_missing_from_the_search_or_the_history_lookup():
         return ShardAnswer(TopK(torch.tensor([ids]), torch.tensor([scores]), torch.tensor([eligible])), watermark, 1.0, 10)
 
     router = SimpleNamespace(metrics=ServiceMetrics())
-    answers = [part([4, 6], [0.5, 0.25], 7, "5-0"), None, part([9, -1], [0.75, float("-inf")], 1, "3-0")]
+    unavailable, full = Missing(ShardUnavailable("no answer", "shard 1")), Missing(Overloaded("full", "shard 1"))
+    answers = [part([4, 6], [0.5, 0.25], 7, "5-0"), unavailable, part([9, -1], [0.75, float("-inf")], 1, "3-0")]
     response = Router.func_or_class.merge(router, requests, compiled, answers, {2}, 0.0)[0]
     assert [(a.ad_id, a.score) for a in response.ads] == [(9, 0.75), (4, 0.5)] and response.eligible == 8
     assert response.missing_shards == [1, 2] and response.shard_watermarks == ["5-0", None, "3-0"]
     with pytest.raises(ShardUnavailable):
-        Router.func_or_class.merge(router, requests, compiled, [None, None], set(), 0.0)
+        Router.func_or_class.merge(router, requests, compiled, [full, unavailable], set(), 0.0)
+    with pytest.raises(Overloaded, match="every shard's queue is full"):
+        Router.func_or_class.merge(router, requests, compiled, [full, full], set(), 0.0)
