@@ -8,6 +8,7 @@ engagements (looked up in the index), the segments (cohorts and declared attribu
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -22,6 +23,8 @@ from andromeda_core.models.text import encode_texts
 from andromeda_core.models.towers import UserInputs, UserState
 from andromeda_core.schema import Schema
 from andromeda_core.types import Ad, RetrieveRequest
+
+log = logging.getLogger(__name__)
 
 
 class ModelScorer:
@@ -44,6 +47,11 @@ class ModelScorer:
         model, config = RetrievalModel.load(path)
         if "categories" not in config:
             raise ValueError(f"{path}: checkpoint has no category vocabulary; retrain it with `andromeda train`")
+        trained_under = (config.get("schema"), config.get("schema_version"))
+        if trained_under != (schema.name, schema.version):  # it serves (segments are hashed by name), but warn
+            log.warning("%s was trained under schema %s version %s, and serves under %s version %s: the segments its "
+                        "towers learned may mean other values; train it again under this schema", path, *trained_under,
+                        schema.name, schema.version)
         return cls(model, config["categories"], schema, device)
 
     def to(self, device: str | torch.device) -> "ModelScorer":

@@ -152,6 +152,18 @@ def test_a_ranker_is_not_served(default_schema):
     assert caught.value.field == "model"
 
 
+def test_a_checkpoint_trained_under_another_schema_serves_with_a_warning(default_schema, tmp_path, caplog):
+    model = RetrievalModel("moe", Dims(dim=8, gate=4, semantic=4, categories=4))
+    for name, version, warned in ((default_schema.name, default_schema.version, False), ("other", 9, True),
+                                  (default_schema.name, default_schema.version + 1, True), (None, None, True)):
+        meta = {"categories": ["sports"]} | ({"schema": name, "schema_version": version} if name else {})
+        model.save(tmp_path / "m.safetensors", meta)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="andromeda_core.models.serving"):
+            ModelScorer.load(tmp_path / "m.safetensors", default_schema)
+        assert ("train it again under this schema" in caplog.text) == warned, (name, version)
+
+
 def test_warm_up_loads_the_sentence_model(scorer):
     """The router warms its scorer up at start, so the first write does not load the sentence model in its deadline."""
     from andromeda_core.models import text
