@@ -90,8 +90,8 @@ def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, disti
     """taught: the users the teacher was asked for; cfg: the training run's steps and learning rate are recorded, and
     its click weights where set (get_model trains again where they are not the ones asked)."""
     schema = load_schema()
-    meta = {"data": data.name, "schema": schema.name, "schema_version": schema.version, "seed": seed,
-            "categories": data.items.categories}
+    meta = {"data": data.name, "schema": schema.name, "schema_version": schema.version,
+            "schema_fingerprint": schema.fingerprint(), "seed": seed, "categories": data.items.categories}
     meta = {**meta, "steps": cfg.steps, "lr": cfg.lr} if cfg else meta
     meta = {**meta, "click_weights": list(cfg.click_weights)} if cfg and cfg.click_weights else meta
     meta = {**meta, "init": init.name, "init_digest": file_digest(init)} if init else meta

@@ -48,10 +48,12 @@ class ModelScorer:
         if "categories" not in config:
             raise ValueError(f"{path}: checkpoint has no category vocabulary; retrain it with `andromeda train`")
         trained_under = (config.get("schema"), config.get("schema_version"))
-        if trained_under != (schema.name, schema.version):  # it serves (segments are hashed by name), but warn
-            log.warning("%s was trained under schema %s version %s, and serves under %s version %s: the segments its "
-                        "towers learned may mean other values; train it again under this schema", path, *trained_under,
-                        schema.name, schema.version)
+        fingerprint = config.get("schema_fingerprint", schema.fingerprint())  # recorded since 2026-12-05
+        if trained_under != (schema.name, schema.version) or fingerprint != schema.fingerprint():
+            log.warning("%s was trained on data of schema %s version %s (fingerprint %s) and serves under %s version %s "
+                        "(%s): it serves (segments are hashed by name), but the segment embeddings its towers learned "
+                        "are of that schema's values", path, *trained_under, fingerprint, schema.name, schema.version,
+                        schema.fingerprint())
         return cls(model, config["categories"], schema, device)
 
     def to(self, device: str | torch.device) -> "ModelScorer":

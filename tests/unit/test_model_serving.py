@@ -153,15 +153,18 @@ def test_a_ranker_is_not_served(default_schema):
 
 
 def test_a_checkpoint_trained_under_another_schema_serves_with_a_warning(default_schema, tmp_path, caplog):
+    """Named by name and version, and by content where the checkpoint records it (a vocabulary edited under the same
+    version); a checkpoint that records none warns too."""
     model = RetrievalModel("moe", Dims(dim=8, gate=4, semantic=4, categories=4))
-    for name, version, warned in ((default_schema.name, default_schema.version, False), ("other", 9, True),
-                                  (default_schema.name, default_schema.version + 1, True), (None, None, True)):
-        meta = {"categories": ["sports"]} | ({"schema": name, "schema_version": version} if name else {})
-        model.save(tmp_path / "m.safetensors", meta)
+    same = {"schema": default_schema.name, "schema_version": default_schema.version}
+    for under, warned in ((same, False), (same | {"schema_fingerprint": default_schema.fingerprint()}, False),
+                          (same | {"schema_fingerprint": "0" * 16}, True), (same | {"schema": "other"}, True),
+                          (same | {"schema_version": default_schema.version + 1}, True), ({}, True)):
+        model.save(tmp_path / "m.safetensors", {"categories": ["sports"]} | under)
         caplog.clear()
         with caplog.at_level("WARNING", logger="andromeda_core.models.serving"):
             ModelScorer.load(tmp_path / "m.safetensors", default_schema)
-        assert ("train it again under this schema" in caplog.text) == warned, (name, version)
+        assert ("embeddings its towers learned are of that schema's values" in caplog.text) == warned, under
 
 
 def test_warm_up_loads_the_sentence_model(scorer):
