@@ -327,7 +327,7 @@ class AdIndex:
         if layout["schema_name"] != schema.name or layout["schema_version"] != str(schema.version):
             raise ValueError(f"state was written for schema {layout['schema_name']} v{layout['schema_version']}, "
                              f"not {schema.name} v{schema.version}")
-        if layout.get("schema_fingerprint", schema.fingerprint()) != schema.fingerprint():  # (none before 2026-12-05)
+        if not schema.has_fingerprint(layout.get("schema_fingerprint")):
             raise ValueError(f"state was written for another content of schema {schema.name} v{schema.version} "
                              f"(give a schema a new version whenever its content changes)")
         dtype = getattr(torch, layout["embedding_dtype"], None)

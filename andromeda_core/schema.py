@@ -123,6 +123,11 @@ class Schema:
         vocabulary reordered without a new version), and an index's bits mean values by their place."""
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
+    def has_fingerprint(self, recorded: str | None) -> bool:
+        """Whether a fingerprint recorded with something written under this schema's name and version is this
+        schema's; None (written before fingerprints were recorded, 2026-12-05) is taken as a match."""
+        return recorded is None or recorded == self.fingerprint()
+
 
 def _category_from_dict(raw: Any, where: str) -> Category:
     if not isinstance(raw, dict):

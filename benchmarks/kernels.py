@@ -231,13 +231,6 @@ def vector_bytes(storage: str, device: str) -> int:
     return (len(used) + scales) * unit
 
 
-def fused_matched_rows_max_b() -> int:
-    """The largest batch whose Triton scan loads only the matched rows (kernels.triton.fused.MATCHED_ROWS_MAX_B)."""
-    from kernels.triton.fused import MATCHED_ROWS_MAX_B
-
-    return MATCHED_ROWS_MAX_B
-
-
 def bytes_per_ad(storage: str, device: str, refs: int, read: float, threshold_scan: bool, B: int) -> float:
     """What the fused pass of B requests reads per ad: its match columns, and the rows it loads: on the CPU, and on a
     GPU for batches of up to MATCHED_ROWS_MAX_B, those of the ads some request of the batch is eligible for (`read`,
@@ -246,9 +239,9 @@ def bytes_per_ad(storage: str, device: str, refs: int, read: float, threshold_sc
     match = MATCH_BYTES + 4 * refs
     if device != "cuda":
         return match + read * vector_bytes(storage, device)
-    from kernels.triton.fused import SAMPLE_STRIDE
+    from kernels.triton.fused import MATCHED_ROWS_MAX_B, SAMPLE_STRIDE
 
-    rows = read if B <= fused_matched_rows_max_b() else 1.0
+    rows = read if B <= MATCHED_ROWS_MAX_B else 1.0
     return (match + rows * vector_bytes(storage, device)) * (1 + (1 / SAMPLE_STRIDE if threshold_scan else 0))
 
 
@@ -441,13 +434,18 @@ def report(rows: list[dict], args, copy: float, read_bw: float, peak: float) -> 
     setups = sorted({(r["B"], r["faiss_setup"]) for r in rows if r["faiss_setup"]})
     command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, args.tile))} "
                f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}")
-    rows_text = ("the vector rows of the \"rows read\": the ads some request of the batch is eligible for, whose row the "
-                 "pass reads once for all of them, counted in the 64-byte cache lines they occupy (an fp16 row's 80 "
-                 "dims and bias span 4 lines; an int8 row's 2, and 1 of scales)" if cpu else
-                 f"for batches of up to {fused_matched_rows_max_b()} requests the vector rows of the \"rows read\" (the Triton "
-                 "scan matches a block first and loads only the rows some request matched), for larger batches every "
-                 "ad's row (it loads a block's rows before it knows which of them match), counted in the 32-byte "
-                 "sectors they occupy; where it takes the threshold scan, its sample of 1 block in 16 again")
+    if cpu:
+        rows_text = ("the vector rows of the \"rows read\": the ads some request of the batch is eligible for, whose row "
+                     "the pass reads once for all of them, counted in the 64-byte cache lines they occupy (an fp16 row's "
+                     "80 dims and bias span 4 lines; an int8 row's 2, and 1 of scales)")
+    else:
+        from kernels.triton.fused import MATCHED_ROWS_MAX_B
+
+        rows_text = (f"for batches of up to {MATCHED_ROWS_MAX_B} requests the vector rows of the \"rows read\" (the "
+                     "Triton scan matches a block first and loads only the rows some request matched), for larger "
+                     "batches every ad's row (it loads a block's rows before it knows which of them match), counted in "
+                     "the 32-byte sectors they occupy; where it takes the threshold scan, its sample of 1 block in 16 "
+                     "again")
     faiss_text = (f"FAISS = {FLAT[cpu]}, timed once per size and batch at its fastest of 1 or {args.threads} threads and "
                   f"BLAS from 20 queries or from 1.15's default of 128,000 (" +
                   "; ".join(f"B = {B}: {setup}" for B, setup in setups) + ")") if cpu else f"FAISS = {FLAT[cpu]}"

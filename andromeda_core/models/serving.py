@@ -47,12 +47,11 @@ class ModelScorer:
         model, config = RetrievalModel.load(path)
         if "categories" not in config:
             raise ValueError(f"{path}: checkpoint has no category vocabulary; retrain it with `andromeda train`")
-        trained_under = (config.get("schema"), config.get("schema_version"))
-        fingerprint = config.get("schema_fingerprint", schema.fingerprint())  # recorded since 2026-12-05
-        if trained_under != (schema.name, schema.version) or fingerprint != schema.fingerprint():
+        trained_under = (config.get("schema"), config.get("schema_version"), config.get("schema_fingerprint"))
+        if trained_under[:2] != (schema.name, schema.version) or not schema.has_fingerprint(trained_under[2]):
             log.warning("%s was trained on data of schema %s version %s (fingerprint %s) and serves under %s version %s "
                         "(%s): it serves (segments are hashed by name), but the segment embeddings its towers learned "
-                        "are of that schema's values", path, *trained_under, fingerprint, schema.name, schema.version,
+                        "are of that schema's values", path, *trained_under, schema.name, schema.version,
                         schema.fingerprint())
         return cls(model, config["categories"], schema, device)
 
