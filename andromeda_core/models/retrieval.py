@@ -7,10 +7,11 @@ times dims.click_weight, to the bias of the ad's stored vector; an ad it holds n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,9 +34,15 @@ UNLOADABLE = (OSError, ValueError, KeyError, SafetensorError)  # what RetrievalM
 # code cannot use: missing or corrupt, of another model version, lacking a tensor
 
 
-def served_name(kind: str) -> str:
-    """The name a served model of `kind` stamps on the ads it embeds (stream entries carry it)."""
-    return f"{kind}-v{MODEL_VERSION}"
+def served_name(model: "RetrievalModel", categories: Sequence[str]) -> str:
+    """The name a served model stamps on the ads it embeds (stream entries and snapshots carry it; a replica
+    applies only its own model's): kind, model version and the first 12 hex digits of a SHA-256 over its
+    tensors (names, dtypes, shapes, bytes) and category vocabulary, so two trainings of one kind differ."""
+    digest = hashlib.sha256(json.dumps(list(categories)).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().numpy().tobytes())
+    return f"{model.kind}-v{MODEL_VERSION}-{digest.hexdigest()[:12]}"
 
 
 class RetrievalModel(nn.Module):

@@ -36,7 +36,7 @@ class ModelScorer:
         if not hasattr(model.head, "kernel_head"):
             raise InvalidInput(f"a {model.kind} checkpoint is not served (the ranker is the offline quality "
                                "ceiling): serve a moe, two_tower or sasrec checkpoint", "model")
-        self.model, self.name = model.eval(), served_name(model.kind)
+        self.model, self.name = model.eval(), served_name(model, categories)
         self.dim = model.dims.stored
         self.categories = {c: i for i, c in enumerate(categories)}  # unknown -> len(categories)
         self.schema, self.surface, self.placement = schema, schema.by_name.get("surface"), schema.by_name.get("placement")

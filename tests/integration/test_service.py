@@ -293,6 +293,8 @@ def test_health_readiness_and_metrics(service):
     ready = requests.get(f"{service.url}/two/readyz", timeout=10)
     assert ready.status_code == 200 and [s["shard"] for s in ready.json()["shards"]] == [0, 1]
     assert all(s["errors"] == 0 and s["last_error"] == "" and s["reason"] == "ok" for s in ready.json()["shards"])
+    served = ModelScorer.load(service.model, load_schema()).name  # the checkpoint each replica serves, by digest
+    assert served.startswith("moe-v") and [s["model"] for s in ready.json()["shards"]] == [served, served]
     found = post(f"{service.url}/two/v1/retrieve", world_requests(service)[0]).json()["ads"][0]["ad_id"]
     post(f"{service.url}/two/v1/retrieve", {"user": {"user_id": "x"}})
     post(f"{service.url}/two/v1/ad-events", [upsert(1)], token="wrong")

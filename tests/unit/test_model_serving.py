@@ -152,6 +152,25 @@ def test_a_ranker_is_not_served(default_schema):
     assert caught.value.field == "model"
 
 
+
+def test_the_served_name_tells_trainings_of_one_kind_apart(default_schema, tmp_path):
+    """Stream entries and snapshots carry the served name, and a replica applies only its own model's: a checkpoint
+    loaded again keeps its name; one weight, one buffer (the click prior) or the category vocabulary changed
+    gives another."""
+    torch.manual_seed(1)
+    model = RetrievalModel("moe", Dims(dim=8, gate=4, semantic=4, categories=4), click_ids=[3], click_logodds=[0.5])
+    name = ModelScorer(model, ["sports"], default_schema).name
+    assert name.startswith("moe-v") and len(name.rsplit("-", 1)[1]) == 12
+    model.save(tmp_path / "m.safetensors", {"categories": ["sports"]})
+    assert ModelScorer.load(tmp_path / "m.safetensors", default_schema).name == name
+    assert ModelScorer(model, ["food"], default_schema).name != name
+    for tensor in (model.ad_tower.category.weight, model.click_logodds):
+        with torch.no_grad():
+            tensor.view(-1)[0] += 1e-6
+        assert ModelScorer(model, ["sports"], default_schema).name != name
+        with torch.no_grad():
+            tensor.view(-1)[0] -= 1e-6
+
 def test_a_checkpoint_trained_under_another_schema_serves_with_a_warning(default_schema, tmp_path, caplog):
     """Named by name and version, and by content where the checkpoint records it (a vocabulary edited under the same
     version); a checkpoint that records none warns too."""
