@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import secrets
@@ -138,9 +137,10 @@ def streams_empty(config: ServiceConfig) -> bool:
     return all(client.xlen(shard_stream(config.stream, s)) == 0 for s in range(config.shards))
 
 
-def demo_identity(world: Path, model: Path) -> str:
-    """Which demo world `up` publishes and which checkpoint (by content) embeds its ads."""
-    return f"{world.name} {hashlib.sha256(model.read_bytes()).hexdigest()[:16]}"
+def demo_identity(world: Path, model: str) -> str:
+    """Which demo world `up` publishes and which model embeds its ads (its served name, which names the checkpoint
+    by a digest of its weights: what the replicas check each entry's against)."""
+    return f"{world.name} {model}"
 
 
 def stale_demo_state(config: ServiceConfig, identity: str) -> bool:
@@ -316,7 +316,9 @@ def cmd_up(args: argparse.Namespace) -> None:
     world = demo_world(args.demo_ads)
     if args.model is None:
         args.model = demo_model(world)
-    identity = demo_identity(world, Path(args.model))
+    from andromeda_core.models.serving import load_scorer
+
+    identity = demo_identity(world, load_scorer(args.model, load_schema(args.schema)).name)
     token = settings.write_token or secrets.token_urlsafe(16)
     os.environ["ANDROMEDA_WRITE_TOKEN"] = token  # Ray workers inherit it; never written to a config
     server = None

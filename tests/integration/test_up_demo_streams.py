@@ -20,8 +20,7 @@ from andromeda_core.types import parse_event
 def test_ads_published_for_another_demo_world_or_model_are_stale(redis_server, small_schema, scorer, tmp_path):
     server, client = redis_server
     config = ServiceConfig(redis_url=server.url if server else os.environ["REDIS_URL"], shards=2, stream="up-demo")
-    model = tmp_path / "moe.safetensors"
-    model.write_bytes(b"weights one")
+    model = "moe-v7-0123456789ab"  # a checkpoint's served name (ModelScorer.name)
     published = demo_identity(tmp_path / "demo-100", model)
     assert not stale_demo_state(config, published)  # empty streams: nothing stale
     Publisher(client, small_schema, scorer, shards=2, stream="up-demo").publish([parse_event(upsert(i)) for i in (1, 2, 3)])
@@ -29,8 +28,8 @@ def test_ads_published_for_another_demo_world_or_model_are_stale(redis_server, s
     client.set(DEMO_MARK, published)
     assert not stale_demo_state(config, published)
     assert stale_demo_state(config, demo_identity(tmp_path / "demo-200", model))  # --demo-ads 200
-    model.write_bytes(b"weights two")  # retrained, or --model naming another checkpoint
-    assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", model))
+    # retrained, or --model naming another checkpoint
+    assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", "moe-v7-ba9876543210"))
     client.delete(DEMO_MARK)
 
 
