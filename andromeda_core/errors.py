@@ -87,6 +87,11 @@ class SnapshotCorrupt(AndromedaError):
     category = ErrorCategory.CORRUPT
 
 
+class OutOfMemory(AndromedaError, MemoryError):
+    """A table that would not fit in its device's available memory, refused before it is allocated (filling it would
+    get the process killed, not raise). Like any failed allocation, a later try may get past it (out_of_memory)."""
+
+
 def shown(value: object, limit: int = 40) -> str:
     """`repr(value)` cut to `limit` characters, for echoing caller input in a message."""
     text = repr(value[:limit + 1] if isinstance(value, str) else value)  # cut first: a value may be megabytes

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from andromeda_core.clauses import ClauseDictionary
-from andromeda_core.errors import NotFound
+from andromeda_core.errors import NotFound, OutOfMemory
 from andromeda_core.export import TableCopy
 from andromeda_core.locks import ReadWriteLock
 from andromeda_core.ops import INT64_MAX, INT64_MIN, IndexOp, OpBatch
@@ -75,6 +75,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes `device` can still allocate: CUDA's free memory, or Linux's MemAvailable (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 class AdIndex:
     def __init__(self, schema: Schema, dim: int, capacity: int = 1024, device: str | torch.device = "cpu",
                  embedding_dtype: torch.dtype = torch.float32, exact_copy: bool = True, refs_width: int = REFS_WIDTH):
@@ -83,6 +94,7 @@ class AdIndex:
         self.schema, self.dim, self.device = schema, dim, torch.device(device)
         self.specs = core_columns(dim, embedding_dtype, exact_copy, refs_width)
         self._writer = RowWriter(schema, dim, self.specs, self.device)
+        self._check_fits(capacity)
         self.columns = {name: self._filled(name, capacity) for name in self.specs}
         self.clauses = ClauseDictionary(schema, refs_width)
         self._book = SlotBook(capacity)
@@ -96,6 +108,16 @@ class AdIndex:
         if name == "embedding":
             return aligned_rows(n, self.dim, spec.dtype, spec.fill, self.device)
         return torch.full((n, *spec.shape), spec.fill, dtype=spec.dtype, device=self.device)
+
+    def _check_fits(self, capacity: int) -> None:
+        """Raise OutOfMemory when columns of `capacity` slots would not fit in the device's available memory."""
+        per_slot = sum(self._filled(name, 1).untyped_storage().nbytes() for name in self.specs)
+        available = available_memory(self.device)
+        if available is not None and capacity * per_slot > available:
+            raise OutOfMemory(f"a table of {capacity:,} slots needs {capacity * per_slot / 2**30:,.1f} GiB ({per_slot} B "
+                              f"a slot) and the device ({self.device}) has {available / 2**30:,.1f} GiB available: lower the initial "
+                              "capacity (ANDROMEDA_INITIAL_CAPACITY, or initial_capacity in the service config) or add "
+                              "shards", "capacity")
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -451,6 +473,7 @@ class AdIndex:
             return self.columns
         while capacity < needed:
             capacity *= 2
+        self._check_fits(capacity)  # the old columns stay allocated meanwhile: available memory leaves them out
         grown = {}
         for name in self.specs:
             grown[name] = self._filled(name, capacity)

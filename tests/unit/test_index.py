@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from andromeda_core import writer
-from andromeda_core.errors import InvalidInput
+import andromeda_core.index
+from andromeda_core.errors import InvalidInput, OutOfMemory, out_of_memory
 from andromeda_core.index import AdIndex
 from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.ops import PreparedAd
@@ -160,6 +161,22 @@ def test_growth_past_initial_capacity_keeps_every_ad(index, scorer):
     assert index.capacity >= 39 and len(index) == 39
     assert eligible(index, {"age": 20}) == list(range(1, 40))
     assert eligible(index, {"age": 13}) == [i for i in range(1, 40) if i % 8 == 0]
+
+
+def test_a_table_past_the_available_memory_is_refused_before_it_is_allocated(small_schema, scorer, monkeypatch):
+    """Allocated, it would be filled until the kernel killed the process: refused instead, naming the capacity, as
+    an allocation failure (which the consumer retries, not dead-letters). A growth refused the same way changes
+    nothing."""
+    with pytest.raises(OutOfMemory, match="a table of 4,000,000,000 slots needs") as refused:
+        AdIndex(small_schema, scorer.dim, capacity=4_000_000_000)
+    assert refused.value.field == "capacity" and out_of_memory(refused.value)
+    index = AdIndex(small_schema, scorer.dim, capacity=4)
+    apply_events(index, scorer, [upsert(i) for i in (1, 2, 3)])
+    per_slot = sum(column.untyped_storage().nbytes() for column in index.columns.values()) // 4
+    monkeypatch.setattr(andromeda_core.index, "available_memory", lambda device: 6 * per_slot)
+    with pytest.raises(OutOfMemory, match="a table of 8 slots"):
+        apply_events(index, scorer, [upsert(i) for i in (4, 5, 6)])
+    assert index.capacity == 4 and eligible(index) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.int8])
