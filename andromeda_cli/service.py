@@ -137,10 +137,11 @@ def streams_empty(config: ServiceConfig) -> bool:
     return all(client.xlen(shard_stream(config.stream, s)) == 0 for s in range(config.shards))
 
 
-def demo_identity(world: Path, model: str) -> str:
-    """Which demo world `up` publishes and which model embeds its ads (its served name, which names the checkpoint
-    by a digest of its weights: what the replicas check each entry's against)."""
-    return f"{world.name} {model}"
+def demo_identity(world: Path, model: str, schema: str) -> str:
+    """Which demo world `up` publishes, which model embeds its ads and which schema compiles their targeting: the
+    model's served name (it names the checkpoint by a digest of its weights) and the schema's tag (schema_tag), which
+    the replicas check each entry's against."""
+    return f"{world.name} {model} {schema}"
 
 
 def stale_demo_state(config: ServiceConfig, identity: str) -> bool:
@@ -317,8 +318,10 @@ def cmd_up(args: argparse.Namespace) -> None:
     if args.model is None:
         args.model = demo_model(world)
     from andromeda_core.models.serving import load_scorer
+    from index_updater.records import schema_tag
 
-    identity = demo_identity(world, load_scorer(args.model, load_schema(args.schema)).name)
+    schema = load_schema(args.schema)
+    identity = demo_identity(world, load_scorer(args.model, schema).name, schema_tag(schema))
     token = settings.write_token or secrets.token_urlsafe(16)
     os.environ["ANDROMEDA_WRITE_TOKEN"] = token  # Ray workers inherit it; never written to a config
     server = None

@@ -17,19 +17,20 @@ from tests.conftest import upsert
 from andromeda_core.types import parse_event
 
 
-def test_ads_published_for_another_demo_world_or_model_are_stale(redis_server, small_schema, scorer, tmp_path):
+def test_ads_published_for_another_demo_world_model_or_schema_are_stale(redis_server, small_schema, scorer, tmp_path):
     server, client = redis_server
     config = ServiceConfig(redis_url=server.url if server else os.environ["REDIS_URL"], shards=2, stream="up-demo")
-    model = "moe-v7-0123456789ab"  # a checkpoint's served name (ModelScorer.name)
-    published = demo_identity(tmp_path / "demo-100", model)
+    model, schema = "moe-v7-0123456789ab", "andromeda-default:1:0123456789abcdef"  # ModelScorer.name, schema_tag
+    published = demo_identity(tmp_path / "demo-100", model, schema)
     assert not stale_demo_state(config, published)  # empty streams: nothing stale
     Publisher(client, small_schema, scorer, shards=2, stream="up-demo").publish([parse_event(upsert(i)) for i in (1, 2, 3)])
     assert stale_demo_state(config, published)  # ads, but no record of what published them (an older up)
     client.set(DEMO_MARK, published)
     assert not stale_demo_state(config, published)
-    assert stale_demo_state(config, demo_identity(tmp_path / "demo-200", model))  # --demo-ads 200
+    assert stale_demo_state(config, demo_identity(tmp_path / "demo-200", model, schema))  # --demo-ads 200
     # retrained, or --model naming another checkpoint
-    assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", "moe-v7-ba9876543210"))
+    assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", "moe-v7-ba9876543210", schema))
+    assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", model, "andromeda-default:1:fedcba9876543210"))  # edited
     client.delete(DEMO_MARK)
 
 

@@ -19,7 +19,7 @@ from andromeda_core.targeting import CompiledTargeting, compile_user
 from andromeda_core.types import parse_event
 from index_updater.consumer import LAYOUT_TTL_S, ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
-from index_updater.records import encode, layout_key, shard_stream
+from index_updater.records import encode, layout_key, schema_tag, shard_stream
 from index_updater.snapshots import SnapshotStore
 from tests.conftest import upsert, wait_until
 
@@ -80,30 +80,35 @@ def test_poison_entry_goes_to_dead_letters_and_the_next_good_one_applies(setup):
     client, publisher, make = setup
     c = make()
     publisher.publish([upsert(1)])
-    client.xadd(SHARD0, {"op": "upsert", "shard": 0, "published_ms": 1, "schema": "small-test:1",
+    tag = schema_tag(publisher.schema)
+    client.xadd(SHARD0, {"op": "upsert", "shard": 0, "published_ms": 1, "schema": tag,
                          "model": "hashed_two_tower", "dim": 16, "event": '{"op": "upsert", "ad": {"ad_id": "bad"}}'})
     client.xadd(SHARD0, {"shard": 0, "published_ms": 1, "schema": "other:9", "dim": 16, "event": "{}"})
     client.xadd(SHARD0, {"garbage": b"\xff\xfe"})
-    client.xadd(SHARD0, {"shard": 0, "published_ms": 1, "schema": "small-test:1", "model": "moe-v9", "dim": 16,
+    client.xadd(SHARD0, {"shard": 0, "published_ms": 1, "schema": tag, "model": "moe-v9", "dim": 16,
                          "event": "{}"})
+    # the same name and version with other vocabularies (an edit without a new version): its value ids mean others
+    client.xadd(SHARD0, {"shard": 0, "published_ms": 1, "schema": tag.rsplit(":", 1)[0] + ":" + "0" * 16,
+                         "model": "hashed_two_tower", "dim": 16, "event": "{}"})
     publisher.publish([upsert(2)])
     c.catch_up()
     assert sorted([1, 2]) == eligible(c.index)
     dead = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
-    assert c.stats.dead_letters == len(dead) == 4
+    assert c.stats.dead_letters == len(dead) == 5
     reasons = [fields[b"field"].decode() + ": " + fields[b"reason"].decode() for _, fields in dead]
     assert "event.ad.ad_id" in reasons[0] and "schema" in reasons[1] and "shard" in reasons[2]
     assert reasons[3].startswith("model: embedded by model moe-v9")
+    assert reasons[4].startswith(f"schema: written for schema small-test:1:{'0' * 16}, this index uses {tag}")
     other = make()  # another replica of the shard meets the same entries: it counts them, and adds none
     other.catch_up()
-    assert other.stats.dead_letters == 4 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 4
+    assert other.stats.dead_letters == 5 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 5
     client.set(f"{DEFAULT_STREAM}:dead-letters:{SHARD0}:once", "not a sorted set")  # the shard's record, mangled
     client.xadd(SHARD0, {"garbage": b"\xff"})
     c.catch_up()
-    assert c.stats.dead_letters == 5 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 5
+    assert c.stats.dead_letters == 6 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 6
     c.stats.last_id, c._from_start = "0-0", True  # the stream read again from its start, as after it went back
     c.catch_up()
-    assert c.stats.dead_letters == 5  # the metric (and its alert) count no poison entry twice
+    assert c.stats.dead_letters == 6  # the metric (and its alert) count no poison entry twice
 
 
 def test_bad_event_is_rejected_at_publish_and_writes_nothing(setup):
