@@ -123,7 +123,7 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
     the teacher: it was trained otherwise (by `andromeda train --steps 3`, say, which writes the same names)."""
     start = other_start(kind, init[0] if init else None)
     path = checkpoint_path(data.name, kind, distill, start, going_on)
-    cfg = default_config(kind, seed, distill, start, going_on)
+    cfg = default_config(kind, seed, distill, start, going_on, len(data.train_examples()))
     loaded = None
     if path.exists() and not retrain:
         try:

@@ -36,7 +36,7 @@ def with_truth(data, seed=0):
 def tiny_report(tmp_path, monkeypatch):
     monkeypatch.setenv("ANDROMEDA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(quality, "load_data", lambda name, world=None: with_truth(tiny_data(n_items=60, n_users=30)))
-    monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0, start="", going_on=False: TrainConfig(
+    monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0, start="", going_on=False, examples=None: TrainConfig(
         steps=12, batch=16, negatives=16, seed=seed, distill=distill, teacher_rows=8, validate_every=6))
     out = tmp_path / "docs" / "quality.md"
     return quality.quality_report(("tiny",), out), out
