@@ -106,16 +106,16 @@ def other_start(kind: str, init: RetrievalModel | None) -> str:
     return init.kind if init is not None and init.kind != kind and init.kind in STARTS_FROM.get(kind, ()) else ""
 
 
-MOE_PASSES = 12  # a MoE trains for about this many passes over the training engagements, within MOE_STEPS: 2,000
-# steps against 1,000 lifted validation on MovieLens (2.6 passes in 1,000 steps) 0.2288 -> 0.2517 and on synthetic-b
-# (6.2 passes) 0.0967 -> 0.1282, and lowered it on the default synthetic world (13.7 passes) 0.1175 -> 0.1069
-MOE_STEPS = (1000, 2000)  # the most keeps `andromeda eval` within its 45 minutes
+PASSES = 12  # a retrieval model trains for about this many passes over the training engagements, within STEPS: 2,000
+# steps against 1,000 lifted the MoE's validation on MovieLens (2.6 passes in 1,000 steps) 0.2288 -> 0.2517 and on
+# synthetic-b (6.2 passes) 0.0967 -> 0.1282, and lowered it on the default synthetic world (13.7 passes) 0.1175 -> 0.1069
+STEPS = (1000, 2000)  # the most keeps `andromeda eval` within its 45 minutes
 
 
-def moe_steps(examples: int) -> int:
-    """Steps of about MOE_PASSES passes over `examples` training engagements, in whole validations, within MOE_STEPS."""
+def training_steps(examples: int) -> int:
+    """Steps of about PASSES passes over `examples` training engagements, in whole validations, within STEPS."""
     per_validation = TrainConfig.validate_every * TrainConfig.batch
-    return min(max(round(MOE_PASSES * examples / per_validation) * TrainConfig.validate_every, MOE_STEPS[0]), MOE_STEPS[1])
+    return min(max(round(PASSES * examples / per_validation) * TrainConfig.validate_every, STEPS[0]), STEPS[1])
 
 
 def default_config(kind: str, seed: int = 0, distill: float = 0.0, start: str = "", going_on: bool = False,
@@ -125,14 +125,14 @@ def default_config(kind: str, seed: int = 0, distill: float = 0.0, start: str = 
     softmax: its fresh experts then retrieve on their own instead of leaning on the trained sequence expert.
     going_on: the steps that go on from the undistilled MoE, as distillation's do, at weight distill (0: the same
     steps without a teacher, which tells what the teacher adds from what more steps add). examples: the training
-    engagements, which set a MoE's steps (moe_steps; None: 1,000)."""
+    engagements, which set the steps of a model trained from its start (training_steps; None: 1,000)."""
     if kind == "ranker":  # warm-started from the MoE's towers: only its head learns
         return TrainConfig(steps=300, batch=128, negatives=512, lr=1e-3, seed=seed, validate_every=100,
                            validation_users=200, patience=1)  # ranking the corpus with the ranker is slow; its deep
         # part goes on only while each validation gains (on MovieLens it never beat its silent start)
     if distill or going_on:  # goes on from the undistilled model, so it stays near the retriever the ranker was built on
         return TrainConfig(steps=300, lr=5e-4, seed=seed, distill=distill)
-    steps = moe_steps(examples) if kind == "moe" and examples is not None else TrainConfig.steps
+    steps = training_steps(examples) if examples is not None else TrainConfig.steps
     return TrainConfig(steps=steps, seed=seed, expert_loss=1.0 if start == "sasrec" else 0.0)
 
 

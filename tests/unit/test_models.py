@@ -15,7 +15,7 @@ from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import BID_FEATURE_MAX, Dims, SequenceEncoder, UserState
 from andromeda_core.models.train import (CLICK_SMOOTHINGS, CLICK_WEIGHTS, TrainConfig, choose_click_prior, default_config,
-                                         expert_losses, item_probability, log_q, lr_schedule, moe_steps, other_start,
+                                         expert_losses, item_probability, log_q, lr_schedule, other_start, training_steps,
                                          train, validation_score)
 
 DIMS = Dims(dim=16, gate=8, semantic=8, interests=2, categories=5)
@@ -233,14 +233,15 @@ def test_the_moe_goes_on_from_a_sasrec_and_from_no_other_kind():
     assert not torch.equal(with_expert_loss.user_towers.keys.weight, without.user_towers.keys.weight)
 
 
-def test_a_moe_trains_about_twelve_passes_within_its_bounds():
-    """Whole validations of 250 steps x 256 rows, at least 1,000 and at most 2,000 steps; the other kinds, the steps
-    going on from a MoE and a MoE of unknown data keep theirs."""
-    assert moe_steps(18_630) == 1000 and moe_steps(41_567) == 2000 and moe_steps(99_006) == 2000  # the eval's data
-    assert moe_steps(23_900) == 1000 and moe_steps(24_100) == 1250 and moe_steps(29_400) == 1500  # 4.48, 4.52, 5.51
-    assert moe_steps(0) == 1000 and moe_steps(10**9) == 2000
-    assert default_config("moe", examples=24_100).steps == 1250 and default_config("moe").steps == 1000
-    assert default_config("sasrec", examples=99_006).steps == default_config("two_tower", examples=99_006).steps == 1000
+def test_a_model_trains_about_twelve_passes_within_its_bounds():
+    """Whole validations of 250 steps x 256 rows, at least 1,000 and at most 2,000 steps; the ranker, the steps going
+    on from a MoE and a model of unknown data keep theirs."""
+    assert [training_steps(n) for n in (18_630, 41_567, 99_006)] == [1000, 2000, 2000]  # the eval's data sets
+    assert [training_steps(n) for n in (23_900, 24_100, 29_400)] == [1000, 1250, 1500]  # 4.48, 4.52, 5.51 validations
+    assert training_steps(0) == 1000 and training_steps(10**9) == 2000
+    assert default_config("moe", examples=24_100).steps == default_config("sasrec", examples=24_100).steps == 1250
+    assert default_config("two_tower", examples=99_006).steps == 2000 and default_config("moe").steps == 1000
+    assert default_config("ranker", examples=99_006).steps == 300
     assert default_config("moe", going_on=True, examples=99_006).steps == 300
 
 
