@@ -161,7 +161,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.click_weight is not None and not data.click_logodds().any():
         raise InvalidInput(f"--data {args.data} logs no impressions, so a model of it holds no click prior to weigh",
                            "--click-weight")
-    cfg = default_config(args.model, args.seed, distill, start, going_on, len(data.train_examples()))
+    cfg = default_config(args.model, args.seed, distill, start, going_on, examples=len(data.train_examples()))
     cfg = dataclasses.replace(cfg, steps=args.steps or cfg.steps,
                               click_weights=cfg.click_weights if args.click_weight is None else (args.click_weight,))
     teacher = ask_teacher(ranker, data) if ranker is not None else None

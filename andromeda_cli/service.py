@@ -21,7 +21,7 @@ from tqdm import tqdm
 from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in
 from andromeda_core.config import load_settings, redact, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
-from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
+from andromeda_core.schema import DEFAULT_SCHEMA_PATH, Schema, load_schema, read_yaml
 from andromeda_core.synth import WorldConfig, synthesize
 from deployments.config import APP_NAME, ServiceConfig
 
@@ -145,8 +145,8 @@ def demo_identity(world: Path, model: str, schema: str) -> str:
 
 
 def stale_demo_state(config: ServiceConfig, identity: str) -> bool:
-    """Whether up's private Redis holds ads published for another demo world or model than `identity` (or by a
-    version of up that recorded none): the shards would serve them, embedded by another ad tower."""
+    """Whether up's private Redis holds ads published for another demo world, model or schema than `identity` (or by
+    a version of up that recorded none): the shards would dead-letter them, or serve those of another world."""
     import redis
 
     client = redis.Redis.from_url(config.redis_url)
@@ -166,15 +166,23 @@ def demo_world(ads: int) -> Path:
     return world
 
 
-def publish_demo(config: ServiceConfig, world: Path) -> None:
-    import redis
-
+def served_model(config: ServiceConfig) -> tuple[Schema, object]:
+    """The schema and the scorer (ModelScorer, or the hashed two-tower without a model) the config's replicas serve."""
     from andromeda_core.models.serving import load_scorer
-    from index_updater.publisher import Publisher
 
     schema = load_schema(config.schema_path)
-    publisher = Publisher(redis.Redis.from_url(config.redis_url), schema, load_scorer(config.model, schema),
-                          shards=config.shards, stream=config.stream)
+    with checkpoint("--model", Path(config.model) if config.model else None):
+        return schema, load_scorer(config.model, schema)
+
+
+def publish_demo(config: ServiceConfig, world: Path, schema: Schema, scorer) -> None:
+    """The demo world's ad events, compiled under `schema` and embedded by `scorer` (the config's), to its streams."""
+    import redis
+
+    from index_updater.publisher import Publisher
+
+    publisher = Publisher(redis.Redis.from_url(config.redis_url), schema, scorer, shards=config.shards,
+                          stream=config.stream)
     events = world / "events.jsonl"
     with tqdm(total=sum(1 for _ in events.open("rb")), unit="event", desc="publish demo ads", file=sys.stderr) as bar:
         publisher.publish_file(events, on_batch=bar.update)
@@ -257,7 +265,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print(f"warning: --shards: {warning}", file=sys.stderr)  # another count, dead-lettered since, stay until trimmed
     world = demo_world(args.demo_ads) if args.demo_ads else None
     if world is not None and streams_empty(config):
-        publish_demo(config, world)
+        publish_demo(config, world, *served_model(config))
     note = "writes: POST /v1/ad-events with Authorization: Bearer $ANDROMEDA_WRITE_TOKEN" if settings.write_token \
         else "writes are disabled (set ANDROMEDA_WRITE_TOKEN to enable POST /v1/ad-events)"
     run_service(config, world, note)
@@ -310,6 +318,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     import redis
 
     from index_updater.local_redis import LocalRedis
+    from index_updater.records import schema_tag
 
     settings = load_settings()
     check_port(service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0"))  # bad flags and a taken
@@ -317,11 +326,6 @@ def cmd_up(args: argparse.Namespace) -> None:
     world = demo_world(args.demo_ads)
     if args.model is None:
         args.model = demo_model(world)
-    from andromeda_core.models.serving import load_scorer
-    from index_updater.records import schema_tag
-
-    schema = load_schema(args.schema)
-    identity = demo_identity(world, load_scorer(args.model, schema).name, schema_tag(schema))
     token = settings.write_token or secrets.token_urlsafe(16)
     os.environ["ANDROMEDA_WRITE_TOKEN"] = token  # Ray workers inherit it; never written to a config
     server = None
@@ -333,15 +337,17 @@ def cmd_up(args: argparse.Namespace) -> None:
     try:
         config = service_config(args, redis_url)
         check_reachable(config)
+        schema, scorer = served_model(config)
+        identity = demo_identity(world, scorer.name, schema_tag(schema))
         if server is not None and stale_demo_state(config, identity):
             clear_demo_state(redis.Redis.from_url(redis_url), Path(config.snapshot_dir))
-            print(f"cleared var/redis and {config.snapshot_dir}: their ads were published for another demo world "
-                  "or model", file=sys.stderr)
+            print(f"cleared var/redis and {config.snapshot_dir}: their ads were published for another demo world, "
+                  "model or schema", file=sys.stderr)
         if refusal := other_shard_count(config, f"start over from no ads: delete var/redis and {config.snapshot_dir}"
                                         if server is not None else "republish them to empty streams"):
             raise InvalidInput(refusal, "--shards")
         if streams_empty(config):
-            publish_demo(config, world)
+            publish_demo(config, world, schema, scorer)
             if server is not None:
                 redis.Redis.from_url(redis_url).set(DEMO_MARK, identity)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "

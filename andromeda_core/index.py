@@ -31,6 +31,7 @@ import math
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -75,15 +76,42 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def available_memory(device: torch.device) -> int | None:
-    """Bytes `device` can still allocate: CUDA's free memory, or Linux's MemAvailable (None where unknown)."""
+MEMORY_USABLE = 0.9  # the share of the available memory a table may take: the process needs the rest
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_memory(device: torch.device, cgroup: Path = CGROUP) -> int | None:
+    """Bytes `device` can still allocate (None where unknown): on CUDA the driver's free memory and what PyTorch holds
+    cached unused; on the CPU the least of Linux's MemAvailable (the host's) and the headroom under this process's
+    memory cgroup limit (a container's: the limit at which the kernel kills it, reclaimable page cache counted free)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    known = [b for b in (_meminfo_available(), _cgroup_headroom(cgroup)) if b is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
+
+
+def _cgroup_headroom(root: Path) -> int | None:
+    """Limit minus usage plus inactive page cache of the memory cgroup at `root` (v2, else v1); None without one."""
+    for limit, usage, stat, reclaimable in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                             "memory/memory.stat", "total_inactive_file")):
+        try:
+            cap = (root / limit).read_text().strip()
+            if cap == "max":
+                return None
+            counters = dict(line.split() for line in (root / stat).read_text().splitlines())
+            return int(cap) - int((root / usage).read_text()) + int(counters.get(reclaimable, 0))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 class AdIndex:
@@ -109,15 +137,19 @@ class AdIndex:
             return aligned_rows(n, self.dim, spec.dtype, spec.fill, self.device)
         return torch.full((n, *spec.shape), spec.fill, dtype=spec.dtype, device=self.device)
 
-    def _check_fits(self, capacity: int) -> None:
-        """Raise OutOfMemory when columns of `capacity` slots would not fit in the device's available memory."""
+    def _check_fits(self, capacity: int, growing: bool = False) -> None:
+        """Raise OutOfMemory when columns of `capacity` slots would take more than MEMORY_USABLE of the device's
+        available memory (growing: beside the columns it has)."""
         per_slot = sum(self._filled(name, 1).untyped_storage().nbytes() for name in self.specs)
         available = available_memory(self.device)
-        if available is not None and capacity * per_slot > available:
-            raise OutOfMemory(f"a table of {capacity:,} slots needs {capacity * per_slot / 2**30:,.1f} GiB ({per_slot} B "
-                              f"a slot) and the device ({self.device}) has {available / 2**30:,.1f} GiB available: lower the initial "
-                              "capacity (ANDROMEDA_INITIAL_CAPACITY, or initial_capacity in the service config) or add "
-                              "shards", "capacity")
+        if available is None or capacity * per_slot <= MEMORY_USABLE * available:
+            return
+        remedy = ("add shards (docs/resharding.md) or store smaller vectors (storage fp16 or int8)" if growing else
+                  "lower the initial capacity (ANDROMEDA_INITIAL_CAPACITY, or initial_capacity in the service config) "
+                  "or add shards")
+        raise OutOfMemory(f"a table of {capacity:,} slots needs {capacity * per_slot / 2**30:,.1f} GiB ({per_slot} B a "
+                          f"slot), more than {MEMORY_USABLE:.0%} of the {available / 2**30:,.1f} GiB the device "
+                          f"({self.device}) has available: {remedy}", "capacity")
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -337,7 +369,7 @@ class AdIndex:
                                                            dtype=torch.int64)
         tensors.update(self.clauses.export_state())
         layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
-                  "schema_fingerprint": self.schema.fingerprint(),
+                  "schema_fingerprint": self.schema.fingerprint,
                   "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
                   "embedding_dtype": dtype_name(self.specs["embedding"].dtype),
                   "exact_copy": str(self.keeps_exact), "refs_width": str(self.clauses.width)}
@@ -473,7 +505,7 @@ class AdIndex:
             return self.columns
         while capacity < needed:
             capacity *= 2
-        self._check_fits(capacity)  # the old columns stay allocated meanwhile: available memory leaves them out
+        self._check_fits(capacity, growing=True)  # the old columns stay allocated meanwhile: available leaves them out
         grown = {}
         for name in self.specs:
             grown[name] = self._filled(name, capacity)

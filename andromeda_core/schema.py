@@ -118,6 +118,7 @@ class Schema:
         return {"name": self.name, "version": self.version,
                 "categories": [c.to_json() for c in self.categories]}
 
+    @cached_property
     def fingerprint(self) -> str:
         """A hash of the whole content (16 hex digits): two schemas of one name and version may still differ (a
         vocabulary reordered without a new version), and an index's bits mean values by their place."""
@@ -126,7 +127,7 @@ class Schema:
     def has_fingerprint(self, recorded: str | None) -> bool:
         """Whether a fingerprint recorded with something written under this schema's name and version is this
         schema's; None (written before fingerprints were recorded, 2026-12-05) is taken as a match."""
-        return recorded is None or recorded == self.fingerprint()
+        return recorded is None or recorded == self.fingerprint
 
 
 def _category_from_dict(raw: Any, where: str) -> Category:

@@ -83,7 +83,7 @@ def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
 def schema_tag(schema: Schema) -> str:
     """name:version:fingerprint: an entry's compiled targeting means values by their place in the schema's
     vocabularies, so one written under the same name and version with other vocabularies is another schema's."""
-    return f"{schema.name}:{schema.version}:{schema.fingerprint()}"
+    return f"{schema.name}:{schema.version}:{schema.fingerprint}"
 
 
 def encode(op: IndexOp, shards: int, schema: Schema, model: str, dim: int,

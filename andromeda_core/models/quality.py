@@ -91,7 +91,7 @@ def checkpoint_meta(data: RecData, seed: int, teacher: Path | None = None, disti
     its click weights where set (get_model trains again where they are not the ones asked)."""
     schema = load_schema()
     meta = {"data": data.name, "schema": schema.name, "schema_version": schema.version,
-            "schema_fingerprint": schema.fingerprint(), "seed": seed, "categories": data.items.categories}
+            "schema_fingerprint": schema.fingerprint, "seed": seed, "categories": data.items.categories}
     meta = {**meta, "steps": cfg.steps, "lr": cfg.lr} if cfg else meta
     meta = {**meta, "click_weights": list(cfg.click_weights)} if cfg and cfg.click_weights else meta
     meta = {**meta, "init": init.name, "init_digest": file_digest(init)} if init else meta
@@ -123,7 +123,7 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
     the teacher: it was trained otherwise (by `andromeda train --steps 3`, say, which writes the same names)."""
     start = other_start(kind, init[0] if init else None)
     path = checkpoint_path(data.name, kind, distill, start, going_on)
-    cfg = default_config(kind, seed, distill, start, going_on, len(data.train_examples()))
+    cfg = default_config(kind, seed, distill, start, going_on, examples=len(data.train_examples()))
     loaded = None
     if path.exists() and not retrain:
         try:

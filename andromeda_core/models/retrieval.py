@@ -34,14 +34,16 @@ UNLOADABLE = (OSError, ValueError, KeyError, SafetensorError)  # what RetrievalM
 # code cannot use: missing or corrupt, of another model version, lacking a tensor
 
 
-def served_name(model: "RetrievalModel", categories: Sequence[str]) -> str:
+def served_name(model: RetrievalModel, categories: Sequence[str]) -> str:
     """The name a served model stamps on the ads it embeds (stream entries and snapshots carry it; a replica
-    applies only its own model's): kind, model version and the first 12 hex digits of a SHA-256 over its
-    tensors (names, dtypes, shapes, bytes) and category vocabulary, so two trainings of one kind differ."""
-    digest = hashlib.sha256(json.dumps(list(categories)).encode())
+    applies only its own model's): kind, model version and the first 12 hex digits of a SHA-256 over its sizes
+    (dims, with the click prior's weight), tensors (names, dtypes, shapes, bytes) and category vocabulary, so two
+    trainings of one kind differ."""
+    digest = hashlib.sha256(json.dumps([asdict(model.dims), list(categories)], sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().cpu().numpy().tobytes())
+        digest.update(tensor.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
+                      .view(torch.uint8).numpy().tobytes())  # any dtype (numpy has no bfloat16)
     return f"{model.kind}-v{MODEL_VERSION}-{digest.hexdigest()[:12]}"
 
 

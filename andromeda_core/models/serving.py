@@ -52,7 +52,7 @@ class ModelScorer:
             log.warning("%s was trained on data of schema %s version %s (fingerprint %s) and serves under %s version %s "
                         "(%s): it serves (segments are hashed by name), but the segment embeddings its towers learned "
                         "are of that schema's values", path, *trained_under, schema.name, schema.version,
-                        schema.fingerprint())
+                        schema.fingerprint)
         return cls(model, config["categories"], schema, device)
 
     def to(self, device: str | torch.device) -> "ModelScorer":

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from andromeda_core import writer
-import andromeda_core.index
 from andromeda_core.errors import InvalidInput, OutOfMemory, out_of_memory
-from andromeda_core.index import AdIndex
+from andromeda_core.index import AdIndex, available_memory
 from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.ops import PreparedAd
 from andromeda_core.ingest import prepare_ops
@@ -167,16 +166,39 @@ def test_a_table_past_the_available_memory_is_refused_before_it_is_allocated(sma
     """Allocated, it would be filled until the kernel killed the process: refused instead, naming the capacity, as
     an allocation failure (which the consumer retries, not dead-letters). A growth refused the same way changes
     nothing."""
-    with pytest.raises(OutOfMemory, match="a table of 4,000,000,000 slots needs") as refused:
-        AdIndex(small_schema, scorer.dim, capacity=4_000_000_000)
-    assert refused.value.field == "capacity" and out_of_memory(refused.value)
     index = AdIndex(small_schema, scorer.dim, capacity=4)
     apply_events(index, scorer, [upsert(i) for i in (1, 2, 3)])
     per_slot = sum(column.untyped_storage().nbytes() for column in index.columns.values()) // 4
-    monkeypatch.setattr(andromeda_core.index, "available_memory", lambda device: 6 * per_slot)
-    with pytest.raises(OutOfMemory, match="a table of 8 slots"):
+    monkeypatch.setattr("andromeda_core.index.available_memory", lambda device: 8 * per_slot)  # 7.2 slots usable
+    with pytest.raises(OutOfMemory, match="a table of 8 slots needs .* add shards") as refused:
         apply_events(index, scorer, [upsert(i) for i in (4, 5, 6)])
+    assert refused.value.field == "capacity" and out_of_memory(refused.value)
     assert index.capacity == 4 and eligible(index) == [1, 2, 3]
+    with pytest.raises(OutOfMemory, match="a table of 8 slots .* lower the initial capacity"):
+        AdIndex(small_schema, scorer.dim, capacity=8)
+    assert AdIndex(small_schema, scorer.dim, capacity=7).capacity == 7
+
+
+def test_the_available_memory_is_the_least_of_the_hosts_and_the_containers(tmp_path, monkeypatch):
+    """A container's cgroup limit (v2, else v1) caps what the host has available; its reclaimable page cache counts as
+    free; a cgroup without a limit, or none, leaves the host's."""
+    cpu, host = torch.device("cpu"), 10**9
+    monkeypatch.setattr("andromeda_core.index._meminfo_available", lambda: host)  # the host's, held still
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("1000000\n")
+    (v2 / "memory.current").write_text("700000\n")
+    (v2 / "memory.stat").write_text("anon 500000\ninactive_file 50000\n")
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("2000000\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("1500000\n")
+    (v1 / "memory" / "memory.stat").write_text("total_inactive_file 100000\n")
+    unlimited = tmp_path / "unlimited"
+    unlimited.mkdir()
+    (unlimited / "memory.max").write_text("max\n")
+    assert available_memory(cpu, v2) == 350_000 and available_memory(cpu, v1) == 600_000
+    assert available_memory(cpu, unlimited) == available_memory(cpu, tmp_path / "none") == host
 
 
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.int8])

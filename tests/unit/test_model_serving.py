@@ -3,6 +3,8 @@ storage format (fp32, fp16, int8 with per-block scales); lossy formats rescore t
 from the exact float32 copy."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -152,31 +154,38 @@ def test_a_ranker_is_not_served(default_schema):
     assert caught.value.field == "model"
 
 
-
 def test_the_served_name_tells_trainings_of_one_kind_apart(default_schema, tmp_path):
     """Stream entries and snapshots carry the served name, and a replica applies only its own model's: a checkpoint
-    loaded again keeps its name; one weight, one buffer (the click prior) or the category vocabulary changed
-    gives another."""
+    loaded again keeps its name; one weight, one buffer (the click prior), the click prior's weight (a size, not a
+    tensor) or the category vocabulary changed gives another."""
     torch.manual_seed(1)
-    model = RetrievalModel("moe", Dims(dim=8, gate=4, semantic=4, categories=4), click_ids=[3], click_logodds=[0.5])
+    dims = Dims(dim=8, gate=4, semantic=4, categories=4)
+    model = RetrievalModel("moe", dims, click_ids=[3], click_logodds=[0.5])
     name = ModelScorer(model, ["sports"], default_schema).name
     assert name.startswith("moe-v") and len(name.rsplit("-", 1)[1]) == 12
     model.save(tmp_path / "m.safetensors", {"categories": ["sports"]})
     assert ModelScorer.load(tmp_path / "m.safetensors", default_schema).name == name
     assert ModelScorer(model, ["food"], default_schema).name != name
+    reweighed = RetrievalModel("moe", dataclasses.replace(dims, click_weight=dims.click_weight + 1), click_ids=[3],
+                               click_logodds=[0.5])
+    reweighed.load_state_dict(model.state_dict())
+    assert ModelScorer(reweighed, ["sports"], default_schema).name != name
     for tensor in (model.ad_tower.category.weight, model.click_logodds):
+        kept = tensor.detach().clone()
         with torch.no_grad():
             tensor.view(-1)[0] += 1e-6
         assert ModelScorer(model, ["sports"], default_schema).name != name
         with torch.no_grad():
-            tensor.view(-1)[0] -= 1e-6
+            tensor.copy_(kept)
+    assert ModelScorer(model, ["sports"], default_schema).name == name
+
 
 def test_a_checkpoint_trained_under_another_schema_serves_with_a_warning(default_schema, tmp_path, caplog):
     """Named by name and version, and by content where the checkpoint records it (a vocabulary edited under the same
     version); a checkpoint that records none warns too."""
     model = RetrievalModel("moe", Dims(dim=8, gate=4, semantic=4, categories=4))
     same = {"schema": default_schema.name, "schema_version": default_schema.version}
-    for under, warned in ((same, False), (same | {"schema_fingerprint": default_schema.fingerprint()}, False),
+    for under, warned in ((same, False), (same | {"schema_fingerprint": default_schema.fingerprint}, False),
                           (same | {"schema_fingerprint": "0" * 16}, True), (same | {"schema": "other"}, True),
                           (same | {"schema_version": default_schema.version + 1}, True), ({}, True)):
         model.save(tmp_path / "m.safetensors", {"categories": ["sports"]} | under)
