@@ -248,14 +248,17 @@ class ShardConsumer:
         if self.snapshots is None:
             return False
         wanted = {"model": self.model, "shard": self.shard, "shards": self.shards, "stream": self.source}
-        for restored, meta in self.snapshots.valid(self.schema, self.index.device):
+
+        def foreign(meta: dict) -> dict:
+            return {key: meta.get(key) for key, value in wanted.items() if meta.get(key) != value}
+
+        for restored, meta in self.snapshots.valid(self.schema, self.index.device, foreign):
             # one the stream went back from is adopted too: the first read then finds it gone back and reads the
             # whole stream over it
-            foreign = {key: meta.get(key) for key, value in wanted.items() if meta.get(key) != value}
-            converted = None if foreign else restored.in_storage_of(self.index)
+            converted = restored.in_storage_of(self.index)
             if converted is None:
-                log.error("snapshot at %s has %s, this replica wants %s (storage %s); skipping it", meta.get("stream_id"),
-                          foreign or f"storage {restored.storage}", wanted, self.index.storage)
+                log.error("snapshot at %s has storage %s, this replica stores %s; skipping it", meta.get("stream_id"),
+                          restored.storage, self.index.storage)
                 continue
             if self.stats.last_id != "0-0" and (gap := self.gap_after(meta["stream_id"])):
                 log.error("the newest snapshot covers %s, but the stream lost entries up to %s after it; keeping the "

@@ -48,10 +48,19 @@ class SnapshotStore:
             old.unlink(missing_ok=True)
         return path
 
-    def valid(self, schema: Schema, device: str | torch.device = "cpu") -> Iterator[tuple[AdIndex, dict]]:
+    def valid(self, schema: Schema, device: str | torch.device = "cpu",
+              foreign: Callable[[dict], dict] = lambda meta: {}) -> Iterator[tuple[AdIndex, dict]]:
         """(index, metadata) of each snapshot that passes its checksum (corrupt ones are skipped), newest first,
-        each loaded only when asked for."""
+        each loaded only when asked for. foreign: what in a snapshot's caller metadata differs from what the caller
+        wants; one it finds anything in is skipped, logged, from its header alone (never loaded)."""
         for path in self.paths():
+            try:
+                differs = foreign(json.loads(header(path)["user"]))
+            except Exception:  # an unreadable header: load_snapshot below reports the file as corrupt
+                differs = {}
+            if differs:
+                log.error("snapshot %s has %s; skipping it", path.name, differs)
+                continue
             try:
                 yield load_snapshot(path, schema, device)
             except SnapshotCorrupt as exc:  # logged: a schema changed under its version passes over every one

@@ -15,6 +15,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.ops import PreparedAd
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.sharding import shard_of
+from andromeda_core.snapshot import load_snapshot
 from andromeda_core.targeting import CompiledTargeting, compile_user
 from andromeda_core.types import parse_event
 from index_updater.consumer import LAYOUT_TTL_S, ShardConsumer, StreamGap
@@ -355,16 +356,20 @@ def test_a_read_that_runs_out_of_memory_is_applied_again_not_dead_lettered(setup
     assert client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 0
 
 
-def test_a_snapshot_of_another_model_is_not_loaded(setup, tmp_path, small_schema, scorer):
+def test_a_snapshot_of_another_model_is_not_loaded(setup, tmp_path, small_schema, scorer, monkeypatch):
+    """Skipped from its header: its tables are never read (after a retrain every older snapshot is another model's)."""
     client, publisher, make = setup
     store = SnapshotStore(tmp_path / "snapshots")
     publisher.publish([upsert(1)])
     writer = make(snapshots=store)
     writer.catch_up()
     writer.snapshot()
+    loaded = []
+    monkeypatch.setattr("index_updater.snapshots.load_snapshot",
+                        lambda *args: loaded.append(args) or load_snapshot(*args))
     other = ShardConsumer(client, AdIndex(small_schema, scorer.dim), "moe-v9", snapshots=store)
-    assert not other.recover() and len(other.index) == 0
-    assert make(snapshots=store).recover()
+    assert not other.recover() and len(other.index) == 0 and not loaded
+    assert make(snapshots=store).recover() and len(loaded) == 1
 
 
 def test_publish_returns_ids_in_input_order_across_shard_streams(setup):
