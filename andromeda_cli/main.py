@@ -317,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("eval", help="quality report of every model and baseline on every data set; trains the missing "
-                                    "checkpoints (about 40 minutes on 2 CPU cores with --workers 2) and rewrites docs/quality.md")
+                                    "checkpoints (about 40 minutes on 2 CPU cores) and rewrites docs/quality.md")
     s.add_argument("--data", nargs="+", choices=DATASETS, default=list(DATASETS),
                    help="data sets to evaluate (default: MovieLens and both synthetic worlds)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")
@@ -327,7 +327,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=output_file, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
     s.add_argument("--workers", type=POSITIVE, default=None,
                    help="processes the data sets run in side by side, the cores shared among them as torch threads "
-                        "(default: one per data set)")
+                        "(default: one per data set, at most one per core)")
     s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")

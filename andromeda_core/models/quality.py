@@ -523,12 +523,14 @@ def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, th
 
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None,
                    workers: int | None = None) -> str:
-    """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per data set),
-    the cores shared out among them as torch threads (at least one each): the models' small ops use a second thread
-    at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads than on 1), so data sets on
-    one thread each finish sooner than one after the other on two, and three on two cores sooner than two (the last
-    one would run alone on one core). Results are bit-identical for a seed on the same machine and the same number
-    of threads per data set."""
+    """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per data set,
+    at most one per core), the cores shared out among them as torch threads (at least one each): the models' small
+    ops use a second thread at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads
+    than on 1), so data sets on one thread each finish sooner than one after the other on two. On 2 cores MovieLens,
+    whose models take the most steps, then has a core to itself while the synthetic worlds run one after the other
+    on the other (2,369 s in all, 2026-12-05; three processes on two cores were faster while every model took
+    1,000 steps). Results are bit-identical for a seed on the same machine and the same number of threads per
+    data set."""
     if world and world_config(world) is not None and not is_current(world):
         raise InvalidInput(f"{world} was drawn by an older generator (the report reads what version {GENERATOR} keeps); "
                            f"draw it again with `andromeda synth`", "--world")
@@ -536,7 +538,7 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     out.parent.mkdir(parents=True, exist_ok=True)
     datasets = tuple(dict.fromkeys(datasets))  # a data set twice would write its checkpoints from two processes
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = max(1, min(len(datasets), workers or len(datasets)))
+    workers = max(1, min(len(datasets), workers or min(len(datasets), cores)))
     threads = max(1, cores // workers)
     jobs = [(name, world if name == "synthetic" else None, retrain, out.parent, threads) for name in datasets]
     sections = side_by_side(_section_of, jobs, workers)  # in order: the longest (MovieLens) starts first
