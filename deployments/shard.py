@@ -153,8 +153,8 @@ class ShardReplica:
         healthy, reason = self.consumer.health(self.config.max_lag_s)
         return {"shard": self.shard, "ready": self.consumer.caught_up and healthy, "healthy": healthy, "reason": reason,
                 "model": self.retriever.scorer.name, "index_size": len(self.retriever.index),
-                "lag_seconds": stats.lag_seconds(), "applied": stats.applied, "stale": stats.stale, "dead_letters": stats.dead_letters, "errors": stats.errors,
-                "stream_resets": stats.stream_resets,
+                "lag_seconds": stats.lag_seconds(), "applied": stats.applied, "stale": stats.stale,
+                "dead_letters": stats.dead_letters, "errors": stats.errors, "stream_resets": stats.stream_resets,
                 "last_error": stats.last_error, "last_id": stats.last_id, "capacity": self.retriever.index.capacity,
                 "expired": self.expired}
 

@@ -30,7 +30,8 @@ def test_ads_published_for_another_demo_world_model_or_schema_are_stale(redis_se
     assert stale_demo_state(config, demo_identity(tmp_path / "demo-200", model, schema))  # --demo-ads 200
     # retrained, or --model naming another checkpoint
     assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", "moe-v7-ba9876543210", schema))
-    assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", model, "andromeda-default:1:fedcba9876543210"))  # edited
+    edited = "andromeda-default:1:fedcba9876543210"  # the schema's vocabularies edited under the same version
+    assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", model, edited))
     client.delete(DEMO_MARK)
 
 
