@@ -271,10 +271,16 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     p.add_argument("--no-skip", action="store_true",
                    help="CUDA: the threshold scan gates every block (A/B runs of its skip below tau); implies --no-write")
+    p.add_argument("--matched-rows-max-b", type=int, default=None, metavar="B",
+                   help="CUDA: batches of at most B requests load only the matched vector rows (A/B runs of "
+                        "MATCHED_ROWS_MAX_B; 0: never); implies --no-write")
     args = p.parse_args()
-    if args.no_skip:
+    if args.no_skip or args.matched_rows_max_b is not None:
         from kernels.triton import fused
-        fused.SKIP_BELOW_TAU, args.no_write = False, True
+        args.no_write = True
+        fused.SKIP_BELOW_TAU = not args.no_skip
+        if args.matched_rows_max_b is not None:
+            fused.MATCHED_ROWS_MAX_B = args.matched_rows_max_b
     torch.set_num_threads(args.threads)
     dev = args.device
     copy, read_bw = copy_gbs(dev), read_gbs(dev)
@@ -320,8 +326,8 @@ def main() -> None:
                 rows.append(row)
                 print(line(row, read_bw, peak))
             on = None  # frees the device copy before the next storage
-    if not args.no_write:
-        write_section(f"kernels-{dev}", report(rows, args, copy, read_bw, peak))
+        if not args.no_write:  # after each size: a run cut short (time, memory) keeps the sizes it finished
+            write_section(f"kernels-{dev}", report(rows, args, copy, read_bw, peak))
 
 
 def gated_share(args_: tuple) -> tuple[float, bool]:
