@@ -57,6 +57,12 @@ MERGE_MAX_K = 2048  # the most keys a merge program keeps; a larger m merges wit
 # finish compiling in 500 s)
 NO_KEY = -2**63
 
+
+def top_width(m: int) -> int:
+    """The K of a tl.topk keeping the m best: a power of two, at least 2 (Triton 3.6, the H100 image's, cannot compile
+    tl.topk for k = 1; the kernels store the first m)."""
+    return max(triton.next_power_of_2(m), 2)
+
 _NO_KEY = tl.constexpr(NO_KEY)
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
@@ -327,7 +333,7 @@ def merge_partials(partial: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.T
     float32 (-inf padded), by score descending then slot ascending."""
     partial = partial.contiguous()  # the merge kernel reads it row by row
     B = partial.shape[0]
-    K = triton.next_power_of_2(max(m, 1))
+    K = top_width(m)
     if K > MERGE_MAX_K:  # keys are distinct but NO_KEY, whose places unpack alike: topk's order among equals is moot
         keys = partial.reshape(B, -1)
         best = keys.topk(min(m, keys.shape[1]), dim=1).values
@@ -493,7 +499,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     if stats is not None:
         stats.update(blocks=blocks, path="per-block")
         stats.pop("scored", None)
-    width = min(triton.next_power_of_2(max(m, 1)), BLOCK)
+    width = min(top_width(m), BLOCK)
     part = max(1, PER_BLOCK_BYTES // (blocks * width * 8))
     if B > part:
         return in_parts(lambda *side: fused_scan(*table, *side, bias_col, top_n, m, 0, stats),
@@ -520,7 +526,7 @@ def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: 
     grown = [None if t is None else torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
              for t in table] if status.shape[0] < rows else None  # slots of no ad (unservable) past a table too
     # small for the threshold scan
-    shortlists = [2**j for j in range(max(MERGE_MAX_K, BLOCK).bit_length())]
+    shortlists = [2**j for j in range(1, max(MERGE_MAX_K, BLOCK).bit_length())]  # 1 shortlists as 2 does (top_width)
     for B in {1, MATCHED_ROWS_MAX_B + 1}:
         head = (*(r[:1].repeat(B, *[1] * (r.dim() - 1)) for r in (now, truth, experts, keys, mask)), bias_col, top_n)
         if grown is not None:  # the threshold scan, not over this table, so over the grown one
