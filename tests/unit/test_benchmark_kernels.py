@@ -30,7 +30,8 @@ def test_row_bytes_are_the_cache_lines_or_sectors_a_row_occupies():
     assert bytes_per_ad("int8", "cpu", refs, 0.25, False, 16) == 17 + 24 + 0.25 * 192
     assert bytes_per_ad("fp16", "cuda", refs, 0.25, False, 16) == 17 + 24 + 192  # every row, matched or not
     assert bytes_per_ad("fp16", "cuda", refs, 0.25, True, 16) == (17 + 24 + 192) * (1 + 1 / 16)  # and the sample again
-    assert bytes_per_ad("fp16", "cuda", refs, 0.25, False, 4) == 17 + 24 + 0.25 * 192  # a small batch: matched rows
+    assert bytes_per_ad("fp16", "cuda", refs, 0.25, False, 1) == 17 + 24 + 0.25 * 192  # one request: matched rows
+    assert bytes_per_ad("fp16", "cuda", refs, 0.25, False, 2) == 17 + 24 + 192  # past MATCHED_ROWS_MAX_B (1)
 
 
 def test_faiss_is_timed_at_its_fastest_setting_and_left_as_found(monkeypatch):
