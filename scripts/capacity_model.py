@@ -330,13 +330,13 @@ def report(inputs: dict) -> str:
     rates = measured["pass_rates"]
     target_one, _ = pass_seconds(inputs, 1e8, 1, b)
     out += ["## At the rates measured on one H200", "",
-            "One H200 measured the Triton pass (docs/benchmarks.md, 'Fused kernels on cuda', 100M ads, int8) at "
+            "One H200 measured the Triton pass (docs/benchmarks.md, 'The H200 session of 2026-11-30', 100M ads, int8) at "
             + ", ".join(f"{fmt(r / 1e9, 1)}G" for r in rates.values()) + " user-ad pairs/s for batches of "
             + ", ".join(map(str, rates)) + f" requests: one request over 100M ads in {1e8 / rates[1] * 1e3:.1f} ms, where the",
             f"model above takes {target_one * 1e3:.2f} ms. Here a pass takes ads x batch / the measured pairs/s (linear in log2 of the",
             f"batch between those measured) + {a['pass_overhead_s'] * 1e3:.1f} ms; smaller tables measured somewhat slower per ad "
             "(a fixed cost of about 2 ms",
-            "per call, docs/benchmarks.md), which this leaves out. Until the kernel reaches its target, plan with these rows:",
+            "per call on that H200, 0.9 ms on an H100 since: docs/benchmarks.md), which this leaves out. Until the kernel reaches its target, plan with these rows:",
             ""]
     at_measured = deployment_table(measured, b, out)
     ratio = at_measured[PROD].gpus / prod.gpus
