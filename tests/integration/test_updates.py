@@ -12,6 +12,9 @@ import torch
 from andromeda_core.errors import InvalidInput
 from andromeda_core.export import TableCopy
 from andromeda_core.index import AdIndex
+from andromeda_core.models.retrieval import RetrievalModel
+from andromeda_core.models.serving import ModelScorer
+from andromeda_core.models.towers import Dims
 from andromeda_core.ops import PreparedAd
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.sharding import shard_of
@@ -866,3 +869,23 @@ def test_a_full_redis_still_lets_replicas_read_start_and_trim(setup, tmp_path):
     finally:
         client.config_set("maxmemory", 0)
         client.config_set("maxmemory-policy", policy)
+
+
+def test_a_replica_dead_letters_what_another_training_of_its_kind_embedded(redis_server, default_schema):
+    """Two trainings of one kind (same sizes and vocabulary, other weights) embed ads differently: a replica serving
+    one dead-letters the entries the other's publisher wrote, naming that model, and applies its own."""
+    _, client = redis_server
+    scorers = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        scorers.append(ModelScorer(RetrievalModel("moe", Dims(dim=8, gate=4, semantic=4, categories=4)), ["sports"],
+                                   default_schema))
+    ours, theirs = scorers
+    assert ours.name.rsplit("-", 1)[0] == theirs.name.rsplit("-", 1)[0] and ours.name != theirs.name
+    c = ShardConsumer(client, AdIndex(default_schema, ours.dim, capacity=4), ours.name, block_ms=10)
+    Publisher(client, default_schema, theirs).publish([upsert(1)])
+    Publisher(client, default_schema, ours).publish([upsert(2)])
+    c.catch_up()
+    assert 1 not in c.index and 2 in c.index and c.stats.applied == 1 and c.stats.dead_letters == 1
+    (_, dead), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
+    assert dead[b"field"] == b"model" and theirs.name.encode() in dead[b"reason"]
