@@ -527,7 +527,7 @@ def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: 
     grown = [None if t is None else torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
              for t in table] if status.shape[0] < rows else None  # slots of no ad (unservable) past a table too
     # small for the threshold scan
-    shortlists = [2**j for j in range(1, max(MERGE_MAX_K, BLOCK).bit_length())]  # 1 shortlists as 2 does (top_width)
+    shortlists = [2**j for j in range(max(MERGE_MAX_K, BLOCK).bit_length())]
     for B in {1, MATCHED_ROWS_MAX_B + 1}:
         head = (*(r[:1].repeat(B, *[1] * (r.dim() - 1)) for r in (now, truth, experts, keys, mask)), bias_col, top_n)
         if grown is not None:  # the threshold scan, not over this table, so over the grown one
