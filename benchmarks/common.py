@@ -70,4 +70,6 @@ def write_section(name: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     DOCS.parent.mkdir(exist_ok=True)
-    DOCS.write_text(text)
+    partial = DOCS.with_suffix(".md.partial")  # replaced in one step: a run killed while writing leaves the old file
+    partial.write_text(text)
+    os.replace(partial, DOCS)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from andromeda_cli.args import NON_NEGATIVE
 from andromeda_core.index import AdIndex
 from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel
@@ -271,7 +272,7 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     p.add_argument("--no-skip", action="store_true",
                    help="CUDA: the threshold scan gates every block (A/B runs of its skip below tau); implies --no-write")
-    p.add_argument("--matched-rows-max-b", type=int, default=None, metavar="B",
+    p.add_argument("--matched-rows-max-b", type=NON_NEGATIVE, default=None, metavar="B",
                    help="CUDA: batches of at most B requests load only the matched vector rows (A/B runs of "
                         "MATCHED_ROWS_MAX_B; 0: never); implies --no-write")
     args = p.parse_args()

@@ -255,7 +255,8 @@ def report(inputs: dict) -> str:
            "(a test fails when this page is not what the inputs give). Measured figures come from",
            "[docs/benchmarks.md](benchmarks.md), each with its section below; GPU figures are **stated hardware limits",
            "and assumptions, not measurements**: every GPU row but those of the section 'At the rates measured on one",
-           "H200' rests on the fused kernel reaching its design target (85% of the HBM bandwidth), which the one H200 measurement so far does",
+           "H200' rests on the fused kernel reaching its design target (85% of the HBM bandwidth), which the GPU "
+           "measurements so far (an H200, an H100) do",
            "not. Replace an assumption in the inputs once it is measured and rerun the script.", "",
            f"Hardware: {h['note']}", "",
            "## Bytes per ad", "",

@@ -360,7 +360,7 @@ def merge_widths(monkeypatch) -> list[int]:
     (1000, 3, torch.float16, 5, 1),
     (1000, 2, torch.int8, 3, 2),  # every other block sampled
     (1001, 1, torch.float32, 8, 1),  # m = the blocks sampled
-    (1000, 5, torch.float16, 5, 1),  # past MATCHED_ROWS_MAX_B: every row of a block loaded
+    (1000, 5, torch.float16, 5, 1),  # past MATCHED_ROWS_MAX_B (as B = 2 and 3): every row of a block loaded
 ])
 def test_threshold_scan_equals_reference(monkeypatch, n, B, dtype, m, stride):
     """The threshold scan (tau from sampled blocks' best keys, then only keys >= tau kept) returns the reference's
