@@ -294,7 +294,7 @@ def main() -> None:
         save_table(args.save_table, world, requests)
     stored = {storage: world.stored(storage) for storage in args.storage}
     read = {B: rows_read(world, requests, B) for B in args.batch}  # the same share whatever the tiling
-    for times in args.tile:
+    for done, times in enumerate(args.tile, 1):
         n = times * len(world.status)
         queries = {B: np.random.default_rng(B).random((B, S), dtype=np.float32) for B in args.batch}
         if dev == "cpu":  # once per size and batch: its work does not depend on our storage
@@ -328,7 +328,7 @@ def main() -> None:
                 print(line(row, read_bw, peak))
             on = None  # frees the device copy before the next storage
         if not args.no_write:  # after each size: a run cut short (time, memory) keeps the sizes it finished
-            write_section(f"kernels-{dev}", report(rows, args, copy, read_bw, peak))
+            write_section(f"kernels-{dev}", report(rows, args, args.tile[:done], copy, read_bw, peak))
 
 
 def gated_share(args_: tuple) -> tuple[float, bool]:
@@ -424,7 +424,8 @@ def line(r: dict, read_bw: float, peak: float) -> str:
             f"({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M ads/s)  blocks gated {share(r['gated'])}")
 
 
-def report(rows: list[dict], args, copy: float, read_bw: float, peak: float) -> str:
+def report(rows: list[dict], args, tiles: list[int], copy: float, read_bw: float, peak: float) -> str:
+    """The section of docs/benchmarks.md for the rows measured so far, over the corpus sizes `tiles`."""
     cpu = args.device == "cpu"
     table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of read bw | share of copy bw "
              "| GFLOP/s | share of peak FLOPs | eligible | rows read | match alone ms (ads/s) | reference ms | naive ms "
@@ -439,7 +440,7 @@ def report(rows: list[dict], args, copy: float, read_bw: float, peak: float) -> 
                      f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} | "
                      f"{ms(r['tower'] + r['ours'])} ({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M) | {share(r['gated'])} |")
     setups = sorted({(r["B"], r["faiss_setup"]) for r in rows if r["faiss_setup"]})
-    command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, args.tile))} "
+    command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, tiles))} "
                f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}")
     if cpu:
         rows_text = ("the vector rows of the \"rows read\": the ads some request of the batch is eligible for, whose row "
