@@ -528,9 +528,8 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     ops use a second thread at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads
     than on 1), so data sets on one thread each finish sooner than one after the other on two. On 2 cores MovieLens,
     whose models take the most steps, then has a core to itself while the synthetic worlds run one after the other
-    on the other (2,369 s in all, 2026-12-05; three processes on two cores were faster while every model took
-    1,000 steps). Results are bit-identical for a seed on the same machine and the same number of threads per
-    data set."""
+    on the other (2,369 s in all, 2026-12-05; three processes on the two cores took 2,406 s and wrote the same
+    report). Results are bit-identical for a seed on the same machine and the same number of threads per data set."""
     if world and world_config(world) is not None and not is_current(world):
         raise InvalidInput(f"{world} was drawn by an older generator (the report reads what version {GENERATOR} keeps); "
                            f"draw it again with `andromeda synth`", "--world")
@@ -538,7 +537,7 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     out.parent.mkdir(parents=True, exist_ok=True)
     datasets = tuple(dict.fromkeys(datasets))  # a data set twice would write its checkpoints from two processes
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = max(1, min(len(datasets), workers or min(len(datasets), cores)))
+    workers = max(1, min(len(datasets), workers or cores))
     threads = max(1, cores // workers)
     jobs = [(name, world if name == "synthetic" else None, retrain, out.parent, threads) for name in datasets]
     sections = side_by_side(_section_of, jobs, workers)  # in order: the longest (MovieLens) starts first

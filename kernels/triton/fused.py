@@ -58,14 +58,14 @@ MERGE_MAX_K = 2048  # the most keys a merge program keeps; a larger m merges wit
 # finish compiling in 500 s)
 NO_KEY = -2**63
 
+_NO_KEY = tl.constexpr(NO_KEY)
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
+
 
 def top_width(m: int) -> int:
     """The K of a tl.topk keeping the m best: a power of two, at least 2 (Triton 3.6, the H100 image's, cannot compile
     tl.topk for k = 1; the kernels store the first m)."""
     return max(triton.next_power_of_2(m), 2)
-
-_NO_KEY = tl.constexpr(NO_KEY)
-_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 
 @triton.jit
