@@ -36,6 +36,10 @@ fi
 python3 -c "import andromeda_core.index" || { echo "the project cannot be imported here: run benchmarks/gpu_prepare.sh and carry .whl"; exit 1; }
 logs="${OUT:-/tmp}"
 budget=${GPU_CHECK_SECONDS:-540}
+if ! [[ "$budget" =~ ^[1-9][0-9]*$ ]]; then
+    echo "GPU_CHECK_SECONDS: a whole number of seconds, got '$budget'"
+    exit 2
+fi
 export TQDM_DISABLE=1  # no progress bars in the logs
 step() {  # step CAP LOG COMMAND...: runs COMMAND under min(CAP, the time left), its output to the screen and $logs/LOG
     local cap=$1 log=$2 left=$((budget - SECONDS)) began=$SECONDS; shift 2
