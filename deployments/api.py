@@ -200,14 +200,16 @@ def local_path(scope) -> str:
 
 class Guard:
     """ASGI middleware in front of every /v1/ request, before any parsing: at most `inflight` requests at
-    once in this process and none while LatencyShedder sees a standing queue (more: 503 + Retry-After at
-    once, so latency does not grow with a queue), a body
+    once in this process, and no new retrieval while LatencyShedder sees a standing queue of retrievals (more:
+    503 + Retry-After at once, so latency does not grow with a queue; writes and ad lookups, which the
+    retrievals' latency says nothing of, go on up to `inflight`), a body
     of at most `body_bytes` (413; also for bodies without Content-Length), and the request's deadline
     (`X-Request-Timeout-Ms`, else the default) in DEADLINE for everything the request awaits."""
 
     def __init__(self, app, on_error: Callable[[str], None]):
         self.app, self.on_error = app, on_error
         self.inflight = 0
+        self.retrievals = 0  # of those in flight, the retrievals (what the shedder watches)
         self.shedder: LatencyShedder | None = None
 
     async def __call__(self, scope, receive, send):
@@ -216,12 +218,13 @@ class Guard:
         g = getattr(scope["app"].state, "guard", None) or GuardSettings()  # the router sets app.state.guard
         if self.shedder is None:
             self.shedder = LatencyShedder(g.latency_target_s, g.latency_interval_s)
+        retrieval = local_path(scope).startswith("/v1/retrieve")
         try:
             if self.inflight >= g.inflight:
                 raise Overloaded(f"this router has {self.inflight} requests in flight (overload.router_inflight = "
                                  f"{g.inflight}); retry after Retry-After", "request", g.retry_after_s)
-            if not self.shedder.admit(self.inflight):
-                raise Overloaded(f"requests on this router have waited over {g.latency_target_s * 1000:.0f} ms for "
+            if retrieval and not self.shedder.admit(self.retrievals):
+                raise Overloaded(f"retrievals on this router have waited over {g.latency_target_s * 1000:.0f} ms for "
                                  f"{g.latency_interval_s * 1000:.0f} ms (overload.latency_target_ms); retry after "
                                  "Retry-After", "request", g.retry_after_s)
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
@@ -236,6 +239,7 @@ class Guard:
             self.on_error(exc.category.value)
             return await http_error(exc, g.retry_after_s)(scope, receive, send)
         self.inflight += 1
+        self.retrievals += retrieval
         started, status = time.monotonic(), 500
 
         async def sending(message):
@@ -250,9 +254,10 @@ class Guard:
         finally:
             DEADLINE.reset(token)
             self.inflight -= 1
+            self.retrievals -= retrieval
             latency = time.monotonic() - started
             # Retrievals feed the shedder; a refusal or error may show a queue (slow) but not its absence (fast).
-            if local_path(scope).startswith("/v1/retrieve") and (status < 400 or latency > g.latency_target_s):
+            if retrieval and (status < 400 or latency > g.latency_target_s):
                 self.shedder.done(latency)
 
     @staticmethod

@@ -147,8 +147,8 @@ class Overload(BaseModel):
     retry_after_s: int = Field(1, ge=1, le=3600)
     """Retry-After of a 503."""
     latency_target_ms: int = Field(500, ge=0, le=600_000)
-    """When every request a router completed over `latency_interval_ms` took longer than this, a queue stands:
-    the router answers new requests 503 until one completes within it (0: off; deployments.limits.LatencyShedder).
+    """When every retrieval a router completed over `latency_interval_ms` took longer than this, a queue stands:
+    the router answers new retrievals 503 until one completes within it (0: off; deployments.limits.LatencyShedder).
     Keep it above the slowest request's time without a queue (a large batch)."""
     latency_interval_ms: int = Field(1000, ge=1, le=600_000)
     """How long requests must stay over `latency_target_ms` before the router sheds."""

@@ -94,24 +94,31 @@ class TokenBuckets:
 
 
 class LatencyShedder:
-    """CoDel's signal on one router's requests: when every request completed over the last `interval_s` took
+    """CoDel's signal on one router's retrievals: when every retrieval completed over the last `interval_s` took
     longer than `target_s`, a queue stands in front of the work (a request that found none would have been
-    fast), so new requests are refused (503) until one completes within the target or none is left in
-    flight. Admitted requests then stay near the target instead of waiting out the queue. target_s 0: off."""
+    fast), so new retrievals are refused (503) until one completes within the target or none is left in
+    flight. Admitted requests then stay near the target instead of waiting out the queue. While it refuses, one
+    retrieval an interval goes through as a probe: refused retrievals never complete, so without it a long one
+    still in flight would keep the router refusing after the queue drained. target_s 0: off."""
 
     def __init__(self, target_s: float, interval_s: float):
         self.target_s, self.interval_s = target_s, interval_s
         self.shedding = False
         self._slow_since: float | None = None  # first completion over the target since the last fast one
+        self._probed_at = 0.0  # when the last probe went through (or the shedding began)
 
-    def admit(self, inflight: int) -> bool:
-        """Whether a new request may start (`inflight`: this router's requests now in flight)."""
+    def admit(self, inflight: int, now: float | None = None) -> bool:
+        """Whether a new retrieval may start (`inflight`: this router's retrievals now in flight)."""
+        now = time.monotonic() if now is None else now
         if inflight == 0:  # nothing queued: start over
             self.shedding, self._slow_since = False, None
+        elif self.shedding and now - self._probed_at >= self.interval_s:
+            self._probed_at = now
+            return True
         return not self.shedding
 
     def done(self, latency_s: float, now: float | None = None) -> None:
-        """A request completed after latency_s seconds."""
+        """A retrieval completed after latency_s seconds."""
         if not self.target_s:
             return
         now = time.monotonic() if now is None else now
@@ -119,8 +126,8 @@ class LatencyShedder:
             self.shedding, self._slow_since = False, None
         elif self._slow_since is None:
             self._slow_since = now
-        elif now - self._slow_since >= self.interval_s:
-            self.shedding = True
+        elif now - self._slow_since >= self.interval_s and not self.shedding:
+            self.shedding, self._probed_at = True, now
 
 
 def retry_after(seconds: float) -> str:

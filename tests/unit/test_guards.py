@@ -1,6 +1,7 @@
 """Token store, token file, token buckets, request limits and credential redaction (no Ray, no Redis)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -13,7 +14,7 @@ from andromeda_core.errors import InvalidInput
 from andromeda_core.types import parse_request
 from deployments.auth import ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
 from deployments.config import Limits
-from deployments.api import ECHOED_CHARS, create_app, error_response
+from deployments.api import ECHOED_CHARS, GuardSettings, create_app, error_response
 from deployments.limits import LatencyShedder, TokenBuckets, check_requests, past_wire_bound, retry_after
 
 
@@ -91,31 +92,130 @@ def test_latency_shedder_refuses_new_requests_while_a_queue_stands():
     shed = LatencyShedder(target_s=0.5, interval_s=1.0)
     shed.done(0.9, now=10.0)
     shed.done(0.7, now=10.5)
-    assert shed.admit(inflight=3)  # slow, but not yet for a whole interval
+    assert shed.admit(inflight=3, now=10.5)  # slow, but not yet for a whole interval
     shed.done(0.2, now=10.8)  # one fast completion: no standing queue
     shed.done(0.9, now=11.0)
     shed.done(0.8, now=11.9)
-    assert shed.admit(inflight=3)
+    assert shed.admit(inflight=3, now=11.9)
     shed.done(0.6, now=12.0)  # every completion slow for 1 s: shed
-    assert not shed.admit(inflight=3) and not shed.admit(inflight=1)
+    assert not shed.admit(inflight=3, now=12.0) and not shed.admit(inflight=1, now=12.5)
     shed.done(0.9, now=12.1)
-    assert not shed.admit(inflight=2)
-    shed.done(0.4, now=12.2)  # fast again: admit
-    assert shed.admit(inflight=1)
+    assert not shed.admit(inflight=2, now=12.6)
+    shed.done(0.4, now=12.7)  # fast again: admit
+    assert shed.admit(inflight=1, now=12.7)
 
 
 def test_latency_shedder_admits_once_nothing_is_in_flight_and_is_off_at_target_0():
     shed = LatencyShedder(target_s=0.5, interval_s=1.0)
     for t in (0.0, 0.5, 1.0):
         shed.done(2.0, now=t)
-    assert not shed.admit(inflight=1)
-    assert shed.admit(inflight=0)  # the queue drained: start over
+    assert not shed.admit(inflight=1, now=1.0)
+    assert shed.admit(inflight=0, now=1.1)  # the queue drained: start over
     shed.done(2.0, now=1.2)
-    assert shed.admit(inflight=1)  # one slow completion since, not an interval of them
+    assert shed.admit(inflight=1, now=1.2)  # one slow completion since, not an interval of them
     off = LatencyShedder(target_s=0.0, interval_s=1.0)
     for t in (0.0, 0.5, 1.0, 5.0):
         off.done(9.0, now=t)
-    assert off.admit(inflight=50)
+    assert off.admit(inflight=50, now=5.0)
+
+
+def test_while_shedding_one_retrieval_an_interval_goes_through_as_a_probe():
+    """A retrieval still in flight (a large batch) keeps `inflight` above 0, and refused retrievals never complete:
+    without the probe nothing would show that the queue drained until it ended."""
+    shed = LatencyShedder(target_s=0.5, interval_s=1.0)
+    for t in (0.0, 0.5, 1.0):
+        shed.done(2.0, now=t)  # shedding from t = 1.0
+    assert [shed.admit(inflight=1, now=t) for t in (1.2, 1.9, 2.0, 2.1, 2.9, 3.1)] == \
+           [False, False, True, False, False, True]  # one an interval after the last
+    shed.done(0.1, now=3.2)  # the probe was fast: the queue drained
+    assert all(shed.admit(inflight=1, now=t) for t in (3.2, 3.3, 3.4))
+    for t in (4.0, 4.5, 5.0):
+        shed.done(2.0, now=t)  # shedding again from t = 5.0
+    assert not shed.admit(inflight=1, now=5.1)
+    shed.done(2.5, now=5.5)  # a slow probe keeps it shedding, and the next probe an interval after the last
+    assert [shed.admit(inflight=1, now=t) for t in (5.6, 6.0, 6.1)] == [False, True, False]
+
+
+async def asgi_call(app, method: str, path: str) -> tuple[int, bytes]:
+    """(status, body) of one request without a body, sent straight to the ASGI app."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": [],
+             "server": ("router", 80), "client": ("caller", 1)}
+    status, body = 0, b""
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        nonlocal status, body
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            body += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return status, body
+
+
+def test_the_guard_sheds_only_retrievals_and_stops_once_they_are_fast_again():
+    """The guard over a real FastAPI app. Retrievals slower than the target for an interval make it shed retrievals;
+    writes and lookups still go through. While a long retrieval stays in flight, one retrieval an interval goes
+    through as a probe, and a fast one ends the shedding. Once no retrieval is in flight it starts over, whatever
+    writes are in flight (a bulk write has no deadline of its own: counted, it kept every retrieval refused)."""
+    app = create_app(lambda cause: None)
+    app.state.guard = GuardSettings(latency_target_s=0.1, latency_interval_s=0.4)  # wide margins: a loaded CI box
+    retrieval_s, batch_done, written = {"s": 0.2}, asyncio.Event(), asyncio.Event()
+
+    @app.post("/v1/retrieve")
+    async def retrieve() -> dict:
+        await asyncio.sleep(retrieval_s["s"])
+        return {}
+
+    @app.post("/v1/retrieve:batch")
+    async def retrieve_batch() -> dict:
+        await batch_done.wait()
+        return {}
+
+    @app.post("/v1/ad-events")
+    async def ad_events() -> dict:
+        await written.wait()
+        return {}
+
+    @app.get("/v1/ads/1")
+    async def lookup() -> dict:
+        return {}
+
+    async def status(method: str, path: str) -> int:
+        return (await asgi_call(app, method, path))[0]
+
+    async def slow_retrievals() -> list[int]:
+        """Three streams of 6 retrievals of retrieval_s each (refused ones at once)."""
+        async def stream() -> list[int]:
+            return [await status("POST", "/v1/retrieve") for _ in range(6)]
+        return sum(await asyncio.gather(stream(), stream(), stream()), [])
+
+    async def scenario() -> None:
+        write = asyncio.create_task(status("POST", "/v1/ad-events"))
+        batch = asyncio.create_task(status("POST", "/v1/retrieve:batch"))
+        await asyncio.sleep(0.01)
+        assert 503 in await slow_retrievals()
+        retrieval_s["s"] = 0.0  # the queue drained, the batch still in flight
+        refused = await asgi_call(app, "POST", "/v1/retrieve")
+        assert refused[0] == 503 and json.loads(refused[1])["error"]["category"] == "overloaded"
+        assert await status("GET", "/v1/ads/1") == 200  # not a retrieval: not shed
+        await asyncio.sleep(0.5)  # an interval: the next retrieval is a probe, and fast
+        assert [await status("POST", "/v1/retrieve") for _ in range(3)] == [200, 200, 200]
+        retrieval_s["s"] = 0.2
+        assert 503 in await slow_retrievals()  # shedding again
+        batch_done.set()
+        assert await batch == 200  # no retrieval in flight now; the write still is
+        retrieval_s["s"] = 0.0
+        assert await status("POST", "/v1/retrieve") == 200  # at once, no probe needed
+        assert not write.done()
+        written.set()
+        assert await write == 200
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("user, k, field", [
