@@ -7,7 +7,7 @@ Columns per category (N ads, G = max_groups, W = bitset words, L = max_values):
 A positive group is satisfied when the user holds one of its values; the ad matches a category
 when every used group is satisfied and the user holds none of `neg`.
 For a single-valued category every positive form folds into one group (their intersection); an
-empty intersection makes the whole ad unsatisfiable.
+empty intersection makes the whole ad unsatisfiable, as does a positive group whose every value is excluded.
 """
 from __future__ import annotations
 
@@ -136,6 +136,8 @@ def compile_targeting(schema: Schema, targeting: Any, where: str = "targeting") 
         if folded is None:
             satisfiable = False
             folded = []
+        elif any(group <= excluded for group in folded):  # a user holding one of its values holds an excluded one
+            satisfiable = False
         if cat.encoding == "bitset":
             pos = np.zeros((cat.max_groups, cat.words), dtype=np.int32)
             for g, values in enumerate(folded):

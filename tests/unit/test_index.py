@@ -242,9 +242,16 @@ def test_a_batch_without_upserts_applies_in_every_storage_format(small_schema, s
     assert eligible(index) == [] and len(index) == 1
 
 
-def test_unsatisfiable_targeting_never_matches(index, scorer):
-    apply_events(index, scorer, [upsert(1, targeting={"country": {"all_of": [["US"], ["CA"]]}})])
-    assert eligible(index, {"country": "US"}) == [] and index.get(1)["satisfiable"] is False
+@pytest.mark.parametrize("targeting", [
+    {"country": {"all_of": [["US"], ["CA"]]}},
+    {"country": {"any_of": ["US"], "none_of": ["US"]}},
+    {"age": {"min": 15, "max": 15, "none_of": [15]}},
+    {"interests": {"all_of": [["i1"], ["i2", "i3"]], "none_of": ["i2", "i3"]}},
+])
+def test_unsatisfiable_targeting_never_matches(index, scorer, targeting):
+    apply_events(index, scorer, [upsert(1, targeting=targeting)])
+    user = {"country": "US", "age": 15, "interests": ["i1", "i2", "i3"]}
+    assert eligible(index, user) == [] and index.get(1)["satisfiable"] is False
 
 
 def test_digest_depends_on_content_not_slot_order(small_schema, scorer):

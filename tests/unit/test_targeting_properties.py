@@ -1,6 +1,9 @@
 """Property tests: the compiled index reproduces the naive contract evaluator bit for bit."""
 from __future__ import annotations
 
+import itertools
+from typing import Iterator
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -8,7 +11,7 @@ from hypothesis import strategies as st
 
 from andromeda_core.index import AdIndex
 from andromeda_core.retriever import Retriever, exact_scores
-from andromeda_core.targeting import compile_user
+from andromeda_core.targeting import compile_targeting, compile_user
 from andromeda_core.types import parse_request
 from tests.conftest import SMALL_SCHEMA, apply_events, upsert
 from tests.naive import naive_eligible
@@ -17,15 +20,19 @@ CATS = {c["name"]: c for c in SMALL_SCHEMA["categories"]}
 NOW = 1000
 
 
-def values_of(name: str) -> st.SearchStrategy:
-    """Values drawn from a small part of each vocabulary, so ads and users collide often."""
+def domain(name: str) -> list:
+    """The values rules and users draw from: a small part of each vocabulary, so ads and users collide often."""
     cat = CATS[name]
     if cat["kind"] == "enum":
-        # Two values from the first bitset word, two from the last, for multi-word bitsets.
-        return st.sampled_from(cat["vocabulary"][:3] + cat["vocabulary"][-2:])
+        # Three values from the first bitset word, two from the last, for multi-word bitsets.
+        return cat["vocabulary"][:3] + cat["vocabulary"][-2:]
     if cat["kind"] == "ordinal":
-        return st.integers(cat["range"][0], cat["range"][1])
-    return st.integers(0, 4)
+        return list(range(cat["range"][0], cat["range"][1] + 1))
+    return list(range(5))
+
+
+def values_of(name: str) -> st.SearchStrategy:
+    return st.sampled_from(domain(name))
 
 
 def value_lists(name: str, max_size: int) -> st.SearchStrategy:
@@ -111,6 +118,28 @@ def test_every_rule_kind_of_every_category(small_schema, scorer, name, data):
             {name: held} if source == "context" and held is not None else {})
     want = [ad["ad_id"] for ad in ad_list if naive_eligible(small_schema, ad, _drop_unknown(user[0]), user[1], NOW)]
     assert _eligible_ids(small_schema, index, [user], NOW) == [want]
+
+
+def every_user(name: str) -> Iterator[tuple[dict, dict]]:
+    """(attributes, context) of every user the rules of `name` can tell apart: each value of its domain held alone
+    (single-valued) or every set of them (multi-valued), and none."""
+    values = domain(name)
+    held = ([list(c) for r in range(1, len(values) + 1) for c in itertools.combinations(values, r)]
+            if CATS[name].get("multi") else values)
+    for h in [None, *held]:
+        user = {} if h is None else {name: h}
+        yield (user, {}) if CATS[name].get("source") != "context" else ({}, user)
+
+
+@pytest.mark.parametrize("name", sorted(CATS))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_an_ad_is_satisfiable_iff_some_user_may_be_served_it(small_schema, name, data):
+    """GET /v1/ads's `satisfiable` (and the scan's status bit): False exactly when no user at all matches."""
+    rule = data.draw(rules(name))
+    ad = upsert(1, targeting={name: rule})["ad"]
+    some = any(naive_eligible(small_schema, ad, attributes, context, NOW) for attributes, context in every_user(name))
+    assert compile_targeting(small_schema, {name: rule}).satisfiable == some, rule
 
 
 @pytest.mark.parametrize("refs_width", [2, 6])  # 2: most ads keep one ref and a compound of the rest
