@@ -160,11 +160,14 @@ class GuardSettings:
 
 class StrictJSONRequest(Request):
     """A request whose JSON body must be what RFC 8259 exchanges: UTF-8 (a byte order mark is ignored; UTF-16 and
-    UTF-32, which Python's json.loads would guess, are refused) with no key twice in an object. Every refusal is a
-    json.JSONDecodeError, which FastAPI answers as json_invalid (invalid_body below: 422 naming the body)."""
+    UTF-32, which Python's json.loads would guess, are refused) with no key twice in an object, sent with no
+    Content-Encoding but identity. Every refusal is a json.JSONDecodeError, which FastAPI answers as json_invalid
+    (invalid_body below: 422 naming the body, or 415 naming the Content-Encoding)."""
 
     async def json(self):
         if not hasattr(self, "_json"):
+            if self.headers.get("content-encoding", "identity").strip().lower() != "identity":  # refused (415) by
+                raise json.JSONDecodeError("the body is encoded", "", 0)  # invalid_body, whatever the bytes hold
             body = await self.body()
             try:
                 text = body.decode("utf-8-sig")

@@ -269,6 +269,13 @@ def test_raw_garbage_is_a_422_not_a_500(service):
     gzipped = requests.post(f"{service.url}/two/v1/retrieve", data=gzip.compress(b'{"user": {"user_id": 1}}'),
                             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=10)
     assert gzipped.status_code == 415 and gzipped.json()["error"]["field"] == "Content-Encoding", gzipped.text
+    for encoding in ("gzip", "br", "identity, gzip"):  # refused whatever the bytes hold, not read as if plain
+        labelled = requests.post(f"{service.url}/two/v1/retrieve", data='{"user": {"user_id": 1}}',
+                                 headers={"Content-Type": "application/json", "Content-Encoding": encoding}, timeout=10)
+        assert labelled.status_code == 415 and labelled.json()["error"]["field"] == "Content-Encoding", labelled.text
+    plain = requests.post(f"{service.url}/two/v1/retrieve", data='{"user": {"user_id": 1}}',
+                          headers={"Content-Type": "application/json", "Content-Encoding": "Identity "}, timeout=10)
+    assert plain.status_code == 200, plain.text
     too_large = requests.get(f"{service.url}/two/v1/ads/{2**63}", timeout=10)
     assert too_large.status_code == 422 and str(2**63) in too_large.json()["error"]["message"]  # not a float's 9...6000
     for json_type in ("APPLICATION/JSON", "application/vnd.andromeda+json; charset=utf-8"):  # JSON to FastAPI too

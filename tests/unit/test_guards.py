@@ -310,6 +310,16 @@ def test_a_body_parsers_could_read_differently_is_refused_naming_why(strict_app,
     assert message in got.json()["error"]["message"]
 
 
+def test_a_body_sent_with_a_content_encoding_is_refused_whatever_its_bytes(strict_app):
+    for encoding in ("gzip", "deflate", "identity, br"):
+        got = strict_app.post("/v1/echo", content=b'{"k": 1}',
+                              headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+        assert got.status_code == 415 and got.json()["error"]["field"] == "Content-Encoding", (encoding, got.text)
+    got = strict_app.post("/v1/echo", content=b'{"k": 1}', headers={"Content-Type": "application/json",
+                                                                    "Content-Encoding": " IDENTITY"})
+    assert got.status_code == 200 and got.json()["k"] == 1
+
+
 def test_a_utf8_body_with_or_without_a_byte_order_mark_is_read(strict_app):
     for body in (b'{"k": 7, "user": {"a": "\\u00e9"}}', b'\xef\xbb\xbf{"k": 7, "user": {"a": "\xc3\xa9"}}'):
         got = strict_app.post("/v1/echo", content=body, headers={"Content-Type": "application/json"})
