@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in
@@ -49,18 +50,30 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
            "schema_path": None if args.schema == DEFAULT_SCHEMA_PATH else str(args.schema), "rescore": settings.index.rescore,
            "initial_capacity": settings.index.initial_capacity}
     flags = {"host": args.host, "port": args.port, "shards": args.shards, "replicas": args.replicas,
-             "model": str(args.model) if args.model else None, "storage": args.storage}
-    config = ServiceConfig.model_validate({**{k: v for k, v in env.items() if v is not None}, **read_config_file(args.config),
-                                           **{k: v for k, v in flags.items() if v is not None}})
+             "model": str(args.model) if args.model else None, "storage": args.storage}  # each field's flag: --<field>
+    given = {k: v for k, v in flags.items() if v is not None}
+
+    def source(field: str) -> str:
+        """Where the field's value came from, as an error names it: its flag, else the config."""
+        return f"--{field}" if field in given else f"config {field}"
+
+    try:
+        config = ServiceConfig.model_validate({**{k: v for k, v in env.items() if v is not None},
+                                               **read_config_file(args.config), **given})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["loc"] and err["loc"][0] in given:
+            raise InvalidInput(err["msg"], source(str(err["loc"][0]))) from None
+        raise
     if not check_files:
         return config
     for name, path in (("model", config.model), ("schema_path", config.schema_path)):
         if path and not Path(path).is_file():
-            raise InvalidInput(f"{path} is not a file", f"config {name}")
+            raise InvalidInput(f"{path} is not a file", source(name))
     if config.model:  # every replica would fail to start on it
         from andromeda_core.models.retrieval import RetrievalModel
 
-        with checkpoint("config model", Path(config.model)):
+        with checkpoint(source("model"), Path(config.model)):
             RetrievalModel.load(config.model)
     paths = {"model": config.model, "schema_path": config.schema_path, "snapshot_dir": config.snapshot_dir}
     return config.model_copy(update={k: str(Path(v).resolve()) for k, v in paths.items() if v})  # Ray workers' cwd may differ

@@ -48,6 +48,7 @@ FILES = {
     "pretty_comma.json": '{\n "user": {\n  "user_id": 1,\n }\n}\n',
     "no_categories.yaml": "categories: []\n",
     "twice_shards.yaml": "shards: 2\nshards: 3\n",
+    "model_missing.yaml": "model: /nonexistent/missing.safetensors\n",
     "twice_name.yaml": "categories:\n- name: a\n  kind: enum\n  name: b\n  vocabulary: [x]\n",
 }
 
@@ -109,7 +110,12 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
      ("--model", "not_a_checkpoint.safetensors is not a checkpoint")),
     (("serve-config", "--config", "{d}/missing.yaml"), {}, ("argument --config", "missing.yaml: no such file")),
     (("serve", "--model", "{d}/not_a_checkpoint.safetensors"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
-     ("config model", "not_a_checkpoint.safetensors is not a checkpoint")),
+     ("--model", "not_a_checkpoint.safetensors is not a checkpoint")),
+    (("serve", "--model", "{d}/missing.safetensors"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
+     ("--model", "missing.safetensors is not a file")),
+    (("serve", "--config", "{d}/model_missing.yaml"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
+     ("config model", "missing.safetensors is not a file")),
+    (("serve-config", "--host", ""), {}, ("--host",)),
     (("train", "--data", "movielens", "--model", "moe", "--init", "{d}/not_a_checkpoint.safetensors"), {},
      ("--init", "is not a checkpoint")),
     (("train", "--data", "movielens", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors"), {},
