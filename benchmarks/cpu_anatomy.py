@@ -1,7 +1,7 @@
 """Where the CPU's fused pass spends its time: the same call over variants of one table, called in turn in one
 process (alternating rounds, so that a shared machine's swings hit every variant alike), medians per variant.
 
-- as served: the table as an AdIndex holds it;
+- as served: the table as an AdIndex holds it (rows padded to whole cache lines);
 - match only: no ad servable (status 0): the match still reads every ad's status, window and clause refs and
   tests them, but no row is loaded or scored;
 - rows in cache: every slot's row starts one element after the last one's (rows overlap, so each differs, in a
@@ -12,8 +12,8 @@ process (alternating rounds, so that a shared machine's swings hit every variant
 
 Derived: scoring = rows in cache - match only (the decode, the MoE head and the heaps), waiting for rows =
 as served - rows in cache. The multiply-adds the similarities need (ceil(D / P) 16-lane fused multiply-adds per
-eligible user-ad pair, P = 2 dims per lane for E = 6 experts: cpu_fused.cpp) are set against the peak the same
-run's fp32 matmul reaches.
+eligible user-ad pair, P = 2 dims per lane for E = 6 experts, so 12 of their 16 lanes hold an expert's dims:
+cpu_fused.cpp) are set against the peak the same run's fp32 matmul reaches: this kernel's floor, not any head's.
 
     python -m benchmarks.cpu_anatomy --table .devcheck/table-1m.pt --batch 1 16
 """
@@ -36,18 +36,20 @@ SPREAD = 8
 
 
 def overlapping(rows: torch.Tensor) -> torch.Tensor:
-    """(n, w) -> (n, w) whose row i is elements i .. i + w of one buffer of n + w: every row differs, all fit in
-    the caches."""
+    """(n, w) -> (n, w) whose row i is elements i .. i + w - 1 of one buffer of n + w: every row differs, all fit
+    in the caches."""
     n, width = rows.shape
     return rows.contiguous().view(-1)[: n + width].clone().as_strided((n, width), (1, 1))
 
 
 def spread(rows: torch.Tensor, times: int) -> torch.Tensor:
-    """(n, w) rows of stride s -> the same rows at stride times * s."""
+    """(n, w) rows of stride s -> (n, times * s), each row's w values first: the same rows, times * s apart. A
+    contiguous tensor, as the kernels read an int8 table's scales (n_scales = its width); vectors are read at their
+    row stride, so a view of its first w columns serves for them."""
     n, width = rows.shape
     wide = torch.zeros((n, rows.stride(0) * times), dtype=rows.dtype)
     wide[:, :width] = rows
-    return wide[:, :width]
+    return wide
 
 
 def variants(table: Table) -> dict[str, Table]:
@@ -56,28 +58,30 @@ def variants(table: Table) -> dict[str, Table]:
     return {"as served": t,
             "match only": Table(torch.zeros_like(t.status), t.start, t.end, t.refs, t.vectors, t.scales),
             "rows in cache": Table(t.status, t.start, t.end, t.refs, overlapping(t.vectors), t.scales),
-            "rows 8x apart": Table(t.status, t.start, t.end, t.refs, spread(t.vectors, SPREAD),
+            "rows 8x apart": Table(t.status, t.start, t.end, t.refs, spread(t.vectors, SPREAD)[:, :t.vectors.shape[1]],
                                    None if t.scales is None else spread(t.scales, SPREAD))}
 
 
 def alternate(tables: dict[str, Table], req: tuple, rounds: int) -> dict[str, float]:
-    """Median ms per call of each table's pass over the requests, `rounds` rounds of one call each in turn."""
+    """Median ms per call of each table's pass over the requests, `rounds` rounds of one call each in turn (each
+    round starting at the next variant, so none always follows the same one)."""
     def call(t: Table):
         return cpu.fused_scan(t.status, t.start, t.end, t.refs, t.vectors, t.scales, *req, S - 1, TOP_N, K)
 
-    times = {name: [] for name in tables}
+    times, names = {name: [] for name in tables}, list(tables)
     for t in tables.values():
         call(t)
-    for _ in range(rounds):
-        for name, t in tables.items():
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             started = time.perf_counter()
-            call(t)
+            call(tables[name])
             times[name].append((time.perf_counter() - started) * 1000)
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
 def fma_floor_ms(pairs: float, peak_gflops: float) -> float:
-    """Milliseconds the similarities' 16-lane fp32 multiply-adds of `pairs` eligible pairs take at the peak rate."""
+    """Milliseconds the 16-lane fp32 multiply-adds this kernel issues for the similarities of `pairs` eligible pairs
+    take at the peak rate."""
     per_pair = -(-D // cpu.packing(E))
     return pairs * per_pair / (peak_gflops * 1e9 / 32) * 1000
 
@@ -93,9 +97,10 @@ def report(rows: list[dict], args, read_bw: float, peak: float) -> str:
         "the same run. The variants (the module's docstring): \"match only\" makes no ad servable; \"rows in "
         "cache\" lays the rows over each other in a few MB that stay in the caches; \"rows 8x apart\" puts 8 times "
         "the bytes between the rows a pass reads. Scoring = rows in cache - match only; waiting for rows = as "
-        "served - rows in cache. \"FMA floor\": the similarities' 16-lane multiply-adds for the eligible pairs at "
-        f"the matmul's rate (32 FLOPs each), the least any exact fp32 pass of this head can take here. Medians of "
-        f"{args.rounds} alternating rounds.",
+        "served - rows in cache (for int8 the scales are still read from memory there). \"FMA floor\": the 16-lane "
+        "multiply-adds this kernel issues for the similarities of the eligible pairs (12 of the 16 lanes in use) at "
+        f"the matmul's rate (32 FLOPs each): the least this kernel's design can take here. Medians of {args.rounds} "
+        "alternating rounds.",
         "",
         "| ads | storage | B | as served ms | match only ms | rows in cache ms | rows 8x apart ms | scoring ms | "
         "waiting for rows ms | eligible pairs | FMA floor ms |",
@@ -126,7 +131,7 @@ def main() -> None:
     world, requests = table_and_requests(p, args.table, args.ads, args.batch)
     rows = []
     for storage in args.storage:
-        tables = variants(world.stored(storage))
+        tables = variants(world.stored(storage).tiled(1, "cpu"))  # rows aligned as an AdIndex aligns them
         for B in args.batch:
             req = requests.batch(B, torch.Generator().manual_seed(B))
             served = tables["as served"]

@@ -25,7 +25,7 @@ from andromeda_core import strict_json
 from andromeda_core.errors import (AndromedaError, DeadlineExceeded, ErrorCategory, InvalidInput, Overloaded,
                                    TooLarge, Unauthorized, shown)
 from andromeda_core.types import RetrieveResponse, error_field
-from deployments.limits import LatencyShedder, past_wire_bound, retry_after
+from deployments.limits import Admission, LatencyShedder, past_wire_bound, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,13 @@ class GuardSettings:
     latency_interval_s: float = 1.0
 
 
+def content_encoding(request: Request) -> str:
+    """The codings a request's body went through, lower case, from every Content-Encoding header ("a, b" when
+    several); "identity" when none but identity (or no header, or empty ones)."""
+    codings = [c.strip().lower() for value in request.headers.getlist("content-encoding") for c in value.split(",")]
+    return ", ".join(c for c in codings if c and c != "identity") or "identity"
+
+
 class StrictJSONRequest(Request):
     """A request whose JSON body must be what RFC 8259 exchanges: UTF-8 (a byte order mark is ignored; UTF-16 and
     UTF-32, which Python's json.loads would guess, are refused) with no key twice in an object, sent with no
@@ -166,8 +173,8 @@ class StrictJSONRequest(Request):
 
     async def json(self):
         if not hasattr(self, "_json"):
-            if self.headers.get("content-encoding", "identity").strip().lower() != "identity":  # refused (415) by
-                raise json.JSONDecodeError("the body is encoded", "", 0)  # invalid_body, whatever the bytes hold
+            if content_encoding(self) != "identity":  # refused (415) by invalid_body, whatever the bytes hold
+                raise json.JSONDecodeError("the body is encoded", "", 0)
             body = await self.body()
             try:
                 text = body.decode("utf-8-sig")
@@ -221,24 +228,27 @@ class Guard:
         g = getattr(scope["app"].state, "guard", None) or GuardSettings()  # the router sets app.state.guard
         if self.shedder is None:
             self.shedder = LatencyShedder(g.latency_target_s, g.latency_interval_s)
-        retrieval = local_path(scope).startswith("/v1/retrieve")
+        retrieval, admission = local_path(scope).startswith("/v1/retrieve"), None
         try:
             if self.inflight >= g.inflight:
                 raise Overloaded(f"this router has {self.inflight} requests in flight (overload.router_inflight = "
                                  f"{g.inflight}); retry after Retry-After", "request", g.retry_after_s)
-            if retrieval and not self.shedder.admit(self.retrievals):
-                raise Overloaded(f"retrievals on this router have waited over {g.latency_target_s * 1000:.0f} ms for "
-                                 f"{g.latency_interval_s * 1000:.0f} ms (overload.latency_target_ms); retry after "
-                                 "Retry-After", "request", g.retry_after_s)
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
             budget_s = self.budget_s(g, headers.get(TIMEOUT_HEADER.lower()))
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > g.body_bytes):
                 raise TooLarge(f"at most {g.body_bytes} bytes (limits.body_bytes), Content-Length is {length[:20]}",
                                "body")
+            if retrieval and not (admission := self.shedder.admit(self.retrievals)):  # after the header checks,
+                # before the body is read: refused at once
+                raise Overloaded(f"retrievals on this router have waited over {g.latency_target_s * 1000:.0f} ms for "
+                                 f"{g.latency_interval_s * 1000:.0f} ms (overload.latency_target_ms); retry after "
+                                 "Retry-After", "request", g.retry_after_s)
             if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self.buffered(receive, g.body_bytes)
         except AndromedaError as exc:
+            if admission is Admission.PROBE:  # refused after all (its body too large): the next one may probe
+                self.shedder.probe_unused()
             self.on_error(exc.category.value)
             return await http_error(exc, g.retry_after_s)(scope, receive, send)
         self.inflight += 1
@@ -262,6 +272,8 @@ class Guard:
             # Retrievals feed the shedder; a refusal or error may show a queue (slow) but not its absence (fast).
             if retrieval and (status < 400 or latency > g.latency_target_s):
                 self.shedder.done(latency)
+            elif admission is Admission.PROBE:
+                self.shedder.probe_unused()
 
     @staticmethod
     def budget_s(g: GuardSettings, header: str | None) -> float:
@@ -341,7 +353,7 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
             on_error("unsupported_media_type")
             return error_response(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json",
                                   "Content-Type")
-        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        encoding = content_encoding(request)
         if request.method == "POST" and encoding != "identity":  # compressed bodies are not read: say so
             on_error("unsupported_media_type")
             return error_response(415, "unsupported_media_type", f"Content-Encoding {shown(encoding)} is not read: "

@@ -2,6 +2,7 @@
 overload). Each refusal is an error naming the field (or header) and the limit."""
 from __future__ import annotations
 
+import enum
 import math
 import re
 import threading
@@ -93,6 +94,17 @@ class TokenBuckets:
             return wait
 
 
+class Admission(enum.Enum):
+    """LatencyShedder.admit's answer; true when the request may start."""
+
+    REFUSED = 0
+    ADMITTED = 1
+    PROBE = 2  # admitted while refusing others, to see whether the queue drained
+
+    def __bool__(self) -> bool:
+        return self is not Admission.REFUSED
+
+
 class LatencyShedder:
     """CoDel's signal on one router's retrievals: when every retrieval completed over the last `interval_s` took
     longer than `target_s`, a queue stands in front of the work (a request that found none would have been
@@ -105,17 +117,21 @@ class LatencyShedder:
         self.target_s, self.interval_s = target_s, interval_s
         self.shedding = False
         self._slow_since: float | None = None  # first completion over the target since the last fast one
-        self._probed_at = 0.0  # when the last probe went through (or the shedding began)
+        self._probed_at = -math.inf  # when the last probe went through (or the shedding began)
 
-    def admit(self, inflight: int, now: float | None = None) -> bool:
+    def admit(self, inflight: int, now: float | None = None) -> Admission:
         """Whether a new retrieval may start (`inflight`: this router's retrievals now in flight)."""
         now = time.monotonic() if now is None else now
         if inflight == 0:  # nothing queued: start over
             self.shedding, self._slow_since = False, None
         elif self.shedding and now - self._probed_at >= self.interval_s:
             self._probed_at = now
-            return True
-        return not self.shedding
+            return Admission.PROBE
+        return Admission.REFUSED if self.shedding else Admission.ADMITTED
+
+    def probe_unused(self) -> None:
+        """The probe ended without a latency to judge by (refused, or an error): the next retrieval may probe."""
+        self._probed_at = -math.inf
 
     def done(self, latency_s: float, now: float | None = None) -> None:
         """A retrieval completed after latency_s seconds."""

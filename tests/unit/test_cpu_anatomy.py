@@ -43,6 +43,9 @@ def test_each_variant_changes_only_what_it_says():
         apart = tables["rows 8x apart"]
         assert torch.equal(apart.vectors, table.vectors)  # the same values ...
         assert apart.vectors.stride(0) == cpu_anatomy.SPREAD * table.vectors.stride(0)  # ... further apart
+        if storage == "int8":  # the scales too, in a tensor the kernel reads as it is (no contiguous copy)
+            assert apart.scales.is_contiguous() and apart.scales.shape[1] == cpu_anatomy.SPREAD * table.scales.shape[1]
+            assert torch.equal(apart.scales[:, :table.scales.shape[1]], table.scales)
         assert all(torch.equal(a, b) for a, b in zip(scan(apart, request), (slots, scores, counts)))
         assert int(scan(tables["match only"], request)[2][0]) == 0
         cached = tables["rows in cache"].vectors

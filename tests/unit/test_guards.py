@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,7 +17,8 @@ from andromeda_core.types import parse_request
 from deployments.auth import ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
 from deployments.config import Limits
 from deployments.api import ECHOED_CHARS, GuardSettings, create_app, error_response
-from deployments.limits import LatencyShedder, TokenBuckets, check_requests, past_wire_bound, retry_after
+from deployments import api, limits
+from deployments.limits import Admission, LatencyShedder, TokenBuckets, check_requests, past_wire_bound, retry_after
 
 
 def test_tokens_verify_by_role_and_the_file_holds_no_token(tmp_path):
@@ -88,6 +91,9 @@ def test_token_bucket_allows_a_burst_then_refills_and_stays_bounded():
     assert retry_after(0.01) == "1" and retry_after(2.2) == "3"
 
 
+REFUSED, PROBE = Admission.REFUSED, Admission.PROBE
+
+
 def test_latency_shedder_refuses_new_requests_while_a_queue_stands():
     shed = LatencyShedder(target_s=0.5, interval_s=1.0)
     shed.done(0.9, now=10.0)
@@ -126,20 +132,22 @@ def test_while_shedding_one_retrieval_an_interval_goes_through_as_a_probe():
     for t in (0.0, 0.5, 1.0):
         shed.done(2.0, now=t)  # shedding from t = 1.0
     assert [shed.admit(inflight=1, now=t) for t in (1.2, 1.9, 2.0, 2.1, 2.9, 3.1)] == \
-           [False, False, True, False, False, True]  # one an interval after the last
+           [REFUSED, REFUSED, PROBE, REFUSED, REFUSED, PROBE]  # one an interval after the last
     shed.done(0.1, now=3.2)  # the probe was fast: the queue drained
     assert all(shed.admit(inflight=1, now=t) for t in (3.2, 3.3, 3.4))
     for t in (4.0, 4.5, 5.0):
         shed.done(2.0, now=t)  # shedding again from t = 5.0
     assert not shed.admit(inflight=1, now=5.1)
     shed.done(2.5, now=5.5)  # a slow probe keeps it shedding, and the next probe an interval after the last
-    assert [shed.admit(inflight=1, now=t) for t in (5.6, 6.0, 6.1)] == [False, True, False]
+    assert [shed.admit(inflight=1, now=t) for t in (5.6, 6.0, 6.1)] == [REFUSED, PROBE, REFUSED]
+    shed.probe_unused()  # that probe was refused after all (or failed): the next retrieval probes at once
+    assert shed.admit(inflight=1, now=6.2) is PROBE and not shed.admit(inflight=1, now=6.3)
 
 
-async def asgi_call(app, method: str, path: str) -> tuple[int, bytes]:
-    """(status, body) of one request without a body, sent straight to the ASGI app."""
+async def asgi_call(app, method: str, path: str, headers: list | None = None) -> tuple[int, bytes]:
+    """(status, body) of one request without a body, sent straight to the ASGI app (headers: (name, value) bytes)."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": [],
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers or [],
              "server": ("router", 80), "client": ("caller", 1)}
     status, body = 0, b""
 
@@ -157,18 +165,23 @@ async def asgi_call(app, method: str, path: str) -> tuple[int, bytes]:
     return status, body
 
 
-def test_the_guard_sheds_only_retrievals_and_stops_once_they_are_fast_again():
-    """The guard over a real FastAPI app. Retrievals slower than the target for an interval make it shed retrievals;
-    writes and lookups still go through. While a long retrieval stays in flight, one retrieval an interval goes
-    through as a probe, and a fast one ends the shedding. Once no retrieval is in flight it starts over, whatever
-    writes are in flight (a bulk write has no deadline of its own: counted, it kept every retrieval refused)."""
+def test_the_guard_sheds_only_retrievals_and_stops_once_they_are_fast_again(monkeypatch):
+    """The guard over a real FastAPI app, on a clock the handlers move (no wall-clock timing). Retrievals slower than
+    the target for an interval make it shed retrievals; writes and lookups still go through. While a long retrieval
+    stays in flight, one retrieval an interval goes through as a probe (one refused for its headers spends none),
+    and a fast one ends the shedding. Once no retrieval is in flight it starts over, whatever writes are in flight
+    (a bulk write has no deadline of its own: counted, it kept every retrieval refused)."""
+    clock = {"now": 1000.0}
+    fake_time = SimpleNamespace(monotonic=lambda: clock["now"], time=time.time)
+    monkeypatch.setattr(api, "time", fake_time)
+    monkeypatch.setattr(limits, "time", fake_time)
     app = create_app(lambda cause: None)
-    app.state.guard = GuardSettings(latency_target_s=0.1, latency_interval_s=0.4)  # wide margins: a loaded CI box
-    retrieval_s, batch_done, written = {"s": 0.2}, asyncio.Event(), asyncio.Event()
+    app.state.guard = GuardSettings(latency_target_s=0.125, latency_interval_s=0.5)
+    retrieval_s, batch_done, written = {"s": 0.25}, asyncio.Event(), asyncio.Event()
 
     @app.post("/v1/retrieve")
     async def retrieve() -> dict:
-        await asyncio.sleep(retrieval_s["s"])
+        clock["now"] += retrieval_s["s"]
         return {}
 
     @app.post("/v1/retrieve:batch")
@@ -185,28 +198,26 @@ def test_the_guard_sheds_only_retrievals_and_stops_once_they_are_fast_again():
     async def lookup() -> dict:
         return {}
 
-    async def status(method: str, path: str) -> int:
-        return (await asgi_call(app, method, path))[0]
+    async def status(method: str, path: str, headers: list | None = None) -> int:
+        return (await asgi_call(app, method, path, headers))[0]
 
     async def slow_retrievals() -> list[int]:
-        """Three streams of 6 retrievals of retrieval_s each (refused ones at once)."""
-        async def stream() -> list[int]:
-            return [await status("POST", "/v1/retrieve") for _ in range(6)]
-        return sum(await asyncio.gather(stream(), stream(), stream()), [])
+        return [await status("POST", "/v1/retrieve") for _ in range(4)]  # 0.25 s each, over the 0.125 s target
 
     async def scenario() -> None:
         write = asyncio.create_task(status("POST", "/v1/ad-events"))
         batch = asyncio.create_task(status("POST", "/v1/retrieve:batch"))
-        await asyncio.sleep(0.01)
-        assert 503 in await slow_retrievals()
+        await asyncio.sleep(0)  # both in flight
+        assert await slow_retrievals() == [200, 200, 200, 503]  # slow for an interval: shed
         retrieval_s["s"] = 0.0  # the queue drained, the batch still in flight
         refused = await asgi_call(app, "POST", "/v1/retrieve")
         assert refused[0] == 503 and json.loads(refused[1])["error"]["category"] == "overloaded"
         assert await status("GET", "/v1/ads/1") == 200  # not a retrieval: not shed
-        await asyncio.sleep(0.5)  # an interval: the next retrieval is a probe, and fast
-        assert [await status("POST", "/v1/retrieve") for _ in range(3)] == [200, 200, 200]
-        retrieval_s["s"] = 0.2
-        assert 503 in await slow_retrievals()  # shedding again
+        clock["now"] += 0.5  # an interval: the next retrieval is the probe
+        assert await status("POST", "/v1/retrieve", [(b"x-request-timeout-ms", b"abc")]) == 422  # spends none
+        assert [await status("POST", "/v1/retrieve") for _ in range(3)] == [200, 200, 200]  # a fast probe, then all
+        retrieval_s["s"] = 0.25
+        assert await slow_retrievals() == [200, 200, 200, 503]  # shedding again
         batch_done.set()
         assert await batch == 200  # no retrieval in flight now; the write still is
         retrieval_s["s"] = 0.0
@@ -315,9 +326,14 @@ def test_a_body_sent_with_a_content_encoding_is_refused_whatever_its_bytes(stric
         got = strict_app.post("/v1/echo", content=b'{"k": 1}',
                               headers={"Content-Type": "application/json", "Content-Encoding": encoding})
         assert got.status_code == 415 and got.json()["error"]["field"] == "Content-Encoding", (encoding, got.text)
-    got = strict_app.post("/v1/echo", content=b'{"k": 1}', headers={"Content-Type": "application/json",
-                                                                    "Content-Encoding": " IDENTITY"})
-    assert got.status_code == 200 and got.json()["k"] == 1
+    twice = strict_app.post("/v1/echo", content=b'{"k": 1}', headers=[("Content-Type", "application/json"),
+                                                                     ("Content-Encoding", "identity"),
+                                                                     ("Content-Encoding", "gzip")])
+    assert twice.status_code == 415 and "gzip" in twice.json()["error"]["message"], twice.text
+    for plain in (" IDENTITY", "identity, identity", ""):
+        got = strict_app.post("/v1/echo", content=b'{"k": 1}', headers={"Content-Type": "application/json",
+                                                                        "Content-Encoding": plain})
+        assert got.status_code == 200 and got.json()["k"] == 1, (plain, got.text)
 
 
 def test_a_utf8_body_with_or_without_a_byte_order_mark_is_read(strict_app):
