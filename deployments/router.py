@@ -48,6 +48,7 @@ from index_updater.publisher import Publisher
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
 app = create_app(on_error=lambda cause: metrics.errors.labels(cause).inc())
 log = logging.getLogger(__name__)
+ANSWER_SHARE = 0.9  # of the time a request has left, what its shard calls may take: the rest answers
 bearer = HTTPBearer(auto_error=False)
 
 
@@ -271,12 +272,16 @@ class Router:
 
     async def call(self, shard: int, method: str, *args: Any, attempts: int = 2, timeout_s: float | None = None) -> Any:
         """Call a shard with a deadline; a call that times out or whose replica died is made again
-        (attempts in all), then ShardUnavailable names the shard. An error raised by the shard's own
+        (attempts in all), then ShardUnavailable names the shard. The tries left share what the request's deadline
+        leaves, less a tenth kept for the answer, so that the last one gives up in time for a 503 or a partial
+        answer (the default 2 x shard_timeout_s is the whole default deadline). An error raised by the shard's own
         code is not retried: an AndromedaError passes through, anything else is a 500 (logged)."""
         error: BaseException | None = None
-        for _ in range(attempts):
+        for attempt in range(attempts):
             left = remaining_s()  # DeadlineExceeded rather than another try once the request's deadline passed
-            timeout = min(timeout_s or self.config.shard_timeout_s, left if left is not None else float("inf"))
+            timeout = timeout_s or self.config.shard_timeout_s
+            if left is not None:
+                timeout = min(timeout, ANSWER_SHARE * left / (attempts - attempt))
             response = getattr(self.shards[shard], method).remote(*args)
             try:
                 return await asyncio.wait_for(response, timeout)

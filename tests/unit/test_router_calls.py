@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from andromeda_core.errors import NotFound, Overloaded
 from andromeda_core.retriever import TopK, compile_requests
 from andromeda_core.schema import load_schema
 from andromeda_core.types import parse_request
+from deployments.api import DEADLINE
 from deployments.metrics import ServiceMetrics
 from deployments.router import Missing, Router, ShardUnavailable
 from deployments.shard import ShardAnswer
@@ -64,6 +66,43 @@ def test_no_answer_or_a_dead_replica_is_asked_again_then_named_unavailable(error
     shard, raised = call(error)
     assert len(shard.replies) == 2 and all(r.cancelled for r in shard.replies)
     assert isinstance(raised, ShardUnavailable) and raised.field == "shard 0" and type(error).__name__ in raised.message
+
+
+class Silent:
+    """A shard handle whose calls never answer (a shard with no live replica); counts the calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @property
+    def search(self):
+        return SimpleNamespace(remote=self.remote)
+
+    def remote(self, *args):
+        self.calls += 1
+        return asyncio.get_running_loop().create_future()  # never set; cancelled by the timeout
+
+
+def test_the_tries_give_up_in_time_for_a_503_or_a_partial_answer():
+    """Two tries of shard_timeout_s each would end exactly at the request's deadline (as with the defaults, 2 x 5 s and
+    10 s), and the request would be a 504: the tries share what the deadline leaves, so the shard is named unavailable
+    (or, with allow_partial, left out) with time to answer."""
+    shard = Silent()
+    router = SimpleNamespace(shards=[shard], config=SimpleNamespace(shard_timeout_s=0.5))
+    router.call = lambda *args, **kwargs: Router.func_or_class.call(router, *args, **kwargs)
+
+    async def ask(allow_partial: bool):
+        DEADLINE.set(time.time() + 1.0)
+        started = time.time()
+        try:
+            return await Router.func_or_class.ask(router, 0, allow_partial, "search", "query"), time.time() - started
+        except ShardUnavailable as exc:
+            return exc, time.time() - started
+
+    (unavailable, took), (left_out, _) = asyncio.run(ask(False)), asyncio.run(ask(True))
+    assert isinstance(unavailable, ShardUnavailable) and 0.8 <= took < 0.97, took
+    assert isinstance(left_out, Missing) and type(left_out.error) is ShardUnavailable
+    assert shard.calls == 4  # two tries each
 
 
 def test_the_shards_own_error_passes_through_once():
