@@ -349,8 +349,9 @@ class Router:
             ids = await asyncio.to_thread(self.publisher.publish_ops, ops, writer, where, checked=True,
                                           on_appended=self.metrics.published.inc)  # each shard's part as appended
         except redis.RedisError as exc:
-            raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); retry the whole "
-                                    "batch (re-sent events are harmless: they apply by version)", "redis") from None
+            raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); some or all of the batch "
+                                    "may have been appended all the same: retry the whole batch (re-sent events are "
+                                    "harmless: they apply by version)", "redis") from None
         self.answered("ad_events", started)
         return PublishResponse(ids=ids)
 
