@@ -20,7 +20,7 @@ first run appended instead of running again. Where the writer sends the owner, c
 reports (`Writer.indexed`: the router does for advertisers), the index's state counts where newer than the entry:
 the index applied what the registry did not see (an ad published before it existed, a write Redis lost) or saw
 wrongly (an admin's stale write on such an ad, appended without the index's state and ignored by the index); at
-equal versions the index's live ad counts (a write at that version it ignored). A status is kept while it is newer
+equal versions the index's ad counts, live or deleted (a write at that version it ignored). A status is kept while it is newer
 than the content that counts. A delete, pause or resume that the index would still apply (newer than the version
 it reports) needs the ad its writer's even where the registry is ahead (an entry it recorded that the index
 refused, or one a lagging replica has not applied yet: a former owner's resend is refused then). A malformed
@@ -57,8 +57,8 @@ local function state_of(ad, indexed_version, indexed_owner, indexed_status)
   if not version then version, owner, status = '', '', '' end  -- no entry, or a malformed one
   -- the index applied what the registry did not see (before it existed, a write Redis lost) or took a write the
   -- registry recorded wrongly (an admin's stale one, sent without the index's state): its newer content counts,
-  -- and its live ad at the registry's version (a write at that version the index ignored)
-  if indexed_version ~= '' and (newer(indexed_version, version) or indexed_version == version and indexed_owner ~= '') then
+  -- and its ad at the registry's version, live or deleted (a write at that version the index ignored)
+  if indexed_version ~= '' and (newer(indexed_version, version) or indexed_version == version) then
     version, owner = indexed_version, indexed_owner
   end
   if indexed_status ~= '' and newer(indexed_status, status) then status = indexed_status end

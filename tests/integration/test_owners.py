@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import redis
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.ops import OP_CODES
@@ -152,6 +152,9 @@ def judged(writer: int | None, batch: list, book: SlotBook, owners: dict) -> tup
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(before=BEFORE, history=BATCHES)
+# ads deleted before the registry existed, then written at that version by an admin without the index's state
+@example(before=[("delete", 2, 1, 7)], history=[("cli", [("upsert", 2, 1, 8)]), (7, [("upsert", 2, 1, 7)])])
+@example(before=[("delete", 1, 1, 7)], history=[("cli", [("upsert", 1, 1, 7)]), (None, [("delete", 1, 1, 7)])])
 def test_the_registry_keeps_the_owners_versions_and_status_the_index_keeps(publish, before, history):
     """Ads the index took before the registry existed, then random batches by admins (with the index's state, as
     the router sends it, or without, as `andromeda publish`) and two advertisers (with it): each batch is refused
