@@ -62,19 +62,21 @@ def variants(table: Table) -> dict[str, Table]:
                                    None if t.scales is None else spread(t.scales, SPREAD))}
 
 
+def scan(t: Table, req: tuple):
+    """The CPU pass over table t for the requests req: (slots, scores, eligible counts)."""
+    return cpu.fused_scan(t.status, t.start, t.end, t.refs, t.vectors, t.scales, *req, S - 1, TOP_N, K)
+
+
 def alternate(tables: dict[str, Table], req: tuple, rounds: int) -> dict[str, float]:
     """Median ms per call of each table's pass over the requests, `rounds` rounds of one call each in turn (each
     round starting at the next variant, so none always follows the same one)."""
-    def call(t: Table):
-        return cpu.fused_scan(t.status, t.start, t.end, t.refs, t.vectors, t.scales, *req, S - 1, TOP_N, K)
-
     times, names = {name: [] for name in tables}, list(tables)
     for t in tables.values():
-        call(t)
+        scan(t, req)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             started = time.perf_counter()
-            call(tables[name])
+            scan(tables[name], req)
             times[name].append((time.perf_counter() - started) * 1000)
     return {name: statistics.median(ms) for name, ms in times.items()}
 
@@ -134,10 +136,7 @@ def main() -> None:
         tables = variants(world.stored(storage).tiled(1, "cpu"))  # rows aligned as an AdIndex aligns them
         for B in args.batch:
             req = requests.batch(B, torch.Generator().manual_seed(B))
-            served = tables["as served"]
-            counts = cpu.fused_scan(served.status, served.start, served.end, served.refs, served.vectors,
-                                    served.scales, *req, S - 1, TOP_N, K)[2]
-            pairs = float(counts.sum())
+            pairs = float(scan(tables["as served"], req)[2].sum())
             row = dict(n=len(world.status), storage=storage, B=B, ms=alternate(tables, req, args.rounds),
                        pairs=pairs, floor=fma_floor_ms(pairs, peak))
             rows.append(row)
