@@ -152,6 +152,13 @@ class Overload(BaseModel):
     Keep it above the slowest request's time without a queue (a large batch)."""
     latency_interval_ms: int = Field(1000, ge=1, le=600_000)
     """How long requests must stay over `latency_target_ms` before the router sheds."""
+    write_inflight: int = Field(4, ge=1, le=1024)
+    """Writes (`POST /v1/ad-events`) one router replica works on at once, each on a thread of the write path's own
+    (their Redis calls and ad towers: retrievals never wait for them); more get 503 `overloaded` at once."""
+    write_timeout_s: float = Field(5.0, gt=0, le=600)
+    """Bound on each Redis step of a write (an advertiser's check, then the append): the router waits at most half of
+    it for a connection or a reply, and tries again only where that fits; past it the write gets 503 `unavailable`
+    (some or all of its batch may have been appended all the same)."""
 
     @field_validator("router_queue", "shard_queue")
     @classmethod

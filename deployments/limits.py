@@ -2,15 +2,17 @@
 overload). Each refusal is an error naming the field (or header) and the limit."""
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import re
 import threading
 import time
 from collections import OrderedDict
-from typing import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
 
-from andromeda_core.errors import InvalidInput
+from andromeda_core.errors import InvalidInput, Overloaded
 from andromeda_core.types import RetrieveRequest
 from deployments.config import Limits
 
@@ -144,6 +146,34 @@ class LatencyShedder:
             self._slow_since = now
         elif now - self._slow_since >= self.interval_s and not self.shedding:
             self.shedding, self._probed_at = True, now
+
+
+T = TypeVar("T")
+
+
+class ThreadLane:
+    """Threads of one kind of blocking work of their own (the write path's Redis calls and ad towers), so that other
+    work (the retrievals' user towers, in the event loop's default pool) never waits behind it: at most `threads`
+    jobs at once, each on its own thread; one more is refused at once (Overloaded, naming `setting`), never queued.
+    A job holds its thread until it returns, even where its caller stopped waiting."""
+
+    def __init__(self, threads: int, name: str, setting: str, retry_after_s: float = 1.0):
+        self.threads, self.name, self.setting, self.retry_after_s = threads, name, setting, retry_after_s
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._free = threading.BoundedSemaphore(threads)
+
+    async def run(self, job: Callable[[], T]) -> T:
+        """job() on a thread of the lane; Overloaded at once when every thread is taken."""
+        if not self._free.acquire(blocking=False):
+            raise Overloaded(f"this router has {self.threads} {self.name} in flight ({self.setting} = {self.threads}); "
+                             "retry after Retry-After", "request", self.retry_after_s)
+        try:
+            future = self._pool.submit(job)
+        except BaseException:
+            self._free.release()
+            raise
+        future.add_done_callback(lambda _: self._free.release())  # returned, raised, or cancelled before it ran
+        return await asyncio.wrap_future(future)
 
 
 def retry_after(seconds: float) -> str:

@@ -38,12 +38,12 @@ from deployments.api import (BODY_ERRORS, ERRORS, WRITE_ERRORS, AdState, BatchRe
                              remaining_s)
 from deployments.auth import Principal, TokenStore
 from deployments.config import BATCH_MAX, ServiceConfig, by_reference
-from deployments.limits import TokenBuckets, check_requests, over_limit
+from deployments.limits import ThreadLane, TokenBuckets, check_requests, over_limit
 from deployments.metrics import ServiceMetrics
 from deployments.shared_limits import SharedTokenBuckets, limiter_client
 from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
 from index_updater.owners import ADMIN, Writer
-from index_updater.publisher import Publisher
+from index_updater.publisher import Publisher, bounded_client
 
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
 app = create_app(on_error=lambda cause: metrics.errors.labels(cause).inc())
@@ -179,8 +179,13 @@ class Router:
         self.scorer = load_scorer(self.config.model, self.schema)
         if isinstance(self.scorer, ModelScorer):  # it embeds the ads of every write: load its sentence model now
             self.scorer.warm_up()
-        self.publisher = Publisher(redis.Redis.from_url(self.config.resolved_redis_url()), self.schema, self.scorer,
-                                   shards=self.config.shards, stream=self.config.stream, attempts=5)
+        # A write's Redis calls and ad towers run on threads of their own, each Redis step bounded: with them in the
+        # default pool, a few writes waiting on a hung Redis (5 tries of 5 s) stalled every retrieval's user towers
+        self.writes = ThreadLane(cfg.overload.write_inflight, "writes", "overload.write_inflight",
+                                 cfg.overload.retry_after_s)
+        self.publisher = Publisher(bounded_client(cfg.resolved_redis_url(), cfg.overload.write_timeout_s), self.schema,
+                                   self.scorer, shards=cfg.shards, stream=cfg.stream, attempts=5,
+                                   timeout_s=cfg.overload.write_timeout_s)
         self.metrics = metrics
         self.last_status: dict[int, dict] = {}  # each shard's last answer to `status` (shard_status)
 
@@ -342,12 +347,16 @@ class Router:
                                f"(max_events_per_request), got {len(events)}", "body")
         writer = await self.writer_of(principal, events)
         where = [f"[{i}]" for i in range(len(events))]
-        try:
+
+        def write() -> list[str]:  # on a thread of the write path's own (self.writes), each Redis step bounded
             if writer.advertiser is not None:  # before the batch is embedded: a refusal costs no ad tower
-                await asyncio.to_thread(self.publisher.check_writer, events, writer, where)
-            ops = await asyncio.to_thread(prepare_ops, self.schema, self.scorer, events, where)
-            ids = await asyncio.to_thread(self.publisher.publish_ops, ops, writer, where, checked=True,
-                                          on_appended=self.metrics.published.inc)  # each shard's part as appended
+                self.publisher.check_writer(events, writer, where)
+            ops = prepare_ops(self.schema, self.scorer, events, where)
+            return self.publisher.publish_ops(ops, writer, where, checked=True,
+                                              on_appended=self.metrics.published.inc)  # each shard's part as appended
+
+        try:
+            ids = await self.writes.run(write)
         except redis.RedisError as exc:
             raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); some or all of the batch "
                                     "may have been appended all the same: retry the whole batch (re-sent events are "

@@ -4,9 +4,9 @@ A batch (and a whole file, by `publish_file`) is validated and compiled in full 
 written, so a bad event changes nothing. Each shard's part of the batch goes to its stream in one atomic Lua
 script that also keeps the shard's owner registry (index_updater/owners.py: its keys share the stream's Redis
 Cluster slot, so the shard streams may live on different nodes); on a connection error that part is sent again
-(with backoff) until acknowledged. A resend after a lost reply carries the first try's token, so it returns the ids
-that try appended and appends nothing twice (a token is kept for owners.SENT_TTL_S). A batch that
-spans shards is not atomic across them; each shard's part is.
+(with backoff) until acknowledged, or, for a publisher with `timeout_s` (the router's), until that bound. A resend
+after a lost reply carries the first try's token, so it returns the ids that try appended and appends nothing twice (a
+token is kept for owners.SENT_TTL_S). A batch that spans shards is not atomic across them; each shard's part is.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from andromeda_core.config import Settings
 from andromeda_core.errors import InvalidInput
@@ -30,32 +32,58 @@ from index_updater.records import encode, layout_key, shard_stream, stream_layou
 
 DEFAULT_STREAM = Settings.stream
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+TRY_SHARE = 0.5  # of a Publisher's timeout_s, the longest one try waits (bounded_client): a try that found Redis hung
+# leaves time for one more
 
 
-def retry(call: Callable[[], Any], attempts: int = 60, first_delay: float = 0.05, max_delay: float = 2.0) -> Any:
-    """Run `call`, retrying transient Redis errors with exponential backoff; the last error propagates."""
+def retry(call: Callable[[], Any], attempts: int = 60, first_delay: float = 0.05, max_delay: float = 2.0,
+          deadline: float | None = None, try_s: float = 0.0) -> Any:
+    """Run `call`, retrying transient Redis errors with exponential backoff; the last error propagates. With a
+    `deadline` (time.monotonic()), a try is made again only where the pause before it and the try itself (at most
+    `try_s`) end by then."""
     delay = first_delay
     for attempt in range(attempts):
         try:
             return call()
         except TRANSIENT:
-            if attempt == attempts - 1:
+            if attempt == attempts - 1 or (deadline is not None and time.monotonic() + delay + try_s > deadline):
                 raise
             time.sleep(delay)
             delay = min(max_delay, delay * 2)
     raise AssertionError("unreachable")
 
 
+def bounded_client(url: str, timeout_s: float) -> redis.Redis:
+    """The client of a Publisher with `timeout_s`: it waits at most TRY_SHARE of that for a connection or a reply, and
+    retries nothing itself (the Publisher's tries are the only ones)."""
+    wait_s = TRY_SHARE * timeout_s
+    return redis.Redis.from_url(url, socket_timeout=wait_s, socket_connect_timeout=wait_s, retry=Retry(NoBackoff(), 0))
+
+
 class Publisher:
     def __init__(self, client: redis.Redis, schema: Schema, scorer: Scorer, shards: int = 1, stream: str = DEFAULT_STREAM,
-                 attempts: int = 60):
+                 attempts: int = 60, timeout_s: float | None = None):
         """`attempts`: tries per shard stream on connection errors (60 is about 2 minutes of backoff; an
-        HTTP handler wants far fewer)."""
+        HTTP handler wants far fewer). `timeout_s`: each call's Redis work ends within it (then the last
+        redis.RedisError propagates; a hung Redis: redis.TimeoutError), for a `client` that waits at most TRY_SHARE
+        of it per connection or reply (bounded_client); None: bounded by `attempts` alone."""
         if shards < 1:
             raise ValueError("shards must be >= 1")
         self.client, self.schema, self.scorer, self.shards, self.stream = client, schema, scorer, shards, stream
-        self.attempts = attempts
+        self.attempts, self.timeout_s = attempts, timeout_s
         self._append = client.register_script(APPEND)
+
+    def _retry(self, call: Callable[[], Any], deadline: float | None) -> Any:
+        """`retry` within the call's deadline: not even a first try where it could end past it (a later shard's part,
+        after an earlier one's tries took the time)."""
+        try_s = TRY_SHARE * (self.timeout_s or 0)
+        if deadline is not None and time.monotonic() + try_s > deadline:
+            raise redis.TimeoutError(f"the publisher's bound of {self.timeout_s:g} s ran out before this try")
+        return retry(call, self.attempts, deadline=deadline, try_s=try_s)
+
+    def _deadline(self) -> float | None:
+        """The monotonic time by which a call that starts now must end its Redis work (None: no bound)."""
+        return None if self.timeout_s is None else time.monotonic() + self.timeout_s
 
     def publish(self, events: Sequence[dict | str | Any], where: str = "events") -> list[str]:
         """Validate, compile and append events; returns their stream ids. Raises InvalidInput, writing nothing."""
@@ -74,6 +102,7 @@ class Publisher:
         where = where or [f"[{i}]" for i in range(len(ops))]
         if writer.advertiser is not None and not checked:
             self.check_writer(ops, writer, where)
+        deadline = self._deadline()
         now_ms = int(time.time() * 1000)
         entries = [encode(op, self.shards, self.schema, self.scorer.name, self.scorer.dim, now_ms) for op in ops]
         ids = [""] * len(entries)
@@ -81,7 +110,7 @@ class Publisher:
         for stream, positions in self._by_stream(ops).items():
             append = partial(run_append, self._append, stream, [ops[i] for i in positions],
                              [entries[i] for i in positions], writer, [where[i] for i in positions], token)
-            for i, entry_id in zip(positions, retry(append, self.attempts)):
+            for i, entry_id in zip(positions, self._retry(append, deadline)):
                 ids[i] = text(entry_id)
             if on_appended is not None:
                 on_appended(len(positions))
@@ -90,9 +119,10 @@ class Publisher:
     def check_writer(self, events: Sequence, writer: Writer, where: Sequence[str]) -> None:
         """owners.Refused naming the first event (ad events or prepared ops) of each shard's part that `writer` may
         not touch; appends nothing. Cheap (no payloads): callers run it before embedding a batch."""
+        deadline = self._deadline()
         for stream, positions in self._by_stream(events).items():
-            retry(partial(run_append, self._append, stream, [events[i] for i in positions], None, writer,
-                          [where[i] for i in positions]), self.attempts)
+            self._retry(partial(run_append, self._append, stream, [events[i] for i in positions], None, writer,
+                                [where[i] for i in positions]), deadline)
 
     def _by_stream(self, events: Sequence) -> dict[str, list[int]]:
         """Shard stream -> positions of the events (ad events or prepared ops) that go to it."""
@@ -105,7 +135,7 @@ class Publisher:
         """Raise InvalidInput when a shard stream's key holds another Redis type; a connection error is
         retried like a write."""
         names = [shard_stream(self.stream, s) for s in range(self.shards)]
-        for name, kind in zip(names, retry(partial(self._types, names), self.attempts)):
+        for name, kind in zip(names, self._retry(partial(self._types, names), self._deadline())):
             kind = text(kind)
             if kind not in ("none", "stream"):
                 raise InvalidInput(f"the key {name} holds a Redis {kind}, not a stream", "stream")
@@ -114,7 +144,7 @@ class Publisher:
         """{field: (what the replicas reading the stream recorded, what this publisher writes)} for each of
         shards, schema, model and dim that differ; {} when they agree or no replica has recorded its layout yet.
         A connection error is retried like a write."""
-        recorded = retry(lambda: self.client.hgetall(layout_key(self.stream)), self.attempts)
+        recorded = self._retry(lambda: self.client.hgetall(layout_key(self.stream)), self._deadline())
         recorded = {text(k): text(v) for k, v in recorded.items()}
         ours = stream_layout(self.shards, self.schema, self.scorer.name, self.scorer.dim)
         return {field: (recorded[field], value) for field, value in ours.items()

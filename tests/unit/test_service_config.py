@@ -38,7 +38,11 @@ def test_autoscaling_and_cuda_options():
                                         ({"shard_count": 2}, "shard_count"),
                                         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling"),
                                         ({"overload": {"router_queue": 0}}, "overload.router_queue"),
-                                        ({"overload": {"shard_queue": 0}}, "overload.shard_queue")])
+                                        ({"overload": {"shard_queue": 0}}, "overload.shard_queue"),
+                                        ({"overload": {"write_inflight": 0}}, "overload.write_inflight"),
+                                        ({"overload": {"write_timeout_s": 0}}, "overload.write_timeout_s"),
+                                        ({"overload": {"write_timeout_s": "5"}}, "overload.write_timeout_s"),
+                                        ({"overload": {"write_timeout_s": float("inf")}}, "overload.write_timeout_s")])
 def test_bad_config_names_the_field(bad, field):
     with pytest.raises(ValidationError) as info:
         ServiceConfig.model_validate({"redis_url": "redis://r", **bad})

@@ -1,0 +1,155 @@
+"""A Redis that hangs (SIGSTOP: the kernel still accepts connections, nothing answers) while writes wait on it.
+Retrievals must stay answered in their normal time, and the writes get a 503 within `overload.write_timeout_s`
+(those past `overload.write_inflight` at once). Before 2026-12-06 every write's Redis work ran in the default thread
+pool that the retrievals' user towers need (6 threads on 2 cores), each for 5 tries of redis-py's 5 s socket timeout:
+6 waiting writes stalled every retrieval for 26 s.
+
+The router's own FastAPI app, driven straight through ASGI, with a private redis-server (never the session's: it is
+stopped here) and a stand-in shard that answers every search at once (the shards never touch Redis on a request).
+The event loop's default pool has the 6 threads a router replica's has on the 2-core box, whatever this machine's
+cores. tests/integration/test_guarded_service.py runs the same through real Ray Serve and HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Iterator
+
+import pytest
+import torch
+from fastapi import FastAPI
+from ray import serve
+
+from andromeda_core.retriever import TopK
+from deployments.config import Overload, RateLimit, ServiceConfig
+from deployments.router import Router
+from deployments.shard import ShardAnswer, ShardQuery
+from index_updater.local_redis import LocalRedis
+from tests.conftest import upsert
+
+TOKEN = "admin-token-of-the-hung-redis-test"
+RETRIEVE = json.dumps({"user": {"user_id": 1, "attributes": {"country": "US"}}, "k": 5}).encode()
+REPLICA_POOL = 6  # the default pool of a router replica on 2 cores: min(32, cpu_count + 4)
+
+
+class StandInShard:
+    """A shard handle (Serve's DeploymentHandle, as the router uses it) whose searches answer at once: no ad."""
+
+    def options(self, **_) -> "StandInShard":
+        return self
+
+    @property
+    def search(self) -> SimpleNamespace:
+        async def answer(query: ShardQuery) -> ShardAnswer:
+            rows, k = len(query), max(query.query.k)
+            return ShardAnswer(TopK(torch.full((rows, k), -1, dtype=torch.int64),
+                                    torch.full((rows, k), float("-inf")), torch.zeros(rows, dtype=torch.int64)),
+                               None, 0.1, 0)
+        return SimpleNamespace(remote=answer)
+
+
+async def asgi(app, method: str, path: str, body: bytes = b"", token: str | None = None) -> SimpleNamespace:
+    """One request straight to the ASGI app -> (status, headers (lower-case names), json, seconds it took)."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if token:
+        headers.append((b"authorization", f"Bearer {token}".encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers,
+             "server": ("router", 80), "client": ("caller", 1)}
+    got = SimpleNamespace(status=0, headers={}, body=b"")
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            got.status = message["status"]
+            got.headers = {k.decode().lower(): v.decode() for k, v in message.get("headers", [])}
+        elif message["type"] == "http.response.body":
+            got.body += message.get("body", b"")
+
+    started = time.monotonic()
+    await app(scope, receive, send)
+    got.seconds = time.monotonic() - started
+    got.json = json.loads(got.body) if got.body else None
+    return got
+
+
+@pytest.fixture
+def private_redis(tmp_path) -> Iterator[LocalRedis]:
+    """A redis-server of this test alone; whatever the test did to it, resumed and killed after."""
+    server = LocalRedis(tmp_path / "redis", aof=False).start()
+    try:
+        yield server
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.kill()
+
+
+@contextmanager
+def hung(server: LocalRedis) -> Iterator[None]:
+    """The server stopped (SIGSTOP) for the block: connections are accepted, no command is answered."""
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+def router_on(url: str, monkeypatch, **config) -> tuple[Router, FastAPI]:
+    """A Router replica built without Ray, and its app, whose routes resolve `self` to it."""
+    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", TOKEN)
+    cls = Router.func_or_class.__bases__[0]  # the class as written (Serve's wrapper adds the ASGI plumbing)
+    router = cls.__new__(cls)
+    cls.__init__(router, ServiceConfig(redis_url=url, stream="hung", **config).model_dump(mode="json"), StandInShard())
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=router))
+    return router, cls.__init__.__globals__["app"]  # Serve pickled the class by value with its app: this one
+
+
+def write(ad_id: int) -> bytes:
+    return json.dumps([upsert(ad_id)]).encode()
+
+
+def test_a_hung_redis_leaves_retrievals_answered_and_bounds_each_write(private_redis, monkeypatch):
+    """Redis hung with 8 writes sent: every retrieval meanwhile is a 200 in its normal time (well under a second;
+    the writes wait 2 s); the 4 writes of `write_inflight` get 503 unavailable, saying that the batch may have
+    been appended, within `write_timeout_s`, the other 4 a 503 overloaded at once, all with Retry-After. Once Redis
+    answers again, a write goes through."""
+    async def scenario() -> tuple[list, list]:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(REPLICA_POOL))
+        _, app = router_on(private_redis.url, monkeypatch, overload=Overload(write_inflight=4, write_timeout_s=2.0),
+                           rate_limit=RateLimit(requests_per_s=1000, burst=1000, shared=True))
+        assert (await asgi(app, "POST", "/v1/retrieve", RETRIEVE)).status == 200  # warm
+        assert (await asgi(app, "POST", "/v1/ad-events", write(1), TOKEN)).status == 200
+        with hung(private_redis):
+            writes = [asyncio.create_task(asgi(app, "POST", "/v1/ad-events", write(10 + i), TOKEN)) for i in range(8)]
+            await asyncio.sleep(0.3)  # every write admitted is waiting on Redis by now
+            retrievals = []
+            for _ in range(5):
+                retrievals.append(await asyncio.wait_for(asgi(app, "POST", "/v1/retrieve", RETRIEVE), 10))
+                await asyncio.sleep(0.1)
+            answered = await asyncio.wait_for(asyncio.gather(*writes), 60)
+        after = await asgi(app, "POST", "/v1/ad-events", write(2), TOKEN)
+        assert after.status == 200, after.json
+        return retrievals, answered
+
+    retrievals, answered = asyncio.run(scenario())
+    print("retrievals (s):", [round(r.seconds, 3) for r in retrievals],
+          "writes (status, category, s):", [(w.status, w.json["error"]["category"], round(w.seconds, 2))
+                                             for w in answered])
+    assert [r.status for r in retrievals] == [200] * 5 and max(r.seconds for r in retrievals) < 0.5
+    unavailable = [w for w in answered if w.json["error"]["category"] == "unavailable"]
+    overloaded = [w for w in answered if w.json["error"]["category"] == "overloaded"]
+    assert len(unavailable) == 4 and len(overloaded) == 4
+    assert all(w.status == 503 and w.headers["retry-after"] == "1" for w in answered)
+    for w in unavailable:
+        assert w.seconds <= 2.0 + 0.5 and w.json["error"]["field"] == "redis"
+        assert "may have been appended" in w.json["error"]["message"]
+    for w in overloaded:
+        assert w.seconds < 0.5 and "overload.write_inflight" in w.json["error"]["message"]

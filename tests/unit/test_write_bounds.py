@@ -1,0 +1,113 @@
+"""The write path's bounds, without Redis: the publisher's tries end by their deadline (index_updater.publisher.retry),
+and the write path's thread lane refuses past its threads instead of queueing (deployments.limits.ThreadLane).
+tests/integration/test_hung_redis.py holds the router to both against a hung redis-server."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis
+
+from andromeda_core.errors import Overloaded
+from andromeda_core.ingest import prepare_ops
+from andromeda_core.sharding import shard_of
+from andromeda_core.types import parse_event
+from deployments.limits import ThreadLane
+from index_updater import publisher
+from index_updater.publisher import Publisher, retry
+from tests.conftest import upsert
+
+
+@pytest.fixture
+def clock(monkeypatch) -> SimpleNamespace:
+    """publisher's monotonic clock, moved only by its sleeps and by the tries (no wall time)."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(publisher, "time", SimpleNamespace(monotonic=lambda: clock.now, time=time.time,
+                                                           sleep=lambda s: setattr(clock, "now", clock.now + s)))
+    return clock
+
+
+@pytest.mark.parametrize("try_s", [0.0, 1.0, 2.5])
+def test_the_tries_end_by_the_deadline_and_the_last_error_propagates(clock, try_s):
+    """Each try fails after try_s (a hung Redis: its socket timeout; 0: refused at once). No try starts that, with the
+    pause before it, could end past the deadline; the tries stop there with the last error, though attempts are left."""
+    tries = []
+
+    def call():
+        tries.append(clock.now)
+        clock.now += try_s
+        raise redis.TimeoutError(f"try {len(tries)}")
+
+    with pytest.raises(redis.TimeoutError) as raised:
+        retry(call, attempts=1000, deadline=clock.now + 5.0, try_s=2.5)
+    assert clock.now <= 105.0 and raised.value.args[0] == f"try {len(tries)}"
+    assert len(tries) == {0.0: 6, 1.0: 3, 2.5: 1}[try_s]  # at 0 s: after pauses of 0.05, 0.1, ..., 0.8 s
+
+
+def test_without_a_deadline_the_attempts_alone_bound_the_tries(clock):
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) < 4:
+            raise redis.ConnectionError("refused")
+        return "ok"
+
+    assert retry(call, attempts=4) == "ok" and len(calls) == 4
+    calls.clear()
+    with pytest.raises(redis.ConnectionError):
+        retry(call, attempts=3)
+    assert len(calls) == 3
+
+
+def test_a_publishers_call_ends_its_redis_work_by_its_bound_across_shards(clock, small_schema, scorer):
+    """Bound 5 s, a try waiting at most 2.5 s: shard 0's part is refused twice and then taken, at 103 s; shard 1's part
+    is not even tried then (its one try could end past 105 s): redis.TimeoutError, shard 0's part appended (as the
+    router's 503 says: some of the batch may have been)."""
+    tried = []
+
+    def append(keys, args):
+        tried.append((keys[0], clock.now))
+        if len(tried) < 3:
+            raise redis.ConnectionError("refused")
+        if len(tried) > 3:  # hung
+            clock.now += 2.5
+            raise redis.TimeoutError("Timeout reading from socket")
+        clock.now += 2.9
+        return [b"ok", [b"1-0"] * args[2]]
+
+    ads = {shard_of(ad_id, 2): ad_id for ad_id in range(1, 400)}  # an ad of each shard
+    ops = prepare_ops(small_schema, scorer, [parse_event(upsert(ads[s])) for s in (0, 1)])
+    client = SimpleNamespace(register_script=lambda _: append)
+    bounded = Publisher(client, small_schema, scorer, shards=2, stream="s", attempts=60, timeout_s=5.0)
+    appended = []
+    with pytest.raises(redis.TimeoutError, match="bound of 5 s ran out"):
+        bounded.publish_ops(ops, on_appended=appended.append)
+    assert [stream for stream, _ in tried] == ["s:0"] * 3 and appended == [1] and clock.now <= 105.0
+
+
+def test_the_lane_refuses_past_its_threads_and_frees_one_when_its_job_ends():
+    """Two threads: a third job is refused at once (naming the setting), never queued. A caller that stops waiting
+    (cancelled, as a client gone) leaves its job its thread until the job returns; then the lane takes one again."""
+    lane, release = ThreadLane(2, "writes", "overload.write_inflight", retry_after_s=3), threading.Event()
+
+    async def scenario() -> None:
+        held = [asyncio.create_task(lane.run(release.wait)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded) as refused:
+            await lane.run(lambda: "never run")
+        assert "2 writes in flight (overload.write_inflight = 2)" in refused.value.message
+        assert refused.value.retry_after == 3
+        held[0].cancel()
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded):  # the cancelled caller's job still runs on its thread
+            await lane.run(lambda: "never run")
+        release.set()
+        assert await held[1] is True
+        assert await lane.run(lambda: "ran") == "ran"
+        assert await asyncio.gather(lane.run(lambda: 1), lane.run(lambda: 2)) == [1, 2]
+
+    asyncio.run(scenario())
