@@ -2,12 +2,14 @@
 Retrievals must stay answered in their normal time, and the writes get a 503 within `overload.write_timeout_s`
 (those past `overload.write_inflight` at once). Before 2026-12-06 every write's Redis work ran in the default thread
 pool that the retrievals' user towers need (6 threads on 2 cores), each for 5 tries of redis-py's 5 s socket timeout:
-6 waiting writes stalled every retrieval for 26 s.
+6 waiting writes left every retrieval waiting until their 26 s were over.
 
 The router's own FastAPI app, driven straight through ASGI, with a private redis-server (never the session's: it is
 stopped here) and a stand-in shard that answers every search at once (the shards never touch Redis on a request).
-The event loop's default pool has the 6 threads a router replica's has on the 2-core box, whatever this machine's
-cores. tests/integration/test_guarded_service.py runs the same through real Ray Serve and HTTP."""
+The shared rate limit is on, so that every request asks Redis too (at most `rate_limit.store_timeout_s`, then the
+router's own bucket). The event loop's default pool has the 6 threads a router replica's has on the 2-core box,
+whatever this machine's cores. tests/integration/test_guarded_service.py runs the same through real Ray Serve and
+HTTP."""
 from __future__ import annotations
 
 import asyncio
