@@ -5,5 +5,6 @@
 - router.Router: FastAPI ingress; user towers once per request, scatter to every shard, exact merge.
 - shard.ShardReplica: one copy of one shard: device-resident AdIndex, batched search, stream consumer.
 - api: HTTP models, write-token auth, errors -> status codes. metrics: Prometheus metrics.
-- limits: input limits and per-router token buckets; shared_limits: the same buckets in Redis, for all routers.
+- limits: input limits, per-router token buckets, the latency shedder and the write path's thread lane (writes'
+  Redis calls off the retrievals' pool, bounded); shared_limits: the same buckets in Redis, for all routers.
 """

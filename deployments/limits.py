@@ -3,6 +3,7 @@ overload). Each refusal is an error naming the field (or header) and the limit."
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import math
 import re
@@ -168,7 +169,8 @@ class ThreadLane:
             raise Overloaded(f"this router has {self.threads} {self.name} in flight ({self.setting} = {self.threads}); "
                              "retry after Retry-After", "request", self.retry_after_s)
         try:
-            future = self._pool.submit(job)
+            future = self._pool.submit(contextvars.copy_context().run, job)  # as asyncio.to_thread: the request's
+            # context (Serve's request id in log records) goes with it
         except BaseException:
             self._free.release()
             raise
