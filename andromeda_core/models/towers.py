@@ -5,7 +5,8 @@ semantic projection of the creative's MiniLM text embedding | b (1) ad bias]. Th
 user towers read the stored vectors of the ads a user engaged with, so serving needs no other per-ad data.
 
 Item identity: a and b are content (MiniLM text, category, advertiser, bid) plus a learned residual per
-ad id engaged often enough in training (TrainConfig.min_id_engagements). An ad the model has no id row for
+ad id engaged often enough in training (TrainConfig.min_id_engagements), started from co-engagement
+(identity.co_engagement_start). An ad the model has no id row for
 (created after training, or rarer) gets the content part alone; training drops each ad's id row with some
 probability (`id_dropout`), so the content tower learns to stand in for the id (the fallback is
 content-only, not hashing).

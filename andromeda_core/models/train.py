@@ -8,7 +8,7 @@ often. With a teacher, distillation rows follow: a user state and one item drawn
 ranker's top-k for it, weighted by `distill`. A MoE may also learn each expert's own sampled softmax (the
 expert alone against the same candidates, weighted by `expert_loss`), so every expert ranks by itself and
 the gates mix experts that all retrieve. Only ads with at least `min_id_engagements` training engagements get a
-learned identity (fewer do not pin one down), and their ids are dropped with probability `id_dropout` so the
+learned identity (fewer do not pin one down), started from the items' co-engagement (identity.py), and their ids are dropped with probability `id_dropout` so the
 content tower learns to stand in for them. Training stops early on the validation split (the
 engagement before each user's test one, never a training target) and keeps the best weights. A ranker
 warm-started from a MoE's frozen towers first takes the wide weights of its pair features from a grid
@@ -40,6 +40,7 @@ from andromeda_core.models.evaluate import (TOP, corpus_scores, mean_metric, ran
                                             without_history)
 from andromeda_core.models.features import PairFeatures
 from andromeda_core.models.heads import expert_similarities
+from andromeda_core.models.identity import co_engagement_start
 from andromeda_core.models.recdata import RecData
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.segments import described_table
@@ -65,6 +66,8 @@ class TrainConfig:
     min_id_engagements: int = 10  # training engagements an ad needs for a learned identity; rarer ads are content
     # alone (on the synthetic world, where an ad averages 2 engagements, ids from 1 up cut the two-tower's expected
     # HR@10 2.5x)
+    id_start: float = 3.0  # RMS norm of the learned identities' start from co-engagement (co_engagement_start), so a
+    # model starts from item-kNN's similarities instead of noise; 0: random (std 0.01)
     expert_loss: float = 0.0  # MoE only: weight of each expert's own sampled softmax (expert_losses)
     validate_every: int = 250  # steps between validations (0: never; train all steps)
     validation_users: int = 1000
@@ -82,6 +85,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be at least 0, got {self.weight_decay}")
+        if not 0 <= self.id_start < float("inf"):
+            raise ValueError(f"id_start must be finite and at least 0, got {self.id_start}")
         if self.click_weights is not None and not (self.click_weights and all(0 <= w < float("inf")
                                                                               for w in self.click_weights)):
             raise ValueError(f"click_weights must be finite and at least 0, got {self.click_weights}")
@@ -334,6 +339,21 @@ def deterministic() -> Iterator[None]:
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
+def new_model(data: RecData, kind: str, cfg: TrainConfig, init: RetrievalModel | None = None) -> RetrievalModel:
+    """An untrained `kind` model for data: a learned identity for each ad engaged at least cfg.min_id_engagements
+    times in training, started from co-engagement (co_engagement_start) at RMS norm cfg.id_start unless a model to
+    start from (init) gives its weights or cfg.id_start is 0."""
+    id_rows = data.train_items(cfg.min_id_engagements)
+    model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1), data.items.ids[id_rows],
+                           described=init.described if init is not None else described_table(load_schema()))
+    if init is None and cfg.id_start and len(id_rows):
+        in_id_order = id_rows[np.argsort(data.items.ids[id_rows], kind="stable")]  # the model's identity rows
+        with torch.no_grad():
+            model.ad_tower.identity.weight[: len(id_rows), : model.dims.dim] = co_engagement_start(
+                data, in_id_order, model.dims.dim, cfg.id_start)
+    return model
+
+
 def train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None = None, init: RetrievalModel | None = None,
           progress: bool = True) -> RetrievalModel:
     """A `kind` model trained on data, bit for bit the same for a seed in any process on the same machine and
@@ -350,9 +370,7 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     rng = np.random.default_rng(cfg.seed)
     examples = data.train_examples()
     n_items = len(data.items.ids)
-    model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1),
-                           data.items.ids[data.train_items(cfg.min_id_engagements)],
-                           described=init.described if init is not None else described_table(load_schema()))
+    model = new_model(data, kind, cfg, init)
     val_users = data.eval_users()[: cfg.validation_users]
     best, best_state, since_best = -1.0, None, 0
     frozen = init is not None and kind == "ranker"
