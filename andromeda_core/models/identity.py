@@ -3,7 +3,8 @@
 A learned identity starts as the item's row of the best rank-D factor E of the cosine similarity over the binary
 user x item training matrix (the similarity item-kNN sums), E E^T ~ cosine. A dot product of two identities then
 says from the first step how often the two items are engaged by the same users, which random rows (std 0.01) learn
-only over many passes: on MovieLens the MoE's validation score rose 0.2517 -> 0.2684 in the same 2,000 steps.
+only over many passes: on MovieLens the MoE's validation score rose 0.2517 -> 0.2694 in the same 2,000 steps (and
+the SASRec-style two-tower's 0.2483 -> 0.2611 at norm 3).
 """
 from __future__ import annotations
 

@@ -66,8 +66,9 @@ class TrainConfig:
     min_id_engagements: int = 10  # training engagements an ad needs for a learned identity; rarer ads are content
     # alone (on the synthetic world, where an ad averages 2 engagements, ids from 1 up cut the two-tower's expected
     # HR@10 2.5x)
-    id_start: float = 3.0  # RMS norm of the learned identities' start from co-engagement (co_engagement_start), so a
-    # model starts from item-kNN's similarities instead of noise; 0: random (std 0.01)
+    id_start: float = 10.0  # RMS norm of the learned identities' start from co-engagement (co_engagement_start), so a
+    # model starts from item-kNN's similarities instead of noise; 0: random (std 0.01). The MoE on MovieLens, 2,000
+    # steps from scratch, validation at norms 1 / 3 / 10: 0.2536 / 0.2684 / 0.2694, against 0.2517 from noise
     expert_loss: float = 0.0  # MoE only: weight of each expert's own sampled softmax (expert_losses)
     validate_every: int = 250  # steps between validations (0: never; train all steps)
     validation_users: int = 1000
