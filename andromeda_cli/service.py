@@ -26,6 +26,8 @@ from andromeda_core.schema import DEFAULT_SCHEMA_PATH, Schema, load_schema, read
 from andromeda_core.synth import WorldConfig, synthesize
 from deployments.config import APP_NAME, ServiceConfig
 
+REDIS_CHECK_S = 1.0  # how often `up` checks that the redis-server it started runs
+CRASH_LOOP_S = 30.0  # a redis-server that dies again this soon after `up` restarted it is not restarted again
 DEMO_USERS = 1000
 DEMO_TRAIN_STEPS = 150
 DEMO_MARK = "andromeda:demo"  # in up's private Redis: the demo_identity its streams were published for
@@ -201,12 +203,68 @@ def publish_demo(config: ServiceConfig, world: Path, schema: Schema, scorer) -> 
         publisher.publish_file(events, on_batch=bar.update)
 
 
-def wait_ready(url: str, timeout_s: float = 600) -> None:
-    """Poll /readyz until every shard has caught up."""
+class RedisKeeper:
+    """`up`'s watch over the redis-server it started. When it dies (killed, by the OOM killer say, or crashed), one line
+    says so and it is started again on the same port and data (AOF with fsync always: nothing it acknowledged is
+    lost), which is what a local user wants: the shards go on serving meanwhile and their consumers read on by
+    themselves, where stopping `up` would take the whole stack down and a new `up` a minute or more to start. A server
+    that dies again within `crash_loop_s` of its restart (a full disk, a damaged AOF) or does not start is not tried
+    again: `failure` says why and `stopped` is set, so that `up` stops (exit 2). A server shut down (exit status 0:
+    `redis-cli shutdown`, or the Ctrl-C that stops `up` too, which reaches its process group) sets `stopped` alone."""
+
+    def __init__(self, server, check_s: float = REDIS_CHECK_S, crash_loop_s: float = CRASH_LOOP_S):
+        """`server`: the running LocalRedis."""
+        self.server, self.check_s, self.crash_loop_s = server, check_s, crash_loop_s
+        self.stopped = threading.Event()
+        self.failure: str | None = None
+        self.restarts = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="redis-keeper", daemon=True)
+
+    def start(self) -> "RedisKeeper":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (before `up` stops the server itself)."""
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        restarted_at = None
+        while not self._done.wait(self.check_s):
+            code = self.server.process.poll()
+            if code is None:
+                continue
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            where = f"redis-server at {self.server.url} ({self.server.directory})"
+            if code == 0:  # asked to shut down
+                if not self.stopped.is_set():
+                    print(f"{where} was shut down; stopping", file=sys.stderr, flush=True)
+                self.stopped.set()
+                return
+            if restarted_at is not None and time.monotonic() - restarted_at < self.crash_loop_s:
+                return self._give_up(f"{where} died again ({how}) {time.monotonic() - restarted_at:.0f} s after its "
+                                     f"restart; see {self.server.directory / 'redis.log'}")
+            try:
+                self.server.restart()
+            except (RuntimeError, OSError) as exc:
+                return self._give_up(f"{where} died ({how}) and did not start again: {exc}")
+            restarted_at, self.restarts = time.monotonic(), self.restarts + 1
+            print(f"{where} died ({how}); started it again on its data (AOF: nothing it acknowledged is lost)",
+                  file=sys.stderr, flush=True)
+
+    def _give_up(self, failure: str) -> None:
+        self.failure = failure
+        self.stopped.set()
+
+
+def wait_ready(url: str, timeout_s: float = 600, stop: threading.Event | None = None) -> None:
+    """Poll /readyz until every shard has caught up (or `stop` is set)."""
     deadline = time.monotonic() + timeout_s
     with tqdm(desc="waiting for /readyz (shards starting and catching up)", file=sys.stderr,
               bar_format="{desc}: {elapsed}") as bar:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             try:
                 with urllib.request.urlopen(f"{url}/readyz", timeout=5) as reply:
                     if reply.status == 200:
@@ -215,7 +273,8 @@ def wait_ready(url: str, timeout_s: float = 600) -> None:
                 pass
             time.sleep(0.5)
             bar.update(0.5)
-    raise AndromedaError(f"the service at {url} did not become ready within {timeout_s:.0f} s")
+    if stop is None or not stop.is_set():
+        raise AndromedaError(f"the service at {url} did not become ready within {timeout_s:.0f} s")
 
 
 def example_body(world: Path | None) -> str:
@@ -236,8 +295,10 @@ def publish_command(config: ServiceConfig, redis_url: str | None) -> str:
     return shlex.join(words)
 
 
-def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> None:
-    """Start Ray and the application, wait for readiness, print how to use it, stay up until Ctrl-C."""
+def run_service(config: ServiceConfig, world: Path | None, token_note: str,
+                stop: threading.Event | None = None) -> None:
+    """Start Ray and the application, wait for readiness, print how to use it, stay up until Ctrl-C (or `stop` is
+    set)."""
     import ray
     from ray import serve
 
@@ -252,14 +313,15 @@ def run_service(config: ServiceConfig, world: Path | None, token_note: str) -> N
         print(f"starting {config.shards} shard(s) x {config.replicas} replica(s) on Ray Serve ...", file=sys.stderr)
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         url = f"http://{config.host}:{config.port}"
-        wait_ready(url)
-        print(f"\nAndromeda is serving at {url}   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)\n"
-              f"{token_note}\nTry:\n  curl -s {url}/v1/retrieve -H 'Content-Type: application/json' "
-              f"-d {example_body(world)}\n\nCtrl-C stops it.", flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        stop = stop or threading.Event()
+        wait_ready(url, stop=stop)
+        if not stop.is_set():
+            print(f"\nAndromeda is serving at {url}   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)\n"
+                  f"{token_note}\nTry:\n  curl -s {url}/v1/retrieve -H 'Content-Type: application/json' "
+                  f"-d {example_body(world)}\n\nCtrl-C stops it.", flush=True)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            stop.wait()
     finally:
         print("stopping ...", file=sys.stderr)
         serve.shutdown()
@@ -341,12 +403,13 @@ def cmd_up(args: argparse.Namespace) -> None:
         args.model = demo_model(world)
     token = settings.write_token or secrets.token_urlsafe(16)
     os.environ["ANDROMEDA_WRITE_TOKEN"] = token  # Ray workers inherit it; never written to a config
-    server = None
+    server = keeper = None
     redis_url = settings.redis_url
     if not redis_url:
         server = LocalRedis((Path("var") / "redis").resolve()).start()  # redis-server resolves paths after chdir
         redis_url = server.url
         print(f"started redis-server at {redis_url} (data in var/redis)", file=sys.stderr)
+        keeper = RedisKeeper(server, REDIS_CHECK_S, CRASH_LOOP_S).start()
     try:
         config = service_config(args, redis_url)
         check_reachable(config)
@@ -365,8 +428,13 @@ def cmd_up(args: argparse.Namespace) -> None:
                 redis.Redis.from_url(redis_url).set(DEMO_MARK, identity)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "
                                    f"is set): {token}\nor publish a file of ad events: "
-                                   f"{publish_command(config, None if settings.redis_url else redis_url)}")
+                                   f"{publish_command(config, None if settings.redis_url else redis_url)}",
+                    keeper.stopped if keeper is not None else None)
+        if keeper is not None and keeper.failure:
+            raise AndromedaError(f"{keeper.failure}; `up` stopped")
     finally:
+        if keeper is not None:
+            keeper.stop()
         if server is not None:
             server.stop()
 

@@ -10,7 +10,12 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 SHARD_GAUGES = {
     "index_size": "live ads in the shard's index",
     "capacity": "slots allocated in the shard's index",
-    "lag_seconds": "how long the oldest entry known to be unapplied has waited (0 when caught up)",
+    "lag_seconds": "how long the oldest entry known to be unapplied has waited (0 when caught up; entries the consumer "
+                   "cannot read are not known: see stream_read_age_seconds)",
+    "stream_up": "0 once the consumer has read nothing of its shard's stream for stream_down_s, each read failing or "
+                 "waiting on Redis (the replica stays ready, serving what it applied), else 1",
+    "stream_read_age_seconds": "seconds since the consumer last read its shard's stream (a fraction of a second while "
+                               "it follows it; entries published since are not applied)",
     "applied": "stream entries that changed the index",
     "stale": "stream entries that were stale no-ops",
     "dead_letters": "poison stream entries the replica met (each recorded once in the dead-letter stream), each "
@@ -52,6 +57,6 @@ class ServiceMetrics:
             for name, gauge in self.shard.items():
                 if status is None:
                     gauge.labels(str(shard)).set(0 if name == "ready" else float("nan"))
-                else:
-                    gauge.labels(str(shard)).set(float(status[name]))
+                else:  # a shard of an older version, during a rollout, may lack a newer gauge
+                    gauge.labels(str(shard)).set(float(status.get(name, float("nan"))))
         return generate_latest(self.registry)

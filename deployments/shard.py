@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import redis
 import torch
 from ray import serve
 
@@ -25,7 +24,7 @@ from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries,
 from andromeda_core.schema import load_schema
 from andromeda_core.wire import NumpyPickled
 from deployments.config import ServiceConfig
-from index_updater.consumer import ShardConsumer
+from index_updater.consumer import ShardConsumer, consumer_client
 from index_updater.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ class ShardReplica:
                         embedding_dtype=STORAGE[cfg.storage], exact_copy=cfg.rescore > 0)
         self.retriever = Retriever(index, scorer, rescore=cfg.rescore)
         snapshots = SnapshotStore(Path(cfg.snapshot_dir) / f"shard-{shard}")
-        self.consumer = ShardConsumer(redis.Redis.from_url(cfg.resolved_redis_url()), index, scorer.name, shard, cfg.shards,
+        self.consumer = ShardConsumer(consumer_client(cfg.resolved_redis_url()), index, scorer.name, shard, cfg.shards,
                                       stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s,
                                       trim=cfg.trim is not None, replica_id=uuid.uuid4().hex[:12],
                                       **({"trim_keep_entries": cfg.trim.keep_entries, "trim_every_s": cfg.trim.every_s,
@@ -148,10 +147,14 @@ class ShardReplica:
         return {**state, "shard": self.shard, "servable_now": state["status"] == "active" and state["satisfiable"] and in_window}
 
     def status(self) -> dict:
-        """Readiness and the consumer's metrics (read by the router's /readyz and /metrics)."""
+        """Readiness and the consumer's metrics (read by the router's /readyz and /metrics). A consumer that cannot
+        read its stream (stream_down_s) leaves the replica ready: it serves what it applied (only updates stop),
+        and `stream_up` and `reason` say so."""
         stats = self.consumer.stats
-        healthy, reason = self.consumer.health(self.config.max_lag_s)
+        healthy, reason = self.consumer.health(self.config.max_lag_s, self.config.stream_down_s)
         return {"shard": self.shard, "ready": self.consumer.caught_up and healthy, "healthy": healthy, "reason": reason,
+                "stream_up": not stats.stream_down(self.config.stream_down_s),
+                "stream_read_age_seconds": stats.read_age_s(),
                 "model": self.retriever.scorer.name, "index_size": len(self.retriever.index),
                 "lag_seconds": stats.lag_seconds(), "applied": stats.applied, "stale": stats.stale,
                 "dead_letters": stats.dead_letters, "errors": stats.errors, "stream_resets": stats.stream_resets,
@@ -159,7 +162,9 @@ class ShardReplica:
                 "expired": self.expired}
 
     def check_health(self) -> None:
-        healthy, reason = self.consumer.health(self.config.max_lag_s)
+        """Serve replaces the replica when this raises; never for a Redis it cannot read (a replacement could not
+        start without it)."""
+        healthy, reason = self.consumer.health(self.config.max_lag_s, self.config.stream_down_s)
         if not healthy:
             raise RuntimeError(f"shard {self.shard}: {reason}")
 

@@ -8,7 +8,7 @@
 - owners: which advertiser owns each ad, checked and recorded where the ad's events are appended.
 - consumer.ShardConsumer: per replica; XREAD its shard's stream from the last applied id, apply each read
   atomically, dead-letter poison entries, recover from snapshots, sweep expired ads, trim behind
-  snapshots, report health (alive, caught_up, lag, errors, uncovered gaps).
+  snapshots, report health (alive, caught_up, lag, errors, uncovered gaps, a stream it cannot read).
 - snapshots.SnapshotStore: snapshot files named by the stream id they cover (one directory per shard).
 - local_redis.LocalRedis: a private redis-server for tests, benchmarks and `andromeda up`.
 """

@@ -10,7 +10,8 @@ snapshot and replays from there; when no snapshot covers the gap it applies what
 and reports itself unhealthy until one does. If the stream went back behind what the consumer read (a Redis
 that lost acknowledged writes took over, or the stream was recreated: new entries may then take ids at or
 before the last applied one), it reads the stream again from its start: applying an entry twice changes
-nothing. `health()` tells a replica's probes how the consumer is.
+nothing. `health()` tells a replica's probes how the consumer is; `stats.stream_down()` whether it has been unable to
+read its stream for longer than a bound (Redis down, hung or refusing it), which the replica reports without failing.
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ import logging
 from collections import deque
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import redis
 
@@ -37,6 +39,8 @@ from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
+REPLY_TIMEOUT_S = 10.0  # consumer_client's bound on a connection or a reply (a read's is milliseconds; XREAD blocks
+# for block_ms only)
 LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every second) by this much
 DEAD_LETTERS_KEPT = 100_000  # the dead-letter stream keeps about this many of the newest (XADD MAXLEN ~)
 # Dead-letter an entry once, whichever replicas of the shard meet it and however often. KEYS: the dead-letter stream,
@@ -148,13 +152,43 @@ class ConsumerStats:
     recoveries: int = 0
     stream_resets: int = 0  # times the stream went back behind what was read (went_back) and was read again
     apply_latency_ms: deque = field(default_factory=lambda: deque(maxlen=100_000))  # published -> servable, ms
+    read_at: float = field(default_factory=time.monotonic)  # monotonic time of the last read Redis answered
+    reading_since: float | None = None  # monotonic time the read now waiting on Redis began; None: none waits
+    read_error: str = ""  # why the latest read of the stream failed; "" when it succeeded
 
     def lag_seconds(self, now: float | None = None) -> float:
         """How long the oldest entry known to be unapplied has waited; 0 when caught up, so an idle
-        stream adds no lag."""
+        stream adds no lag. Entries the consumer cannot read are not known: see stream_down."""
         if self.behind_since is None:
             return 0.0
         return max(0.0, (time.time() if now is None else now) - self.behind_since)
+
+    def read_age_s(self, now: float | None = None) -> float:
+        """Seconds since the consumer last read its stream (time.monotonic() `now`): a turn's length while it follows
+        the stream, growing while it cannot read it (entries published meanwhile are not applied)."""
+        return max(0.0, (time.monotonic() if now is None else now) - self.read_at)
+
+    def stream_down(self, bound_s: float, now: float | None = None) -> str:
+        """Why the consumer cannot read its stream, once no read has succeeded for more than bound_s: the latest read
+        failed (Redis down or refusing the replica), or one has waited longer than bound_s on Redis (hung, or a
+        connection gone silent); "" otherwise, also for a long turn between two reads (a slow apply shows as lag, and
+        a replica's start warms its kernels up between its catch-up and its loop's first read)."""
+        now = time.monotonic() if now is None else now
+        age, error, since = self.read_age_s(now), self.read_error, self.reading_since  # once: the loop's thread moves them
+        if age <= bound_s:
+            return ""
+        if error:
+            return f"stream unreachable for {age:.1f} s: {error}"
+        if since is not None and now - since > bound_s:
+            return f"stream unreachable for {age:.1f} s: a read has waited {now - since:.1f} s for Redis's reply"
+        return ""
+
+
+def consumer_client(url: str) -> redis.Redis:
+    """The client of a replica's consumer: it waits at most REPLY_TIMEOUT_S for a connection or a reply, so that a hung
+    Redis or a connection gone silent (a Redis moved to another address) ends in an error the loop counts and retries
+    on a new connection, instead of holding the consumer's thread for as long as TCP keeps trying."""
+    return redis.Redis.from_url(url, socket_timeout=REPLY_TIMEOUT_S, socket_connect_timeout=REPLY_TIMEOUT_S)
 
 
 class ShardConsumer:
@@ -225,14 +259,19 @@ class ShardConsumer:
         applied); stays True."""
         return self._caught_up
 
-    def health(self, max_lag_s: float) -> tuple[bool, str]:
+    def health(self, max_lag_s: float, stream_down_s: float | None = None) -> tuple[bool, str]:
         """(healthy, reason): unhealthy when the thread is not running, the index misses trimmed entries
-        that no snapshot covers, or unapplied entries have waited longer than max_lag_s."""
+        that no snapshot covers, or unapplied entries have waited longer than max_lag_s. With `stream_down_s`, a
+        stream the consumer has not been able to read for longer (stream_down) is the reason, and the replica stays
+        healthy, its lag too: it serves what it applied, and a replacement could not start (it must read the stream
+        first)."""
         if not self.alive:
             return False, "consumer thread is not running" + (f"; last error: {self.stats.last_error}"
                                                                if self.stats.last_error else "")
         if self.stats.gap_unrecovered:
             return False, f"the index misses updates no snapshot covers: {self.stats.gap_unrecovered}"
+        if stream_down_s is not None and (down := self.stats.stream_down(stream_down_s)):
+            return True, down
         lag = self.stats.lag_seconds()
         if lag > max_lag_s:
             return False, f"unapplied entries have waited {lag:.1f}s (more than {max_lag_s:g}s)"
@@ -301,18 +340,19 @@ class ShardConsumer:
         pipe.xinfo_stream(self.source)
         pipe.xrange(self.source, min=last_id, max=last_id, count=1)
         pipe.xread({self.source: last_id}, count=self.count)
-        try:
-            info, at_last, reply = pipe.execute()
-        except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):  # Redis is full: READ
-            state = self._read(keys=[self.source], args=[last_id, self.count])
-            if state is None:
-                return []
-            info = {text(key): value for key, value in zip(state[0][::2], state[0][1::2])}  # as redis-py parses it
-            at_last, reply = entries_of(state[1]), [(name, entries_of(read)) for name, read in state[2] or []]
-        except redis.ResponseError as exc:
-            if no_stream(exc):
-                return []
-            raise
+        with self._reading():
+            try:
+                info, at_last, reply = pipe.execute()
+            except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):  # Redis is full: READ
+                state = self._read(keys=[self.source], args=[last_id, self.count])
+                if state is None:
+                    return []
+                info = {text(key): value for key, value in zip(state[0][::2], state[0][1::2])}  # as redis-py parses it
+                at_last, reply = entries_of(state[1]), [(name, entries_of(read)) for name, read in state[2] or []]
+            except redis.ResponseError as exc:
+                if no_stream(exc):
+                    return []
+                raise
         if reason := went_back(info, last_id, self._entries_added, held_digest(at_last), self._last_digest):
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
@@ -326,6 +366,22 @@ class ShardConsumer:
         if not (self.stats.gap_unrecovered or self._from_start) and (gap := trimmed_past(info, self.stats.last_id)):
             raise self.gap_error(gap)
         return reply[0][1] if reply else []
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around each read of the shard's stream: the stats tell whether it succeeded and since when one waits
+        (stream_down)."""
+        stats = self.stats
+        stats.reading_since = time.monotonic()
+        try:
+            yield
+        except Exception as exc:
+            stats.read_error = redact(f"{type(exc).__name__}: {exc}") + tls_hint(exc)
+            raise
+        else:
+            stats.read_at, stats.read_error = time.monotonic(), ""
+        finally:
+            stats.reading_since = None
 
     def held_at(self, stream_id: str) -> str | None:
         """entry_digest of the entry the shard's stream holds at stream_id; None when it holds none."""
@@ -361,8 +417,11 @@ class ShardConsumer:
         entries were read."""
         block = self.block_ms if block_ms is None else block_ms
         entries = self.read()
-        if not entries and block and self.client.xread({self.source: self.stats.last_id}, count=1, block=block):
-            entries = self.read()  # the wait's own reply is not checked for a gap: read again
+        if not entries and block:
+            with self._reading():
+                waited = self.client.xread({self.source: self.stats.last_id}, count=1, block=block)
+            if waited:
+                entries = self.read()  # the wait's own reply is not checked for a gap: read again
         newest = self._apply_read(entries) if entries else None
         if len(entries) < self.count:  # the stream held no more than this read
             self.stats.behind_since, self._caught_up = None, True

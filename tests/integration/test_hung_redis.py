@@ -78,7 +78,7 @@ async def asgi(app, method: str, path: str, body: bytes = b"", token: str | None
     started = time.monotonic()
     await app(scope, receive, send)
     got.seconds = time.monotonic() - started
-    got.json = json.loads(got.body) if got.body else None
+    got.json = json.loads(got.body) if got.headers.get("content-type") == "application/json" else None
     return got
 
 
@@ -104,12 +104,14 @@ def hung(server: LocalRedis) -> Iterator[None]:
         os.kill(server.process.pid, signal.SIGCONT)
 
 
-def router_on(url: str, monkeypatch, **config) -> tuple[Router, FastAPI]:
-    """A Router replica built without Ray, and its app, whose routes resolve `self` to it."""
+def router_on(url: str, monkeypatch, shard=None, **config) -> tuple[Router, FastAPI]:
+    """A Router replica of one shard (`shard`: its handle; default StandInShard()) built without Ray, and its app,
+    whose routes resolve `self` to it."""
     monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", TOKEN)
     cls = Router.func_or_class.__bases__[0]  # the class as written (Serve's wrapper adds the ASGI plumbing)
     router = cls.__new__(cls)
-    cls.__init__(router, ServiceConfig(redis_url=url, stream="hung", **config).model_dump(mode="json"), StandInShard())
+    cls.__init__(router, ServiceConfig(redis_url=url, stream="hung", **config).model_dump(mode="json"),
+                 shard or StandInShard())
     monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=router))
     return router, cls.__init__.__globals__["app"]  # Serve pickled the class by value with its app: this one
 

@@ -1,0 +1,87 @@
+"""`andromeda up` watches the redis-server it started: killed, it is started again on its data with one line saying so;
+killed again right after its restart (a crash loop), `up` stops with one line, exit 2; shut down (`redis-cli shutdown`,
+exit status 0), `up` stops, exit 0. Until 2026-12-06 `up` did not notice.
+
+`up` runs in process with its slow parts stubbed (the demo world, model and ads, and Ray: run_service waits on the stop
+event it is given, as the real one does once it has printed the URL); its redis-server is real, in the test's folder."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import redis
+
+from andromeda_cli import service
+from andromeda_cli.main import main
+from index_updater.local_redis import LocalRedis, free_port
+from tests.conftest import wait_until
+
+
+def pid_of(url: str) -> int | None:
+    """The process id of the redis-server answering at `url`; None while none does."""
+    try:
+        return redis.Redis.from_url(url, socket_timeout=1).info("server")["process_id"]
+    except redis.ConnectionError:
+        return None
+
+
+@pytest.fixture
+def up(tmp_path, monkeypatch, capsys) -> Callable[[Callable], tuple[int, str]]:
+    """up(serving) -> (exit status, stderr) of `andromeda up`, where `serving(config, stop, stderr)` stands for the
+    service (stderr(): what up wrote to it so far)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", "up-test-token")
+    monkeypatch.setattr(service, "REDIS_CHECK_S", 0.05, raising=False)
+    monkeypatch.setattr(service, "demo_world", lambda ads: tmp_path / f"demo-{ads}")
+    monkeypatch.setattr(service, "demo_model", lambda world: None)  # the untrained baseline
+    monkeypatch.setattr(service, "publish_demo", lambda *args: None)
+    monkeypatch.setattr(service, "publish_command", lambda *args: "andromeda publish ...")
+
+    written = []
+
+    def stderr() -> str:
+        written.append(capsys.readouterr().err)
+        return "".join(written)
+
+    def run(serving: Callable) -> tuple[int, str]:
+        monkeypatch.setattr(service, "run_service",
+                            lambda config, world, note, stop=None: serving(config, stop or threading.Event(), stderr))
+        code = main(["up", "--port", str(free_port()), "--demo-ads", "10"])
+        return code, stderr()
+
+    yield run
+    LocalRedis(tmp_path / "var" / "redis").start().stop()  # up stopped its server: the data directory is free
+
+
+def test_a_killed_redis_is_started_again_on_its_data_and_a_crash_loop_stops_up(up):
+    def serving(config, stop, stderr) -> None:
+        client = redis.Redis.from_url(config.redis_url)
+        client.set("acknowledged", 1)
+        first = pid_of(config.redis_url)
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: "started it again" in stderr())
+        assert pid_of(config.redis_url) not in (None, first) and not stop.is_set()
+        assert client.get("acknowledged") == b"1"  # its data: the AOF
+        os.kill(pid_of(config.redis_url), signal.SIGKILL)  # at once again: a crash loop
+        assert stop.wait(10)
+
+    code, err = up(serving)
+    lines = err.strip().splitlines()
+    restarted = [line for line in lines if "started it again" in line]
+    assert len(restarted) == 1 and "died (killed by SIGKILL)" in restarted[0] and "var/redis" in restarted[0], err
+    assert code == 2 and lines[-1].startswith("error: redis-server at redis://127.0.0.1:"), err
+    assert "died again (killed by SIGKILL)" in lines[-1] and "redis.log" in lines[-1], err
+
+
+def test_a_redis_shut_down_stops_up(up):
+    def serving(config, stop, stderr) -> None:
+        redis.Redis.from_url(config.redis_url).shutdown()
+        assert stop.wait(10)
+
+    code, err = up(serving)
+    assert code == 0 and "was shut down; stopping" in err and "started it again" not in err, err
