@@ -40,9 +40,10 @@ from deployments.auth import Principal, TokenStore
 from deployments.config import BATCH_MAX, ServiceConfig, by_reference
 from deployments.limits import ThreadLane, TokenBuckets, check_requests, over_limit
 from deployments.metrics import ServiceMetrics
-from deployments.shared_limits import SharedTokenBuckets, limiter_client
+from deployments.shared_limits import SharedTokenBuckets
 from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
 from index_updater.owners import ADMIN, Writer
+from index_updater.clients import redis_client
 from index_updater.publisher import Publisher, bounded_client
 
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
@@ -118,7 +119,8 @@ def rate_limiter(cfg: ServiceConfig) -> TokenBuckets | SharedTokenBuckets | None
     local = TokenBuckets(limit.requests_per_s, limit.burst, limit.callers)
     if not limit.shared:
         return local
-    return SharedTokenBuckets(limiter_client(cfg.resolved_redis_url(), limit.store_timeout_s), f"{cfg.stream}:rate:",
+    # one try of store_timeout_s: a slow store must not slow every request
+    return SharedTokenBuckets(redis_client(cfg.resolved_redis_url(), limit.store_timeout_s), f"{cfg.stream}:rate:",
                               local, on_fallback=metrics.limiter_fallbacks.inc)
 
 

@@ -13,8 +13,6 @@ import time
 from typing import Callable
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from andromeda_core.config import redact
 from deployments.limits import TokenBuckets
@@ -40,15 +38,9 @@ return tostring(wait)
 """
 
 
-def limiter_client(url: str, timeout_s: float) -> redis.Redis:
-    """A client that gives up after one try of `timeout_s`: a slow store must not slow every request."""
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                retry=Retry(NoBackoff(), 0))
-
-
 class SharedTokenBuckets:
-    """Token buckets per caller in Redis under `prefix` (`take` as TokenBuckets.take); `local` decides while
-    Redis fails, and `on_fallback` is called for each such decision. A key expires when its bucket would be
+    """Token buckets per caller in Redis under `prefix` (`take` as TokenBuckets.take), on a `client` that gives up after
+    one try of store_timeout_s (index_updater.clients.redis_client); `local` decides while Redis fails, and `on_fallback` is called for each such decision. A key expires when its bucket would be
     full again (idle for burst / rate s; at most a day, which refills a slower bucket early)."""
 
     def __init__(self, client: redis.Redis, prefix: str, local: TokenBuckets, retry_s: float = 1.0,

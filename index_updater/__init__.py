@@ -10,5 +10,7 @@
   atomically, dead-letter poison entries, recover from snapshots, sweep expired ads, trim behind
   snapshots, report health (alive, caught_up, lag, errors, uncovered gaps, a stream it cannot read).
 - snapshots.SnapshotStore: snapshot files named by the stream id they cover (one directory per shard).
+- clients.redis_client: the service's Redis clients, each waiting a bounded time per connection or reply and
+  retrying nothing itself (the publisher's, the rate limiter's and the consumer's tries are the only ones).
 - local_redis.LocalRedis: a private redis-server for tests, benchmarks and `andromeda up`.
 """

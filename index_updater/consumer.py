@@ -32,6 +32,7 @@ from andromeda_core.errors import out_of_memory
 from andromeda_core.export import TableCopy
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
+from index_updater.clients import redis_client
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
 from index_updater.records import (DecodedRead, Entry, EntryDecoder, InvalidRecord, applied_key, dead_letter_stream,
                                    layout_key, shard_stream, snapshot_writer_key, stream_layout, text)
@@ -188,7 +189,7 @@ def consumer_client(url: str) -> redis.Redis:
     """The client of a replica's consumer: it waits at most REPLY_TIMEOUT_S for a connection or a reply, so that a hung
     Redis or a connection gone silent (a Redis moved to another address) ends in an error the loop counts and retries
     on a new connection, instead of holding the consumer's thread for as long as TCP keeps trying."""
-    return redis.Redis.from_url(url, socket_timeout=REPLY_TIMEOUT_S, socket_connect_timeout=REPLY_TIMEOUT_S)
+    return redis_client(url, REPLY_TIMEOUT_S)
 
 
 class ShardConsumer:

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from andromeda_core.config import Settings
 from andromeda_core.errors import InvalidInput
@@ -27,6 +25,7 @@ from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_event
+from index_updater.clients import redis_client
 from index_updater.owners import ADMIN, APPEND, Writer, claim_of, run_append
 from index_updater.records import encode, layout_key, shard_stream, stream_layout, text
 
@@ -56,8 +55,7 @@ def retry(call: Callable[[], Any], attempts: int = 60, first_delay: float = 0.05
 def bounded_client(url: str, timeout_s: float) -> redis.Redis:
     """The client of a Publisher with `timeout_s`: it waits at most TRY_SHARE of that for a connection or a reply, and
     retries nothing itself (the Publisher's tries are the only ones)."""
-    wait_s = TRY_SHARE * timeout_s
-    return redis.Redis.from_url(url, socket_timeout=wait_s, socket_connect_timeout=wait_s, retry=Retry(NoBackoff(), 0))
+    return redis_client(url, TRY_SHARE * timeout_s)
 
 
 class Publisher:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,29 @@ def setup(redis_server, small_schema, scorer):
                              block_ms=10, **kwargs)
 
     return client, Publisher(client, small_schema, scorer), consumer
+
+
+@pytest.fixture
+def private_redis(tmp_path) -> Iterator[LocalRedis]:
+    """A redis-server of this test alone (never the session's or REDIS_URL's: tests stop it); whatever the test did to
+    it, resumed and killed after."""
+    server = LocalRedis(tmp_path / "private-redis", aof=False).start()
+    try:
+        yield server
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.kill()
+
+
+@contextmanager
+def hung(server: LocalRedis) -> Iterator[None]:
+    """The server stopped (SIGSTOP) for the block: connections are accepted, no command is answered."""
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
 
 
 @contextmanager

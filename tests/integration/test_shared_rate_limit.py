@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from deployments.config import RateLimit, ServiceConfig
 from deployments.limits import TokenBuckets, retry_after
 from deployments.router import rate_limiter
-from deployments.shared_limits import SharedTokenBuckets, limiter_client
+from deployments.shared_limits import SharedTokenBuckets
+from index_updater.clients import redis_client
 from index_updater.local_redis import LocalRedis, free_port
 from tests.integration.conftest import eventually
 
@@ -88,7 +89,7 @@ def test_without_redis_each_router_falls_back_to_its_own_bucket(store, caplog):
     with Silent() as silent:
         url = silent if store == "no answer" else f"redis://127.0.0.1:{free_port()}/0"
         fallbacks = []
-        (a,) = routers(limiter_client(url, 0.05), rate=1.0, burst=2, n=1, retry_s=60,
+        (a,) = routers(redis_client(url, 0.05), rate=1.0, burst=2, n=1, retry_s=60,
                        on_fallback=lambda: fallbacks.append(1))
         with caplog.at_level(logging.WARNING, logger="deployments.shared_limits"):
             waits = [a.take("acme", 5.0) for _ in range(3)]
@@ -100,7 +101,7 @@ def test_the_shared_bucket_is_asked_again_once_redis_is_back(tmp_path):
     # A closed port refuses at once, so the timeout only bounds the calls once Redis is back: generous,
     # because a loaded CI box took longer than 50 ms for the first script load (CI failed on it).
     port, fallbacks = free_port(), []
-    (a,) = routers(limiter_client(f"redis://127.0.0.1:{port}/0", 5.0), rate=1.0, burst=1, n=1, retry_s=0,
+    (a,) = routers(redis_client(f"redis://127.0.0.1:{port}/0", 5.0), rate=1.0, burst=1, n=1, retry_s=0,
                    on_fallback=lambda: fallbacks.append(1))
     assert a.take("acme", 5.0) == 0 and len(fallbacks) == 1
     server = LocalRedis(tmp_path / "redis", port=port, aof=False).start()

@@ -1,0 +1,31 @@
+"""The service's Redis clients (the router's publisher and rate limiter, a replica's consumer): each waits a bounded
+time for a connection or a reply and retries nothing itself, so that its caller's own tries, and their bound, are the
+only ones."""
+from __future__ import annotations
+
+import inspect
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+_CONNECTION_OPTIONS = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+# A new connection sends no more than it needs before the caller's command: each command of the handshake is one more
+# reply to wait for, each up to the socket timeout. So no CLIENT SETINFO (redis-py's default sends two: library name,
+# version; newer redis-py takes driver_info=None and warns at lib_name and lib_version, which older ones take) and no
+# CLIENT MAINT_NOTIFICATIONS (newer redis-py's default on RESP3, for a managed Redis that moves its endpoints during
+# maintenance: our callers' tries reconnect anyway)
+LEAN_HANDSHAKE = ({"driver_info": None} if "driver_info" in _CONNECTION_OPTIONS
+                  else {"lib_name": None, "lib_version": None})
+if "maint_notifications_config" in _CONNECTION_OPTIONS:
+    from redis.maint_notifications import MaintNotificationsConfig
+    LEAN_HANDSHAKE["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+
+
+def redis_client(url: str, wait_s: float) -> redis.Redis:
+    """A client of `url` that waits at most `wait_s` for a connection and for each reply, and retries nothing itself
+    (said outright: redis-py's default retries differ across its versions and constructors). A command on a new
+    connection waits for the connection, for the handshake's replies (HELLO where RESP3, AUTH and SELECT where the URL
+    asks for them), then for its own reply: each up to `wait_s`."""
+    return redis.Redis.from_url(url, socket_timeout=wait_s, socket_connect_timeout=wait_s, retry=Retry(NoBackoff(), 0),
+                                **LEAN_HANDSHAKE)
