@@ -155,10 +155,12 @@ class Overload(BaseModel):
     write_inflight: int = Field(4, ge=1, le=1024)
     """Writes (`POST /v1/ad-events`) one router replica works on at once, each on a thread of the write path's own
     (their Redis calls and ad towers: retrievals never wait for them); more get 503 `overloaded` at once."""
-    write_timeout_s: float = Field(5.0, gt=0, le=600)
-    """Bound on each Redis step of a write (an advertiser's check, then the append): the router waits at most half of
-    it for a connection or a reply, and tries again only where that fits; past it the write gets 503 `unavailable`
-    (some or all of its batch may have been appended all the same)."""
+    write_timeout_s: float = Field(5.0, ge=0.5, le=600)
+    """Bound on each Redis step of a write (an advertiser's check, then the append; about twice it in all for an
+    advertiser's write): a try waits about 0.45 of it for a connection or a reply (index_updater.publisher.try_wait),
+    so that one that timed out is followed by one more; past it the write gets 503 `unavailable` (after the append:
+    some or all of its batch may have been appended all the same). At least 0.5 s: below, a try's wait nears what a
+    large batch's append takes on a healthy Redis, and every write could fail."""
 
     @field_validator("router_queue", "shard_queue")
     @classmethod

@@ -44,7 +44,7 @@ from deployments.shared_limits import SharedTokenBuckets
 from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
 from index_updater.owners import ADMIN, Writer
 from index_updater.clients import redis_client
-from index_updater.publisher import Publisher, bounded_client
+from index_updater.publisher import Publisher
 
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
 app = create_app(on_error=lambda cause: metrics.errors.labels(cause).inc())
@@ -185,9 +185,9 @@ class Router:
         # default pool, a few writes waiting on a hung Redis (5 tries of 5 s) stalled every retrieval's user towers
         self.writes = ThreadLane(cfg.overload.write_inflight, "writes", "overload.write_inflight",
                                  cfg.overload.retry_after_s)
-        self.publisher = Publisher(bounded_client(cfg.resolved_redis_url(), cfg.overload.write_timeout_s), self.schema,
-                                   self.scorer, shards=cfg.shards, stream=cfg.stream, attempts=5,
-                                   timeout_s=cfg.overload.write_timeout_s)
+        self.publisher = Publisher.bounded(cfg.resolved_redis_url(), self.schema, self.scorer,
+                                           cfg.overload.write_timeout_s, shards=cfg.shards, stream=cfg.stream,
+                                           attempts=5)
         self.metrics = metrics
         self.last_status: dict[int, dict] = {}  # each shard's last answer to `status` (shard_status)
 

@@ -4,9 +4,10 @@ A batch (and a whole file, by `publish_file`) is validated and compiled in full 
 written, so a bad event changes nothing. Each shard's part of the batch goes to its stream in one atomic Lua
 script that also keeps the shard's owner registry (index_updater/owners.py: its keys share the stream's Redis
 Cluster slot, so the shard streams may live on different nodes); on a connection error that part is sent again
-(with backoff) until acknowledged, or, for a publisher with `timeout_s` (the router's), until that bound. A resend
-after a lost reply carries the first try's token, so it returns the ids that try appended and appends nothing twice (a
-token is kept for owners.SENT_TTL_S). A batch that spans shards is not atomic across them; each shard's part is.
+(with backoff) until acknowledged, or, for a bounded publisher (`Publisher.bounded`: the router's), within about
+`timeout_s` per call, in which a try that timed out is followed by one more. A resend after a lost reply carries the
+first try's token, so it returns the ids that try appended and appends nothing twice (a token is kept for
+owners.SENT_TTL_S). A batch that spans shards is not atomic across them; each shard's part is.
 """
 from __future__ import annotations
 
@@ -31,11 +32,19 @@ from index_updater.records import encode, layout_key, shard_stream, stream_layou
 
 DEFAULT_STREAM = Settings.stream
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-TRY_SHARE = 0.5  # of a Publisher's timeout_s, the longest one try waits (bounded_client): a try that found Redis hung
-# leaves time for one more
+FIRST_DELAY_S = 0.05  # retry's first pause
+TRY_SHARE = 0.45  # of a bound less FIRST_DELAY_S, one try's wait (try_wait): two tries and the pause between them
+# take 0.9 of the bound and 5 ms, the rest is for a timed-out try's own work (the pool, sending, raising); at half the
+# bound, a try that timed out never left room for the pause and a resend
 
 
-def retry(call: Callable[[], Any], attempts: int = 60, first_delay: float = 0.05, max_delay: float = 2.0,
+def try_wait(timeout_s: float) -> float:
+    """How long one try of a bounded publisher (`timeout_s` per call) waits for a connection or for a reply: so long
+    that a try that timed out, the pause after it and one more try all fit in `timeout_s`."""
+    return TRY_SHARE * (timeout_s - FIRST_DELAY_S)
+
+
+def retry(call: Callable[[], Any], attempts: int = 60, first_delay: float = FIRST_DELAY_S, max_delay: float = 2.0,
           deadline: float | None = None, try_s: float = 0.0) -> Any:
     """Run `call`, retrying transient Redis errors with exponential backoff; the last error propagates. With a
     `deadline` (time.monotonic()), a try is made again only where the pause before it and the try itself (at most
@@ -52,32 +61,46 @@ def retry(call: Callable[[], Any], attempts: int = 60, first_delay: float = 0.05
     raise AssertionError("unreachable")
 
 
-def bounded_client(url: str, timeout_s: float) -> redis.Redis:
-    """The client of a Publisher with `timeout_s`: it waits at most TRY_SHARE of that for a connection or a reply, and
-    retries nothing itself (the Publisher's tries are the only ones)."""
-    return redis_client(url, TRY_SHARE * timeout_s)
+def client_wait(client: redis.Redis) -> float | None:
+    """The longest `client` waits for a connection or a reply (None: without bound)."""
+    kwargs = client.get_connection_kwargs()
+    waits = [kwargs.get("socket_timeout"), kwargs.get("socket_connect_timeout")]
+    return None if None in waits else max(waits)
 
 
 class Publisher:
     def __init__(self, client: redis.Redis, schema: Schema, scorer: Scorer, shards: int = 1, stream: str = DEFAULT_STREAM,
                  attempts: int = 60, timeout_s: float | None = None):
         """`attempts`: tries per shard stream on connection errors (60 is about 2 minutes of backoff; an
-        HTTP handler wants far fewer). `timeout_s`: each call's Redis work ends within it (then the last
-        redis.RedisError propagates; a hung Redis: redis.TimeoutError), for a `client` that waits at most TRY_SHARE
-        of it per connection or reply (bounded_client); None: bounded by `attempts` alone."""
+        HTTP handler wants far fewer). `timeout_s`: each call's Redis work ends within about it (then the last
+        redis.RedisError propagates; a hung Redis: redis.TimeoutError), reckoned with what `client` waits per
+        connection or reply, which must be at most try_wait(timeout_s) (Publisher.bounded makes such a client); None:
+        bounded by `attempts` alone."""
         if shards < 1:
             raise ValueError("shards must be >= 1")
         self.client, self.schema, self.scorer, self.shards, self.stream = client, schema, scorer, shards, stream
         self.attempts, self.timeout_s = attempts, timeout_s
+        self.try_s = 0.0  # the longest one try waits, as its client does: what the deadline arithmetic reckons with
+        if timeout_s is not None:
+            self.try_s = client_wait(client)
+            if self.try_s is None or self.try_s > try_wait(timeout_s):
+                raise ValueError(f"a publisher bounded by {timeout_s:g} s needs a client that waits at most "
+                                 f"{try_wait(timeout_s):.3g} s for a connection or a reply (Publisher.bounded makes "
+                                 f"one), not {self.try_s}")
         self._append = client.register_script(APPEND)
+
+    @classmethod
+    def bounded(cls, url: str, schema: Schema, scorer: Scorer, timeout_s: float, **kwargs: Any) -> "Publisher":
+        """A publisher of `url` each of whose calls ends its Redis work within about `timeout_s`, on a client that
+        waits try_wait(timeout_s) for a connection or a reply: a try that found Redis hung is followed by one more."""
+        return cls(redis_client(url, try_wait(timeout_s)), schema, scorer, timeout_s=timeout_s, **kwargs)
 
     def _retry(self, call: Callable[[], Any], deadline: float | None) -> Any:
         """`retry` within the call's deadline: not even a first try where it could end past it (a later shard's part,
         after an earlier one's tries took the time)."""
-        try_s = TRY_SHARE * (self.timeout_s or 0)
-        if deadline is not None and time.monotonic() + try_s > deadline:
+        if deadline is not None and time.monotonic() + self.try_s > deadline:
             raise redis.TimeoutError(f"the publisher's bound of {self.timeout_s:g} s ran out before this try")
-        return retry(call, self.attempts, deadline=deadline, try_s=try_s)
+        return retry(call, self.attempts, deadline=deadline, try_s=self.try_s)
 
     def _deadline(self) -> float | None:
         """The monotonic time by which a call that starts now must end its Redis work (None: no bound)."""
@@ -100,9 +123,9 @@ class Publisher:
         where = where or [f"[{i}]" for i in range(len(ops))]
         if writer.advertiser is not None and not checked:
             self.check_writer(ops, writer, where)
-        deadline = self._deadline()
         now_ms = int(time.time() * 1000)
         entries = [encode(op, self.shards, self.schema, self.scorer.name, self.scorer.dim, now_ms) for op in ops]
+        deadline = self._deadline()  # after the encoding: the bound is the Redis work's alone
         ids = [""] * len(entries)
         token = uuid.uuid4().hex  # the same on every resend of a shard's part (run_append)
         for stream, positions in self._by_stream(ops).items():

@@ -16,13 +16,12 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Iterator
 
-import pytest
+import redis
 import torch
 from fastapi import FastAPI
 from ray import serve
@@ -31,8 +30,10 @@ from andromeda_core.retriever import TopK
 from deployments.config import Overload, RateLimit, ServiceConfig
 from deployments.router import Router
 from deployments.shard import ShardAnswer, ShardQuery
-from index_updater.local_redis import LocalRedis
+from index_updater.publisher import Publisher
+from index_updater.records import shard_stream
 from tests.conftest import upsert
+from tests.integration.conftest import hung
 
 TOKEN = "admin-token-of-the-hung-redis-test"
 RETRIEVE = json.dumps({"user": {"user_id": 1, "attributes": {"country": "US"}}, "k": 5}).encode()
@@ -80,28 +81,6 @@ async def asgi(app, method: str, path: str, body: bytes = b"", token: str | None
     got.seconds = time.monotonic() - started
     got.json = json.loads(got.body) if got.headers.get("content-type") == "application/json" else None
     return got
-
-
-@pytest.fixture
-def private_redis(tmp_path) -> Iterator[LocalRedis]:
-    """A redis-server of this test alone; whatever the test did to it, resumed and killed after."""
-    server = LocalRedis(tmp_path / "redis", aof=False).start()
-    try:
-        yield server
-    finally:
-        if server.process is not None and server.process.poll() is None:
-            os.kill(server.process.pid, signal.SIGCONT)
-        server.kill()
-
-
-@contextmanager
-def hung(server: LocalRedis) -> Iterator[None]:
-    """The server stopped (SIGSTOP) for the block: connections are accepted, no command is answered."""
-    os.kill(server.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
 
 
 def router_on(url: str, monkeypatch, shard=None, **config) -> tuple[Router, FastAPI]:
@@ -157,3 +136,25 @@ def test_a_hung_redis_leaves_retrievals_answered_and_bounds_each_write(private_r
         assert "may have been appended" in w.json["error"]["message"]
     for w in overloaded:
         assert w.seconds < 0.5 and "overload.write_inflight" in w.json["error"]["message"]
+
+
+def test_a_stall_longer_than_half_the_bound_ends_in_the_resend(private_redis, small_schema, scorer):
+    """Redis stalls (SIGSTOP) for 0.65 of the publisher's bound while it appends an event: the first try times out,
+    and the resend, made within the bound, returns the entry that Redis appended late for the first try (it carries
+    that try's token): the write succeeds, and the stream holds it once. Before 2026-12-06's review each try waited
+    half the bound, no resend fitted after a timed-out one, and this write was a TimeoutError (a 503 at the router)
+    although Redis had appended it."""
+    bound_s = 2.0
+    bounded = Publisher.bounded(private_redis.url, small_schema, scorer, bound_s, stream="stall", attempts=5)
+    assert len(bounded.publish([upsert(1)])) == 1  # connected, the script loaded
+    stream = redis.Redis.from_url(private_redis.url)
+    with hung(private_redis):
+        resumed = threading.Timer(0.65 * bound_s, lambda: os.kill(private_redis.process.pid, signal.SIGCONT))
+        resumed.start()
+        started = time.monotonic()
+        ids = bounded.publish([upsert(2)])
+        took = time.monotonic() - started
+        resumed.join()
+    entries = stream.xrange(shard_stream("stall", 0))
+    assert len(entries) == 2 and ids == [entries[1][0].decode()], (ids, entries)
+    assert 0.65 * bound_s <= took <= bound_s + 0.5, took

@@ -49,6 +49,17 @@ def test_bad_config_names_the_field(bad, field):
     assert ".".join(map(str, info.value.errors()[0]["loc"])).startswith(field)
 
 
+@pytest.mark.parametrize("seconds", [1e-6, 0.1, 0.49])
+def test_the_write_timeout_has_a_floor(seconds):
+    """A write's bound so short that every try times out on a healthy Redis is refused, naming the field and the floor
+    (gt=0 took 1e-6: every write then failed)."""
+    with pytest.raises(ValidationError) as info:
+        ServiceConfig.model_validate({"redis_url": "redis://r", "overload": {"write_timeout_s": seconds}})
+    error = info.value.errors()[0]
+    assert error["loc"] == ("overload", "write_timeout_s") and "greater than or equal to 0.5" in error["msg"]
+    assert ServiceConfig.model_validate({"overload": {"write_timeout_s": 0.5}}).overload.write_timeout_s == 0.5
+
+
 def test_a_rejected_redis_url_is_not_echoed():
     with pytest.raises(ValidationError) as info:
         ServiceConfig(redis_url="redis://user:hunter2secret@host 6379")

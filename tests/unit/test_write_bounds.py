@@ -1,5 +1,6 @@
-"""The write path's bounds, without Redis: the publisher's tries end by their deadline (index_updater.publisher.retry),
-and the write path's thread lane refuses past its threads instead of queueing (deployments.limits.ThreadLane).
+"""The write path's bounds, without Redis: the publisher's tries end by their deadline, with room for one resend after
+a try that timed out (index_updater.publisher.retry, try_wait), and the write path's thread lane refuses past its
+threads instead of queueing (deployments.limits.ThreadLane).
 tests/integration/test_hung_redis.py holds the router to both against a hung redis-server."""
 from __future__ import annotations
 
@@ -63,30 +64,91 @@ def test_without_a_deadline_the_attempts_alone_bound_the_tries(clock):
     assert len(calls) == 3
 
 
+def stand_in_client(script, wait_s: float) -> SimpleNamespace:
+    """A client whose every script is `script`, waiting at most wait_s for a connection or a reply (as its socket
+    timeouts say)."""
+    return SimpleNamespace(register_script=lambda _: script,
+                           get_connection_kwargs=lambda: {"socket_timeout": wait_s, "socket_connect_timeout": wait_s})
+
+
+def ops_of_shards(small_schema, scorer, shards: tuple[int, ...], of: int) -> list:
+    """One upsert of an ad of each of `shards` (of `of` shards)."""
+    ads = {shard_of(ad_id, of): ad_id for ad_id in range(1, 400)}
+    return prepare_ops(small_schema, scorer, [parse_event(upsert(ads[s])) for s in shards])
+
+
 def test_a_publishers_call_ends_its_redis_work_by_its_bound_across_shards(clock, small_schema, scorer):
-    """Bound 5 s, a try waiting at most 2.5 s: shard 0's part is refused twice and then taken, at 103 s; shard 1's part
-    is not even tried then (its one try could end past 105 s): redis.TimeoutError, shard 0's part appended (as the
-    router's 503 says: some of the batch may have been)."""
+    """Bound 5 s, a try waiting at most try_wait(5) = 2.23 s: shard 0's part is refused twice and then taken, at
+    103.05 s; shard 1's part is not even tried then (its one try could end past 105 s): redis.TimeoutError, shard 0's
+    part appended (as the router's 503 says: some of the batch may have been)."""
     tried = []
 
     def append(keys, args):
         tried.append((keys[0], clock.now))
         if len(tried) < 3:
             raise redis.ConnectionError("refused")
-        if len(tried) > 3:  # hung
-            clock.now += 2.5
-            raise redis.TimeoutError("Timeout reading from socket")
         clock.now += 2.9
         return [b"ok", [b"1-0"] * args[2]]
 
-    ads = {shard_of(ad_id, 2): ad_id for ad_id in range(1, 400)}  # an ad of each shard
-    ops = prepare_ops(small_schema, scorer, [parse_event(upsert(ads[s])) for s in (0, 1)])
-    client = SimpleNamespace(register_script=lambda _: append)
-    bounded = Publisher(client, small_schema, scorer, shards=2, stream="s", attempts=60, timeout_s=5.0)
+    bounded = Publisher(stand_in_client(append, publisher.try_wait(5.0)), small_schema, scorer, shards=2, stream="s",
+                        attempts=60, timeout_s=5.0)
     appended = []
     with pytest.raises(redis.TimeoutError, match="bound of 5 s ran out"):
-        bounded.publish_ops(ops, on_appended=appended.append)
+        bounded.publish_ops(ops_of_shards(small_schema, scorer, (0, 1), 2), on_appended=appended.append)
     assert [stream for stream, _ in tried] == ["s:0"] * 3 and appended == [1] and clock.now <= 105.0
+
+
+@pytest.mark.parametrize("second", ["answers", "times out"])
+def test_a_timed_out_try_is_retried_once_within_the_bound(clock, small_schema, scorer, second):
+    """A try that found Redis hung ends when its client's wait does (a little after: the try's own work), and one more
+    try fits in the bound after it: the resend that, carrying the first try's token, recovers a write that Redis took
+    late. With each try waiting half the bound (before 2026-12-06's review) a timed-out try was never resent, and a
+    stall of more than half the bound was a 503 for a write that Redis had applied."""
+    wait_s, tried = publisher.try_wait(5.0), []
+
+    def append(keys, args):
+        tried.append(clock.now)
+        clock.now += wait_s + 0.01
+        if len(tried) == 1 or second == "times out":
+            raise redis.TimeoutError("Timeout reading from socket")
+        return [b"ok", [b"7-0"] * args[2]]
+
+    bounded = Publisher(stand_in_client(append, wait_s), small_schema, scorer, stream="s", attempts=5, timeout_s=5.0)
+    ops = ops_of_shards(small_schema, scorer, (0,), 1)
+    if second == "answers":
+        assert bounded.publish_ops(ops) == ["7-0"]
+    else:
+        with pytest.raises(redis.TimeoutError, match="Timeout reading"):
+            bounded.publish_ops(ops)
+    assert len(tried) == 2 and clock.now <= 105.0
+
+
+def test_the_bound_starts_after_the_batch_is_encoded(clock, small_schema, scorer, monkeypatch):
+    """Encoding a large batch (3 s here) is not Redis's time: the append is still tried, with the whole bound."""
+    encode = publisher.encode
+
+    def slow_encode(*args):
+        clock.now += 3.0 / 2  # two entries
+        return encode(*args)
+
+    monkeypatch.setattr(publisher, "encode", slow_encode)
+    tried = []
+
+    def append(keys, args):
+        tried.append(clock.now)
+        return [b"ok", [b"1-0"] * args[2]]
+
+    bounded = Publisher(stand_in_client(append, publisher.try_wait(5.0)), small_schema, scorer, shards=1, stream="s",
+                        timeout_s=5.0)
+    assert bounded.publish_ops(ops_of_shards(small_schema, scorer, (0, 0), 1)) == ["1-0"] * 2 and tried == [103.0]
+
+
+@pytest.mark.parametrize("wait_s", [None, 2.5])
+def test_a_bounded_publisher_refuses_a_client_that_waits_too_long_for_a_resend(small_schema, scorer, wait_s):
+    """The deadline arithmetic reckons with what the client waits: a client without a bound, or one whose timed-out
+    try leaves no time for another within the publisher's, is refused where it is made."""
+    with pytest.raises(ValueError, match=r"waits at most 2.23 s for a connection or a reply"):
+        Publisher(stand_in_client(None, wait_s), small_schema, scorer, timeout_s=5.0)
 
 
 def test_the_lane_refuses_past_its_threads_and_frees_one_when_its_job_ends():
