@@ -154,7 +154,8 @@ class Overload(BaseModel):
     """How long requests must stay over `latency_target_ms` before the router sheds."""
     write_inflight: int = Field(4, ge=1, le=1024)
     """Writes (`POST /v1/ad-events`) one router replica works on at once, each on a thread of the write path's own
-    (their Redis calls and ad towers: retrievals never wait for them); more get 503 `overloaded` at once."""
+    (their Redis calls and ad towers: retrievals never wait for them); one more waits up to 0.1 s for one to end
+    (router.WRITE_SLOT_WAIT_S), then gets 503 `overloaded`."""
     write_timeout_s: float = Field(5.0, ge=0.5, le=600)
     """Bound on each Redis step of a write (an advertiser's check, then the append; about twice it in all for an
     advertiser's write): a try waits about 0.45 of it for a connection or a reply (index_updater.publisher.try_wait),

@@ -3,6 +3,7 @@ overload). Each refusal is an error naming the field (or header) and the limit."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
 import math
@@ -11,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from andromeda_core.errors import InvalidInput, Overloaded
 from andromeda_core.types import RetrieveRequest
@@ -155,26 +156,76 @@ T = TypeVar("T")
 class ThreadLane:
     """Threads of one kind of blocking work of their own (the write path's Redis calls and ad towers), so that other
     work (the retrievals' user towers, in the event loop's default pool) never waits behind it: at most `threads`
-    jobs at once, each on its own thread; one more is refused at once (Overloaded, naming `setting`), never queued.
-    A job holds its thread until it returns, even where its caller stopped waiting."""
+    slots taken at once, each running one job on its own thread; one more waits up to `wait_s` for a slot to come free,
+    then is refused (Overloaded, naming `setting`), never queued longer. A job holds its slot until it returns, even
+    where its caller stopped waiting."""
 
-    def __init__(self, threads: int, name: str, setting: str, retry_after_s: float = 1.0):
-        self.threads, self.name, self.setting, self.retry_after_s = threads, name, setting, retry_after_s
+    POLL_S = 0.005  # how often a caller waiting for a slot looks again (a threading count, shared with the threads that
+    # free slots: nothing an event loop can await)
+
+    def __init__(self, threads: int, name: str, setting: str, retry_after_s: float = 1.0, wait_s: float = 0.0):
+        self.threads, self.name, self.setting = threads, name, setting
+        self.retry_after_s, self.wait_s = retry_after_s, wait_s
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
-        self._free = threading.BoundedSemaphore(threads)
+        self._free = threads
+        self._lock = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        """Slots taken now: callers between slot() and their job, and jobs not yet returned."""
+        with self._lock:
+            return self.threads - self._free
 
     async def run(self, job: Callable[[], T]) -> T:
-        """job() on a thread of the lane; Overloaded at once when every thread is taken."""
-        if not self._free.acquire(blocking=False):
-            raise Overloaded(f"this router has {self.threads} {self.name} in flight ({self.setting} = {self.threads}); "
-                             "retry after Retry-After", "request", self.retry_after_s)
+        """job() on a thread of the lane, in a slot taken as slot() takes one."""
+        async with self.slot() as slot:
+            return await slot.run(job)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator["LaneSlot"]:
+        """A slot of the lane for the block (Overloaded when none came free within wait_s), for work that must hold
+        one before its job starts (a write's owner lookups, so that a refused write costs nothing). Its job, if the
+        block runs one, frees it on returning; otherwise the block's end does."""
+        waited_until = time.monotonic() + self.wait_s
+        while not self._take():
+            if time.monotonic() >= waited_until:
+                raise Overloaded(f"this router has {self.threads} {self.name} in flight ({self.setting} = "
+                                 f"{self.threads}); retry after Retry-After", "request", self.retry_after_s)
+            await asyncio.sleep(self.POLL_S)
+        slot = LaneSlot(self)
         try:
-            future = self._pool.submit(contextvars.copy_context().run, job)  # as asyncio.to_thread: the request's
-            # context (Serve's request id in log records) goes with it
-        except BaseException:
-            self._free.release()
-            raise
-        future.add_done_callback(lambda _: self._free.release())  # returned, raised, or cancelled before it ran
+            yield slot
+        finally:
+            if not slot.submitted:
+                self._release()
+
+    def _take(self) -> bool:
+        with self._lock:
+            if self._free == 0:
+                return False
+            self._free -= 1
+            return True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._free += 1
+
+
+class LaneSlot:
+    """One taken slot of a ThreadLane (ThreadLane.slot), which runs one job."""
+
+    def __init__(self, lane: ThreadLane):
+        self.lane, self.submitted = lane, False
+
+    async def run(self, job: Callable[[], T]) -> T:
+        """job() on a thread of the lane; the slot is free again when it returns (or raises, or was cancelled before
+        it ran), whether or not the caller still waits."""
+        if self.submitted:
+            raise RuntimeError("a lane slot runs one job")
+        future = self.lane._pool.submit(contextvars.copy_context().run, job)  # as asyncio.to_thread: the request's
+        # context (Serve's request id in log records) goes with it
+        self.submitted = True
+        future.add_done_callback(lambda _: self.lane._release())
         return await asyncio.wrap_future(future)
 
 

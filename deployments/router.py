@@ -50,6 +50,10 @@ metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor
 app = create_app(on_error=lambda cause: metrics.errors.labels(cause).inc())
 log = logging.getLogger(__name__)
 ANSWER_SHARE = 0.9  # of the time a request has left, what its shard calls may take: the rest answers
+WRITE_SLOT_WAIT_S = 0.1  # how long a write that finds every write slot taken waits for one before its 503: a write on
+# a healthy Redis frees its slot in milliseconds (more, where ad towers embed a large batch), so a burst past
+# write_inflight waits briefly instead of being refused; on a hung Redis the slots stay taken and the 503 comes this
+# much later. The waiting writes hold no thread.
 bearer = HTTPBearer(auto_error=False)
 
 
@@ -147,7 +151,8 @@ class Missing:
 
 
 class StreamUnavailable(AndromedaError):
-    """Redis did not take the events (after a few quick retries); nothing of the failed shard was appended."""
+    """Redis did not answer a write's step within about overload.write_timeout_s (its message says whether some of the
+    batch may have been appended)."""
 
 
 def oldest(watermarks: Sequence[str | None]) -> str | None:
@@ -184,7 +189,7 @@ class Router:
         # A write's Redis calls and ad towers run on threads of their own, each Redis step bounded: with them in the
         # default pool, a few writes waiting on a hung Redis (5 tries of 5 s) stalled every retrieval's user towers
         self.writes = ThreadLane(cfg.overload.write_inflight, "writes", "overload.write_inflight",
-                                 cfg.overload.retry_after_s)
+                                 cfg.overload.retry_after_s, wait_s=WRITE_SLOT_WAIT_S)
         self.publisher = Publisher.bounded(cfg.resolved_redis_url(), self.schema, self.scorer,
                                            cfg.overload.write_timeout_s, shards=cfg.shards, stream=cfg.stream,
                                            attempts=5)
@@ -347,22 +352,28 @@ class Router:
         if len(events) > self.config.max_events_per_request:
             raise InvalidInput(f"at most {self.config.max_events_per_request} events per request "
                                f"(max_events_per_request), got {len(events)}", "body")
-        writer = await self.writer_of(principal, events)
         where = [f"[{i}]" for i in range(len(events))]
+        async with self.writes.slot() as slot:  # before the owner lookups: a refused write costs the shards nothing
+            writer = await self.writer_of(principal, events)
 
-        def write() -> list[str]:  # on a thread of the write path's own (self.writes), each Redis step bounded
-            if writer.advertiser is not None:  # before the batch is embedded: a refusal costs no ad tower
-                self.publisher.check_writer(events, writer, where)
-            ops = prepare_ops(self.schema, self.scorer, events, where)
-            return self.publisher.publish_ops(ops, writer, where, checked=True,
-                                              on_appended=self.metrics.published.inc)  # each shard's part as appended
+            def write() -> list[str]:  # on a thread of the write path's own (self.writes), each Redis step bounded
+                if writer.advertiser is not None:  # before the batch is embedded: a refusal costs no ad tower
+                    try:
+                        self.publisher.check_writer(events, writer, where)
+                    except redis.RedisError as exc:  # the check appends nothing
+                        raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}) while the "
+                                                "batch's owners were checked; nothing of the batch was appended: retry "
+                                                "it", "redis") from None
+                ops = prepare_ops(self.schema, self.scorer, events, where)
+                return self.publisher.publish_ops(ops, writer, where, checked=True,  # on_appended: each shard's part
+                                                  on_appended=self.metrics.published.inc)  # as appended
 
-        try:
-            ids = await self.writes.run(write)
-        except redis.RedisError as exc:
-            raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); some or all of the batch "
-                                    "may have been appended all the same: retry the whole batch (re-sent events are "
-                                    "harmless: they apply by version)", "redis") from None
+            try:
+                ids = await slot.run(write)
+            except redis.RedisError as exc:
+                raise StreamUnavailable(f"the update stream is unavailable ({type(exc).__name__}); some or all of the "
+                                        "batch may have been appended all the same: retry the whole batch (re-sent "
+                                        "events are harmless: they apply by version)", "redis") from None
         self.answered("ad_events", started)
         return PublishResponse(ids=ids)
 

@@ -1,8 +1,8 @@
 """A Redis that hangs (SIGSTOP: the kernel still accepts connections, nothing answers) while writes wait on it.
 Retrievals must stay answered in their normal time, and the writes get a 503 within `overload.write_timeout_s`
-(those past `overload.write_inflight` at once). Before 2026-12-06 every write's Redis work ran in the default thread
-pool that the retrievals' user towers need (6 threads on 2 cores), each for 5 tries of redis-py's 5 s socket timeout:
-6 waiting writes left every retrieval waiting until their 26 s were over.
+(those past `overload.write_inflight` after a short wait for a slot). Before 2026-12-06 every write's Redis work ran in
+the default thread pool that the retrievals' user towers need (6 threads on 2 cores), each for 5 tries of redis-py's
+5 s socket timeout: 6 waiting writes left every retrieval waiting until their 26 s were over.
 
 The router's own FastAPI app, driven straight through ASGI, with a private redis-server (never the session's: it is
 stopped here) and a stand-in shard that answers every search at once (the shards never touch Redis on a request).
@@ -27,7 +27,8 @@ from fastapi import FastAPI
 from ray import serve
 
 from andromeda_core.retriever import TopK
-from deployments.config import Overload, RateLimit, ServiceConfig
+from deployments.auth import add_token
+from deployments.config import Auth, Overload, RateLimit, ServiceConfig
 from deployments.router import Router
 from deployments.shard import ShardAnswer, ShardQuery
 from index_updater.publisher import Publisher
@@ -41,10 +42,21 @@ REPLICA_POOL = 6  # the default pool of a router replica on 2 cores: min(32, cpu
 
 
 class StandInShard:
-    """A shard handle (Serve's DeploymentHandle, as the router uses it) whose searches answer at once: no ad."""
+    """A shard handle (Serve's DeploymentHandle, as the router uses it) whose searches answer at once: no ad; its owner
+    lookups (an advertiser's write) answer "no owner" for every ad, and are counted."""
+
+    def __init__(self):
+        self.owner_lookups = 0
 
     def options(self, **_) -> "StandInShard":
         return self
+
+    @property
+    def owners(self) -> SimpleNamespace:
+        async def answer(ad_ids: list[int]) -> list[tuple[None, None, None]]:
+            self.owner_lookups += 1
+            return [(None, None, None)] * len(ad_ids)
+        return SimpleNamespace(remote=answer)
 
     @property
     def search(self) -> SimpleNamespace:
@@ -95,15 +107,18 @@ def router_on(url: str, monkeypatch, shard=None, **config) -> tuple[Router, Fast
     return router, cls.__init__.__globals__["app"]  # Serve pickled the class by value with its app: this one
 
 
-def write(ad_id: int) -> bytes:
-    return json.dumps([upsert(ad_id)]).encode()
+def write(ad_id: int, advertiser: int | None = None) -> bytes:
+    event = upsert(ad_id)
+    if advertiser is not None:
+        event["ad"]["advertiser_id"] = advertiser
+    return json.dumps([event]).encode()
 
 
 def test_a_hung_redis_leaves_retrievals_answered_and_bounds_each_write(private_redis, monkeypatch):
     """Redis hung with 8 writes sent: every retrieval meanwhile is a 200 in its normal time (well under a second;
     the writes wait 2 s); the 4 writes of `write_inflight` get 503 unavailable, saying that the batch may have
-    been appended, within `write_timeout_s`, the other 4 a 503 overloaded at once, all with Retry-After. Once Redis
-    answers again, a write goes through."""
+    been appended, within `write_timeout_s`, the other 4 a 503 overloaded after the short wait for a slot, all with
+    Retry-After. Once Redis answers again, a write goes through."""
     async def scenario() -> tuple[list, list]:
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(REPLICA_POOL))
         _, app = router_on(private_redis.url, monkeypatch, overload=Overload(write_inflight=4, write_timeout_s=2.0),
@@ -158,3 +173,48 @@ def test_a_stall_longer_than_half_the_bound_ends_in_the_resend(private_redis, sm
     entries = stream.xrange(shard_stream("stall", 0))
     assert len(entries) == 2 and ids == [entries[1][0].decode()], (ids, entries)
     assert 0.65 * bound_s <= took <= bound_s + 0.5, took
+
+
+def advertiser_router(url: str, monkeypatch, tmp_path, overload: Overload) -> tuple[StandInShard, FastAPI, str]:
+    """A router (one stand-in shard) with a token file holding advertiser 7's token -> (shard, app, token)."""
+    tokens, shard = tmp_path / "tokens.json", StandInShard()
+    token = add_token(tokens, "acme", "advertiser", 7)
+    _, app = router_on(url, monkeypatch, shard, overload=overload, auth=Auth(token_file=str(tokens)))
+    return shard, app, token
+
+
+def test_an_owner_check_that_finds_redis_hung_says_nothing_was_appended(private_redis, monkeypatch, tmp_path):
+    """An advertiser's write whose owner check (the first Redis step, which appends nothing) times out gets 503
+    unavailable saying that nothing of the batch was appended, not that some may have been; once Redis answers, the
+    stream holds nothing of it."""
+    async def scenario():
+        _, app, token = advertiser_router(private_redis.url, monkeypatch, tmp_path, Overload(write_timeout_s=1.0))
+        assert (await asgi(app, "POST", "/v1/ad-events", write(1, advertiser=7), token)).status == 200
+        with hung(private_redis):
+            return await asyncio.wait_for(asgi(app, "POST", "/v1/ad-events", write(2, advertiser=7), token), 10)
+
+    refused = asyncio.run(scenario())
+    assert refused.status == 503 and refused.json["error"]["category"] == "unavailable", refused.json
+    message = refused.json["error"]["message"]
+    assert "nothing of the batch was appended" in message and "may have been appended" not in message
+    assert refused.seconds <= 1.0 + 0.5
+    assert redis.Redis.from_url(private_redis.url).xlen(shard_stream("hung", 0)) == 1
+
+
+def test_a_write_refused_for_want_of_a_slot_costs_the_shards_nothing(private_redis, monkeypatch, tmp_path):
+    """write_inflight 1, taken by a write waiting on a hung Redis: an advertiser's write is refused (503 overloaded,
+    after the short wait for a slot) before its owner lookups, so the shards are not asked (they were, before the
+    refusal, until 2026-12-06's review)."""
+    async def scenario():
+        shard, app, token = advertiser_router(private_redis.url, monkeypatch, tmp_path,
+                                              Overload(write_inflight=1, write_timeout_s=1.0))
+        with hung(private_redis):
+            waiting = asyncio.create_task(asgi(app, "POST", "/v1/ad-events", write(1), TOKEN))
+            await asyncio.sleep(0.2)
+            refused = await asyncio.wait_for(asgi(app, "POST", "/v1/ad-events", write(2, advertiser=7), token), 10)
+            await asyncio.wait_for(waiting, 10)
+        return shard, refused
+
+    shard, refused = asyncio.run(scenario())
+    assert refused.status == 503 and refused.json["error"]["category"] == "overloaded", refused.json
+    assert "overload.write_inflight" in refused.json["error"]["message"] and shard.owner_lookups == 0

@@ -1,6 +1,6 @@
 """The write path's bounds, without Redis: the publisher's tries end by their deadline, with room for one resend after
 a try that timed out (index_updater.publisher.retry, try_wait), and the write path's thread lane refuses past its
-threads instead of queueing (deployments.limits.ThreadLane).
+threads after a short wait instead of queueing (deployments.limits.ThreadLane).
 tests/integration/test_hung_redis.py holds the router to both against a hung redis-server."""
 from __future__ import annotations
 
@@ -159,6 +159,7 @@ def test_the_lane_refuses_past_its_threads_and_frees_one_when_its_job_ends():
     async def scenario() -> None:
         held = [asyncio.create_task(lane.run(release.wait)) for _ in range(2)]
         await asyncio.sleep(0.05)
+        assert lane.in_flight == 2
         with pytest.raises(Overloaded) as refused:
             await lane.run(lambda: "never run")
         assert "2 writes in flight (overload.write_inflight = 2)" in refused.value.message
@@ -169,7 +170,47 @@ def test_the_lane_refuses_past_its_threads_and_frees_one_when_its_job_ends():
             await lane.run(lambda: "never run")
         release.set()
         assert await held[1] is True
+        for _ in range(200):  # the cancelled caller's job frees its slot on its own thread, when it returns
+            if lane.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert lane.in_flight == 0
         assert await lane.run(lambda: "ran") == "ran"
         assert await asyncio.gather(lane.run(lambda: 1), lane.run(lambda: 2)) == [1, 2]
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:  # a failed assert must not leave the lane's threads waiting (the interpreter's exit joins them)
+        release.set()
+
+
+def test_a_caller_waits_up_to_wait_s_for_a_slot_then_is_refused():
+    """One thread, wait_s 0.5: a second job waits for the first to end and runs (it was refused at once before); a
+    slot taken for longer than wait_s refuses it after that wait. A block that takes a slot and runs no job (a write
+    refused by its owner lookups) frees it at its end."""
+    lane, release = ThreadLane(1, "writes", "overload.write_inflight", wait_s=0.5), threading.Event()
+
+    async def scenario() -> None:
+        first = asyncio.create_task(lane.run(release.wait))
+        await asyncio.sleep(0.05)
+        asyncio.get_running_loop().call_later(0.05, release.set)
+        assert await lane.run(lambda: "waited") == "waited" and await first is True
+        release.clear()
+        held = asyncio.create_task(lane.run(release.wait))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(Overloaded):
+            await lane.run(lambda: "never run")
+        assert time.monotonic() - started >= 0.5
+        release.set()
+        await held
+        with pytest.raises(KeyError):
+            async with lane.slot():
+                assert lane.in_flight == 1
+                raise KeyError("refused before its job")
+        assert lane.in_flight == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
