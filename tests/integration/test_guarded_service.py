@@ -5,8 +5,6 @@ over HTTP: a real local Ray Serve (2 CPUs, one per module) and a real redis-serv
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -23,10 +21,10 @@ from deployments import config as config_module
 from deployments.app import build_app
 from deployments.auth import add_token
 from deployments.config import Auth, Limits, Overload, RateLimit, ServiceConfig
-from index_updater.local_redis import LocalRedis, free_port
+from index_updater.local_redis import free_port
 from index_updater.owners import owners_key
 from index_updater.records import shard_stream
-from tests.integration.conftest import eventually, local_ray, redis_for
+from tests.integration.conftest import eventually, hung, local_ray, redis_for
 from tests.conftest import upsert
 
 ADMIN = "admin-token-for-the-guard-tests"
@@ -304,36 +302,36 @@ def test_past_every_bound_ray_serves_refusals_carry_retry_after_too(svc, monkeyp
         serve.delete("proxy")
 
 
-def test_a_hung_redis_leaves_retrievals_answered_and_bounds_each_write(svc, tmp_path):
+def test_a_hung_redis_leaves_retrievals_answered_and_bounds_each_write(svc, tmp_path, private_redis):
     """An app on a redis-server of its own, stopped (SIGSTOP: hung, not dead) while 8 writes wait on it: every
     retrieval meanwhile is a 200 within a second (before 2026-12-06, none was answered: the writes held the pool
     that the user towers run in, 26 s each); the 4 writes of `write_inflight` get 503 unavailable within
-    `write_timeout_s`, the other 4 a 503 overloaded at once (tests/integration/test_hung_redis.py: the same
-    without Ray)."""
-    server = LocalRedis(tmp_path / "redis", aof=False).start()
+    `write_timeout_s`, the other 4 a 503 overloaded after the short wait for a slot
+    (tests/integration/test_hung_redis.py: the same without Ray)."""
     overload = Overload(write_inflight=4, write_timeout_s=4.0)
     config = ServiceConfig(stream="guard-hung", snapshot_dir=str(tmp_path / "s"), overload=overload,
-                           **{**svc.common, "redis_url": server.url})
+                           **{**svc.common, "redis_url": private_redis.url})
+    writes: list[requests.Response] = []
+    writers = [threading.Thread(target=lambda i=i: writes.append(post(f"{svc.url}/hung/v1/ad-events",
+                                                                      [ad(702_001 + i, 1, 7)], ADMIN)))
+               for i in range(8)]
     try:
         serve.run(build_app(config), name="hung", route_prefix="/hung")
         url, body = f"{svc.url}/hung/v1", {**user(attributes={"country": "IS"}), "k": 10}
         assert post(f"{url}/ad-events", [ad(702_000, 1, 7)], ADMIN).status_code == 200
         assert eventually(lambda: len(post(f"{url}/retrieve", body).json().get("ads", [])) == 1, 10)
-        os.kill(server.process.pid, signal.SIGSTOP)
-        writes: list[requests.Response] = []
-        writers = [threading.Thread(target=lambda i=i: writes.append(post(f"{url}/ad-events", [ad(702_001 + i, 1, 7)],
-                                                                          ADMIN))) for i in range(8)]
-        for t in writers:
-            t.start()
-        time.sleep(0.5)  # every write admitted waits on Redis by now
-        took = []
-        for _ in range(5):
-            started = time.monotonic()
-            got = post(f"{url}/retrieve", body)
-            took.append(time.monotonic() - started)
-            assert got.status_code == 200 and len(got.json()["ads"]) == 1, got.text
-        for t in writers:
-            t.join()
+        with hung(private_redis):
+            for t in writers:
+                t.start()
+            time.sleep(0.5)  # every write admitted waits on Redis by now
+            took = []
+            for _ in range(5):
+                started = time.monotonic()
+                got = post(f"{url}/retrieve", body)
+                took.append(time.monotonic() - started)
+                assert got.status_code == 200 and len(got.json()["ads"]) == 1, got.text
+            for t in writers:
+                t.join()
         answered = sorted((w.json()["error"]["category"], round(w.elapsed.total_seconds(), 2)) for w in writes)
         print("\nhung redis: retrievals (s)", [round(s, 3) for s in took], "writes (category, s)", answered)
         assert max(took) < 1.0, took
@@ -344,12 +342,13 @@ def test_a_hung_redis_leaves_retrievals_answered_and_bounds_each_write(svc, tmp_
         assert all(w.elapsed.total_seconds() <= 4.5 and "may have been appended" in w.json()["error"]["message"]
                    for w in unavailable), answered
         assert all(w.elapsed.total_seconds() < 0.5 for w in overloaded), answered
-        os.kill(server.process.pid, signal.SIGCONT)
         assert post(f"{url}/ad-events", [ad(702_100, 1, 7)], ADMIN).status_code == 200
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
+    finally:  # the writers' requests end within their 30 s timeout whatever the app did; the fixture resumes and
+        # kills the server whatever serve.delete does
+        for t in writers:
+            if t.ident is not None:  # started
+                t.join(timeout=35)
         serve.delete("hung")
-        server.kill()
 
 
 def test_the_deadline_header_is_honoured(svc):
