@@ -209,8 +209,10 @@ class RedisKeeper:
     lost), which is what a local user wants: the shards go on serving meanwhile and their consumers read on by
     themselves, where stopping `up` would take the whole stack down and a new `up` a minute or more to start. A server
     that dies again within `crash_loop_s` of its restart (a full disk, a damaged AOF) or does not start is not tried
-    again: `failure` says why and `stopped` is set, so that `up` stops (exit 2). A server shut down (exit status 0:
-    `redis-cli shutdown`, or the Ctrl-C that stops `up` too, which reaches its process group) sets `stopped` alone."""
+    again: `failure` says why and `stopped` is set, so that `up` stops (exit 2); so does anything unexpected in the
+    watch itself, rather than leaving `up` serving without a keeper. A server shut down (exit status 0: `redis-cli
+    shutdown`) sets `stopped` alone. The server runs in a process group of its own: Ctrl-C stops `up`, whose finally
+    stops it."""
 
     def __init__(self, server, check_s: float = REDIS_CHECK_S, crash_loop_s: float = CRASH_LOOP_S):
         """`server`: the running LocalRedis."""
@@ -231,12 +233,19 @@ class RedisKeeper:
         self._thread.join()
 
     def _watch(self) -> None:
+        try:
+            self._keep()
+        except Exception as exc:  # a thread's exception is printed and forgotten: up would serve on unwatched
+            self._give_up(f"the watch over redis-server at {self.server.url} failed ({type(exc).__name__}: {exc}); its "
+                          f"log is {self.server.directory / 'redis.log'}")
+
+    def _keep(self) -> None:
         restarted_at = None
         while not self._done.wait(self.check_s):
             code = self.server.process.poll()
             if code is None:
                 continue
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            how = f"killed by {signal_name(-code)}" if code < 0 else f"exit status {code}"
             where = f"redis-server at {self.server.url} ({self.server.directory})"
             if code == 0:  # asked to shut down
                 if not self.stopped.is_set():
@@ -257,6 +266,18 @@ class RedisKeeper:
     def _give_up(self, failure: str) -> None:
         self.failure = failure
         self.stopped.set()
+
+
+def keeper_error(keeper: RedisKeeper) -> AndromedaError:
+    return AndromedaError(f"{keeper.failure or 'its redis-server was shut down'}; `up` stopped")
+
+
+def signal_name(number: int) -> str:
+    """SIGKILL; a signal without a name in `signal.Signals` (SIGRTMIN+3, say) by its description and number."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number} ({signal.strsignal(number) or 'unknown'})"
 
 
 def wait_ready(url: str, timeout_s: float = 600, stop: threading.Event | None = None) -> None:
@@ -426,12 +447,20 @@ def cmd_up(args: argparse.Namespace) -> None:
             publish_demo(config, world, schema, scorer)
             if server is not None:
                 redis.Redis.from_url(redis_url).set(DEMO_MARK, identity)
+        if keeper is not None and keeper.stopped.is_set():  # died for good (or shut down) while the demo was published
+            raise keeper_error(keeper)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "
                                    f"is set): {token}\nor publish a file of ad events: "
                                    f"{publish_command(config, None if settings.redis_url else redis_url)}",
                     keeper.stopped if keeper is not None else None)
         if keeper is not None and keeper.failure:
-            raise AndromedaError(f"{keeper.failure}; `up` stopped")
+            raise keeper_error(keeper)
+    except Exception:
+        if keeper is not None:
+            keeper.stop()  # lets a restart under way finish, so that its failure is known
+            if keeper.stopped.is_set():  # the cause (a redis.ConnectionError here is only its symptom)
+                raise keeper_error(keeper) from None
+        raise
     finally:
         if keeper is not None:
             keeper.stop()

@@ -85,3 +85,53 @@ def test_a_redis_shut_down_stops_up(up):
 
     code, err = up(serving)
     assert code == 0 and "was shut down; stopping" in err and "started it again" not in err, err
+
+
+def test_a_redis_killed_during_an_aof_rewrite_is_started_again(up):
+    """SIGKILL (the OOM killer's) often lands during an AOF rewrite's fork: the rewrite child lived on holding the
+    data directory's lock, and the restart failed ("in use by another redis-server"), exit 2."""
+    def serving(config, stop, stderr) -> None:
+        client = redis.Redis.from_url(config.redis_url)
+        for i in range(20):
+            client.set(f"k{i}", i)
+        client.config_set("rdb-key-save-delay", 500_000)  # 0.5 s per key: the rewrite runs ~10 s
+        client.bgrewriteaof()
+        assert wait_until(lambda: client.info("persistence")["aof_rewrite_in_progress"] == 1)
+        os.kill(pid_of(config.redis_url), signal.SIGKILL)
+        assert wait_until(lambda: "started it again" in stderr() or stop.is_set())
+        assert not stop.is_set(), stderr()
+        assert client.get("k19") == b"19"
+        stop.set()  # as Ctrl-C does
+
+    code, err = up(serving)
+    assert code == 0 and "started it again" in err, err
+
+
+def test_up_stops_its_redis_when_interrupted(up):
+    """The server runs in a process group of its own, out of the terminal's Ctrl-C: up's finally stops it."""
+    pids = []
+
+    def serving(config, stop, stderr) -> None:
+        pids.append(pid_of(config.redis_url))
+        raise KeyboardInterrupt
+
+    code, _ = up(serving)
+    assert code == 130 and pids[0] is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
+
+
+def test_a_redis_lost_for_good_while_publishing_stops_up_with_the_keepers_message(up, monkeypatch):
+    """Before, the demo publisher's redis.ConnectionError traceback hid why."""
+    def publish(config, *args) -> None:
+        first = pid_of(config.redis_url)
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: pid_of(config.redis_url) not in (None, first))
+        os.kill(pid_of(config.redis_url), signal.SIGKILL)  # a crash loop
+        redis.Redis.from_url(config.redis_url).ping()  # as the publisher's next write would
+
+    monkeypatch.setattr(service, "publish_demo", publish)
+    code, err = up(lambda *args: pytest.fail("served without its redis-server"))
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: redis-server at redis://127.0.0.1:"), err
+    assert "died" in last and "`up` stopped" in last and "Traceback" not in err, err  # again, or during its restart
