@@ -232,11 +232,12 @@ class ServiceConfig(BaseModel):
     """Deadline of one call from the router to a shard; one retry, then 503 naming the shard."""
     max_lag_s: float = Field(30.0, gt=0)
     """A replica whose unapplied stream entries are older than this fails its health check."""
-    stream_down_s: float = Field(10.0, gt=0)
+    stream_down_s: float = Field(10.0, ge=1.0)
     """A replica whose consumer has read nothing of its stream for this long, each read failing or waiting on Redis
     (down, hung, unreachable, refusing its credentials), reports its update path down: `stream_up` false and the
     reason in /readyz, andromeda_shard_stream_up 0. It stays ready and healthy (it serves what it applied, and a
-    replacement could not start without Redis), its lag too."""
+    replacement could not start without Redis), its lag too. At least 1 s: an idle consumer's read blocks on Redis
+    for its block time (50 ms) by design, which a bound that short would report as down."""
     max_events_per_request: int = Field(10000, ge=1)
     """Events in one `POST /v1/ad-events` (422 beyond it)."""
     limits: Limits = Limits()

@@ -162,8 +162,9 @@ class ShardReplica:
                 "expired": self.expired}
 
     def check_health(self) -> None:
-        """Serve replaces the replica when this raises; never for a Redis it cannot read (a replacement could not
-        start without it)."""
+        """Serve replaces the replica when this raises: its consumer thread dead, or a gap no snapshot covers, or its
+        lag past max_lag_s, which alone does not count while it cannot read its stream (a replacement could not start
+        without Redis)."""
         healthy, reason = self.consumer.health(self.config.max_lag_s, self.config.stream_down_s)
         if not healthy:
             raise RuntimeError(f"shard {self.shard}: {reason}")

@@ -210,6 +210,9 @@ class ShardConsumer:
         copy costs little more memory, as the vectors' padded rows are copied to be written anyway)."""
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards})")
+        reply_s = client.connection_pool.connection_kwargs.get("socket_timeout")
+        if reply_s is not None and block_ms / 1000 >= reply_s:  # every idle read would end in a TimeoutError
+            raise ValueError(f"block_ms {block_ms} must be shorter than the client's reply timeout ({reply_s} s)")
         self.client, self.index, self.model, self.shard, self.shards = client, index, model, shard, shards
         self.stream, self.source, self.dead_letter_stream = stream, shard_stream(stream, shard), dead_letter_stream(stream)
         self.dead_lettered = f"{self.dead_letter_stream}:{self.source}:once"  # DEAD_LETTER_ONCE's set

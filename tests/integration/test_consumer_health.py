@@ -9,7 +9,6 @@ import redis
 
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.types import parse_event
-from index_updater.consumer import ConsumerStats
 from index_updater.publisher import DEFAULT_STREAM
 from index_updater.records import encode, shard_stream
 from index_updater.snapshots import SnapshotStore
@@ -137,16 +136,3 @@ def test_an_uncovered_gap_is_reported_until_a_snapshot_covers_it(setup, tmp_path
     finally:
         lagging.stop()
 
-
-def test_the_stream_is_down_past_the_bound_only_with_a_failed_or_a_waiting_read():
-    """tests/integration/test_update_path_down.py shows it with a real Redis killed, hung or refusing the replica."""
-    stats = ConsumerStats(read_at=100.0)  # the last read Redis answered, on the monotonic clock
-    stats.read_error = "ConnectionError: refused"
-    assert stats.stream_down(10, now=105) == ""  # within the bound
-    assert stats.stream_down(10, now=112.34) == "stream unreachable for 12.3 s: ConnectionError: refused"
-    stats.read_error = ""
-    assert stats.stream_down(10, now=130) == ""  # a long turn between two reads: a slow apply, a start's warm-up
-    stats.reading_since = 125.0
-    assert stats.stream_down(10, now=130) == ""  # the read after it has waited 5 s
-    assert stats.stream_down(10, now=136) == "stream unreachable for 36.0 s: a read has waited 11.0 s for Redis's reply"
-    assert stats.read_age_s(now=136) == 36

@@ -60,6 +60,17 @@ def test_the_write_timeout_has_a_floor(seconds):
     assert ServiceConfig.model_validate({"overload": {"write_timeout_s": 0.5}}).overload.write_timeout_s == 0.5
 
 
+@pytest.mark.parametrize("seconds", [0.01, 0.05, 0.999])
+def test_the_stream_down_bound_has_a_floor(seconds):
+    """An idle consumer's read blocks on Redis for 50 ms by design: a bound that short reported a healthy, idle
+    replica's stream down (gt=0 took it)."""
+    with pytest.raises(ValidationError) as info:
+        ServiceConfig.model_validate({"redis_url": "redis://r", "stream_down_s": seconds})
+    error = info.value.errors()[0]
+    assert error["loc"] == ("stream_down_s",) and "greater than or equal to 1" in error["msg"]
+    assert ServiceConfig.model_validate({"stream_down_s": 1.0}).stream_down_s == 1.0
+
+
 def test_a_rejected_redis_url_is_not_echoed():
     with pytest.raises(ValidationError) as info:
         ServiceConfig(redis_url="redis://user:hunter2secret@host 6379")
