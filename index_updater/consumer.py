@@ -188,7 +188,9 @@ class ConsumerStats:
 def consumer_client(url: str) -> redis.Redis:
     """The client of a replica's consumer: it waits at most REPLY_TIMEOUT_S for a connection or a reply, so that a hung
     Redis or a connection gone silent (a Redis moved to another address) ends in an error the loop counts and retries
-    on a new connection, instead of holding the consumer's thread for as long as TCP keeps trying."""
+    on a new connection. Set explicitly so that it holds whatever the redis-py version: the pinned 8.1 already gives
+    from_url a 5 s socket timeout, but older versions that pyproject allows (redis>=5) have none, and there a silent
+    connection would hold the consumer's thread for as long as TCP keeps trying."""
     return redis_client(url, REPLY_TIMEOUT_S)
 
 
