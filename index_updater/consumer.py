@@ -185,6 +185,12 @@ class ConsumerStats:
         return ""
 
 
+def describe(exc: Exception) -> str:
+    """An error as the consumer's stats show it: its type and message, any credentials in a URL masked, with a hint
+    where TLS failed."""
+    return redact(f"{type(exc).__name__}: {exc}") + tls_hint(exc)
+
+
 def consumer_client(url: str) -> redis.Redis:
     """The client of a replica's consumer: it waits at most REPLY_TIMEOUT_S for a connection or a reply, so that a hung
     Redis or a connection gone silent (a Redis moved to another address) ends in an error the loop counts and retries
@@ -382,7 +388,7 @@ class ShardConsumer:
         try:
             yield
         except Exception as exc:
-            stats.read_error = redact(f"{type(exc).__name__}: {exc}") + tls_hint(exc)
+            stats.read_error = describe(exc)
             raise
         else:
             stats.read_at, stats.read_error = time.monotonic(), ""
@@ -706,7 +712,7 @@ class ShardConsumer:
     def _count_error(self, exc: Exception, then: str) -> None:
         """A failure the loop recovers from: counted in stats.errors, shown by /readyz (stats.last_error), logged."""
         self.stats.errors += 1
-        self.stats.last_error = redact(f"{type(exc).__name__}: {exc}") + tls_hint(exc)
+        self.stats.last_error = describe(exc)
         log.warning("shard %d consumer: %s; %s", self.shard, self.stats.last_error, then,
                     exc_info=not isinstance(exc, TRANSIENT))
 
