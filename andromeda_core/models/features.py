@@ -5,18 +5,26 @@ For a user u at position p (history items[u][:p]) and a candidate item j:
 - knn_r (r in RECENT): the item-kNN score of j against the user's r most recent engagements, the mean
   over those engagements h != j of cos(h, j), cosine over the binary user x item training matrix
   (andromeda_core.models.baselines.item_knn sums the same terms; the mean keeps every user on one scale),
-- pop: log(1 + number of users who engaged j in training).
-Fit on the training interactions only (each user's items before their validation engagement), and
+- pop: log(1 + number of users who engaged j in training),
+- interest: 1 if one of the interests the user declares (an interest name, underscores read as spaces) occurs
+  as whole words in j's creative text (Items.texts), else 0: the exact match of a declared interest that a
+  dot product of dense towers only approximates (on the synthetic world, the MoE plus 4 x this feature ranked
+  the held-out engagement into the top 10 1.3x as often as the MoE alone, in expectation over the world's
+  engagements). It reads no engagements; data without declared interests or texts (MovieLens) has 0.
+The engagement features are fit on the training interactions only (each user's items before their validation engagement), and
 leave-one-user-out: user u's own row is taken out of the matrix and the counts for u's features, so a
 training target never lends the feature its own co-engagement with the history before it (without
 that, every training positive would co-occur with its history in at least one row, u's, while the
-held-out item never does). A candidate the training data never saw (a new ad) gets 0 on every feature.
+held-out item never does). A candidate the training data never saw (a new ad) gets 0 on each of them.
 
 Cost at serving time: with a precomputed item-item similarity table, knn_r is r lookups and adds and a
-divide per pair; pop is stored per ad (FLOPS_PER_PAIR).
+divide per pair; pop is stored per ad; interest is one lookup per pair in the set of ads that the user's few
+declared interests match (an inverted index from interest to ads, built as ads are written) (FLOPS_PER_PAIR).
 """
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +34,31 @@ import torch
 from andromeda_core.models.recdata import RecData
 
 RECENT = (1, 5, 50)
-NAMES = tuple(f"knn{r}" for r in RECENT) + ("pop",)
+NAMES = tuple(f"knn{r}" for r in RECENT) + ("pop", "interest")
 N_FEATURES = len(NAMES)
-FLOPS_PER_PAIR = sum(r + 1 for r in RECENT)  # one add per recent engagement, one divide, per kNN feature
+FLOPS_PER_PAIR = sum(r + 1 for r in RECENT) + 1  # one add per recent engagement, one divide, per kNN feature; the
+# interest lookup
+WORD = re.compile(r"[^\W_]+")  # a word: letters and digits (an interest's underscores separate words)
+
+
+def words(text: str) -> tuple[str, ...]:
+    return tuple(WORD.findall(text.lower()))
+
+
+def interest_matches(texts: list[str], interests: list[list[str]], n_items: int) -> sp.csr_matrix:
+    """(U, N) binary csr for users' declared interests (U lists of names) and items' texts (N, or none): 1 where
+    one of user u's interests occurs as whole words, in order, in item j's text (case and underscores ignored)."""
+    phrases = {words(name) for declared in interests for name in declared} - {()}
+    longest = max(map(len, phrases), default=0)
+    items_of: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for j, text in enumerate(texts):
+        w = words(text)
+        for phrase in {w[s:s + n] for n in range(1, longest + 1) for s in range(len(w) - n + 1)} & phrases:
+            items_of[phrase].append(j)
+    matched = [sorted(set().union(*(items_of.get(words(name), ()) for name in declared))) for declared in interests]
+    rows = np.repeat(np.arange(len(matched)), [len(m) for m in matched])
+    cols = np.concatenate([np.array(m, np.int64) for m in matched] or [np.zeros(0, np.int64)])
+    return sp.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=(len(interests), n_items))
 
 
 def _inverse_sqrt(x: np.ndarray) -> np.ndarray:
@@ -37,11 +67,13 @@ def _inverse_sqrt(x: np.ndarray) -> np.ndarray:
 
 @dataclass
 class PairFeatures:
-    """x (U, N) binary csr training matrix, xt its transpose (csr), counts (N,) users per item."""
+    """x (U, N) binary csr training matrix, xt its transpose (csr), counts (N,) users per item, interest (U, N)
+    binary csr: the declared interests' matches (interest_matches)."""
 
     x: sp.csr_matrix
     xt: sp.csr_matrix
     counts: np.ndarray
+    interest: sp.csr_matrix
 
     @classmethod
     def fit(cls, data: RecData) -> "PairFeatures":
@@ -50,7 +82,13 @@ class PairFeatures:
         x = sp.csr_matrix((np.ones(len(rows)), (rows, np.concatenate(seqs or [np.zeros(0, np.int64)]).astype(np.int64))),
                           shape=(len(seqs), len(data.items.ids)))
         x.data[:] = 1.0  # the constructor summed repeats
-        return cls(x, x.T.tocsr(), np.asarray(x.sum(0)).ravel())
+        interest = (interest_matches(data.items.texts, data.users.interests, x.shape[1]) if data.users.interests
+                    else sp.csr_matrix(x.shape, dtype=np.float32))
+        return cls(x, x.T.tocsr(), np.asarray(x.sum(0)).ravel(), interest)
+
+    def live(self) -> tuple[bool, ...]:
+        """(F,) whether each feature can be other than 0: interest only where some declared interest matches."""
+        return (True,) * (len(RECENT) + 1) + (self.interest.nnz > 0,)
 
     def dense(self, data: RecData, users: np.ndarray, positions: np.ndarray, keep: int | None = None) -> torch.Tensor:
         """(B, N, N_FEATURES) float32 features of every item for users (B,) at positions (B,); keep: the
@@ -86,4 +124,5 @@ class PairFeatures:
             cos_sum -= (q[:, cols].toarray() if candidates is not None else q.toarray()) * (left_c > 0)  # h == j terms
             out.append(cos_sum / np.maximum(lengths, 1)[:, None])
         out.append(np.log1p(left_c))
+        out.append(self.interest[users][:, cols].toarray())
         return torch.from_numpy(np.stack(out, -1).astype(np.float32))

@@ -555,7 +555,8 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
             f"synthetic world's own true affinity. The ranker (the MoE's frozen towers, a deep part and a wide "
             f"part) also reads pair features no two-tower can compute: the item-kNN score of the candidate "
             f"against the user's last 1, 5 and 50 engagements (mean cosine over co-engagement) and its log "
-            f"popularity, fit on training engagements without the user's own (leave-one-user-out); a new ad "
-            f"has none.\n\n" + "\n\n".join(sections) + "\n")
+            f"popularity, fit on training engagements without the user's own (leave-one-user-out; a new ad "
+            f"has none), and whether one of the interests the user declares occurs as whole words in the ad's "
+            f"text (interest; synthetic worlds only: MovieLens users declare nothing).\n\n" + "\n\n".join(sections) + "\n")
     out.write_text(text)
     return text

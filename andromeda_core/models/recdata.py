@@ -35,6 +35,8 @@ class Items:
     advertiser: np.ndarray  # (N,) int64 raw advertiser id (hashed by the tower)
     bid: np.ndarray  # (N,) float32
     categories: list[str]
+    texts: list[str] = field(default_factory=list)  # (N,) the creative's words (synthetic: title and body), which
+    # the ranker's interest feature matches declared interests in; empty when none are kept (MovieLens)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Users:
     now: np.ndarray  # (U,) request time
     shown: list[np.ndarray] = field(default_factory=list)  # per user (K, 2) int64: the impressions logged before
     # the held-out engagements (item row, clicked 0/1); empty when none are logged
+    interests: list[list[str]] = field(default_factory=list)  # per user: the interests declared (the request's
+    # attributes); empty when users declare none (MovieLens)
 
 
 @dataclass
@@ -114,7 +118,7 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
         items = Items(ids=np.array(order), text=text,
                       category=np.array([categories.index(ads[i]["creative"]["category"]) for i in order]),
                       advertiser=np.array([ads[i]["advertiser_id"] for i in order]),
-                      bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories)
+                      bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories, texts=texts)
         users, truth = _synthetic_users(world, schema, {ad_id: r for r, ad_id in enumerate(order)})
         truth["item_ad"] = np.array(order) - 1  # each item's row in the world's ad arrays
     return RecData("synthetic", items, users, truth)
@@ -124,6 +128,7 @@ def _synthetic_users(world: Path, schema: Schema, row: dict[int, int]) -> tuple[
     """The world's users (row: ad id -> item row) and its truth arrays."""
     surfaces, placements = schema.by_name["surface"], schema.by_name["placement"]
     seqs, events, times, segments, co, context, now, user_ids = [], [], [], [], [], [], [], {}
+    interests: list[list[str]] = []
     with open(world / "requests.jsonl", encoding="utf-8") as f:
         for line in f:
             r = json.loads(line)
@@ -133,6 +138,7 @@ def _synthetic_users(world: Path, schema: Schema, row: dict[int, int]) -> tuple[
             events.append(np.array([EVENTS.index(h["event"]) for h in hist], np.int64))
             times.append(np.array([h["ts"] for h in hist], np.int64))
             segments.append(segment_ids(r["user"]["cohorts"], r["user"]["attributes"], schema))
+            interests.append(list(r["user"]["attributes"].get("interests", [])))
             held_out = set(seqs[-1][-2:].tolist())  # the world draws them from the same pool as the clicks
             co.append([row[c["ad_id"]] for c in r["user"]["co_engagement"]
                        if c["ad_id"] in row and row[c["ad_id"]] not in held_out])
@@ -143,7 +149,8 @@ def _synthetic_users(world: Path, schema: Schema, row: dict[int, int]) -> tuple[
     shown = _impressions(world / "engagements.jsonl", row, user_ids, times)
     truth = read_truth(world, lambda saved: {name: saved[name] for name in saved.files
                                              if name not in ("config", "generator")})
-    return Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown), truth
+    return Users(seqs, events, times, segments, co, np.array(context, np.int64), np.array(now, np.int64), shown,
+                 interests), truth
 
 
 def _impressions(log: Path, row: dict[int, int], user_ids: dict[int, int],

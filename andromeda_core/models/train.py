@@ -142,8 +142,9 @@ def default_config(kind: str, seed: int = 0, distill: float = 0.0, start: str = 
     return TrainConfig(steps=steps, seed=seed, expert_loss=1.0 if start == "sasrec" else 0.0)
 
 
-PAIR_WEIGHTS = ((0.0, 10.0, 20.0), (0.0, 10.0, 20.0, 40.0), (0.0, 10.0, 20.0), (0.0, 0.5, -0.5))  # 108 combinations
-# per pair feature (features.NAMES: knn1, knn5, knn50, pop); ties go to the earlier combination, the smaller weights
+PAIR_WEIGHTS = ((0.0, 10.0, 20.0), (0.0, 10.0, 20.0, 40.0), (0.0, 10.0, 20.0), (0.0, 0.5, -0.5), (0.0, 4.0, 8.0, 16.0))
+# per pair feature (features.NAMES: knn1, knn5, knn50, pop, interest), 432 combinations; ties go to the earlier
+# combination, the smaller weights
 FUNNEL = 0.95  # the least share of the ranker's top-100 that must lie inside the MoE's top-1000 on validation
 
 
@@ -160,7 +161,8 @@ def choose_pair_weights(model: RetrievalModel, data: RecData, users: np.ndarray,
     Chosen like a hyperparameter, not by gradient: the frozen towers were fit on every training
     engagement, so on training rows the MoE term is in-sample and the weights learned there undervalue
     the features (on MovieLens, with knn5, knn50 and pop only, gradient training settled at 4.4 on knn5
-    where validation preferred 20)."""
+    where validation preferred 20). A feature that is 0 for every pair (PairFeatures.live) is tried at weight 0 only."""
+    grid = tuple(weights if live else (0.0,) for weights, live in zip(grid, pair.live()))
     combos = torch.tensor(list(itertools.product(*grid)), dtype=torch.float32)  # (K, F)
     ranks: list[list[np.ndarray]] = [[] for _ in combos]
     kept: list[list[np.ndarray]] = [[] for _ in combos]

@@ -1,9 +1,10 @@
-"""The ranker's pair features (item-kNN against recent engagements, popularity) against a plain-Python
-reading of their definition; they never see held-out engagements or the user's own training row; the
+"""The ranker's pair features (item-kNN against recent engagements, popularity, declared interests in the ad's
+text) against a plain-Python reading of their definition; they never see held-out engagements or the user's own training row; the
 ranker reads them in its wide and deep parts, everywhere it is scored."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -11,20 +12,27 @@ import torch
 
 from andromeda_core.models import features
 from andromeda_core.models.evaluate import rank_items, ranking_from_scores
-from andromeda_core.models.features import RECENT, PairFeatures
+from andromeda_core.models.features import RECENT, PairFeatures, interest_matches
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.train import TrainConfig, choose_pair_weights, train, validation_score
 from tests.unit.test_baselines import HAND, random_data, rec_data
 from tests.unit.test_models import DIMS, tiny_data
 
 
+def brute_interest(name: str, text: str) -> bool:
+    """The interest's words (underscores as spaces) as whole words of the text, in order, case ignored."""
+    phrase = re.sub(r"[^a-z0-9]+", " ", name.lower()).strip()
+    return bool(phrase) and f" {phrase} " in " " + re.sub(r"[^a-z0-9]+", " ", text.lower()).strip() + " "
+
+
 def brute_features(data, u: int, p: int, keep: int | None = None) -> np.ndarray:
     """(N, F) by the definition: cosine over the other users' training sets, mean over the recent window
-    (repeats counted, h == j skipped), log(1 + users who engaged j in training, u excluded)."""
+    (repeats counted, h == j skipped), log(1 + users who engaged j in training, u excluded), whether one of
+    u's declared interests is in j's text."""
     n = len(data.items.ids)
     others = [set(s.tolist()) for v, s in enumerate(data.train_sequences()) if v != u]
     count = [sum(j in s for s in others) for j in range(n)]
-    out = np.zeros((n, len(RECENT) + 1))
+    out = np.zeros((n, len(RECENT) + 2))
     for f, r in enumerate(RECENT):
         r = min(r, keep or r)
         recent = data.users.items[u][max(p - r, 0):p].tolist()
@@ -32,13 +40,29 @@ def brute_features(data, u: int, p: int, keep: int | None = None) -> np.ndarray:
             total = sum(sum(h in s and j in s for s in others) / math.sqrt(count[h] * count[j])
                         for h in recent if h != j and count[h] and count[j])
             out[j, f] = total / max(len(recent), 1)
-    out[:, -1] = np.log1p(count)
+    out[:, -2] = np.log1p(count)
+    declared = data.users.interests[u] if data.users.interests else []
+    texts = data.items.texts or [""] * n
+    out[:, -1] = [any(brute_interest(name, texts[j]) for name in declared) for j in range(n)]
     return out
+
+
+VOCAB = ("art", "arts", "Party", "audio", "equipment", "kids", "for", "Trains")
+
+
+def with_interests(data, seed: int):
+    """data with random texts for its items and declared interests (of 1 to 2 words) for its users."""
+    rng = np.random.default_rng(seed)
+    data.items.texts = [" ".join(rng.choice(VOCAB, rng.integers(0, 6))) + rng.choice(["", ".", "!"])
+                        for _ in data.items.ids]
+    data.users.interests = [["_".join(rng.choice(VOCAB, rng.integers(1, 3))).lower() for _ in range(rng.integers(0, 4))]
+                            for _ in data.users.items]
+    return data
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_features_equal_the_brute_force_definition(seed):
-    data = random_data(seed, n_items=9, n_users=7)
+    data = with_interests(random_data(seed, n_items=9, n_users=7), seed)
     rng = np.random.default_rng(seed)
     users = np.array([0, 1, 2, 3, 4, 5, 6, 2])
     positions = np.array([rng.integers(0, len(data.users.items[u]) + 1) for u in users])
@@ -63,7 +87,19 @@ def test_features_on_hand_made_data():
     assert got[1, 0] == pytest.approx(1 / math.sqrt(1 * 4))  # the last engagement alone: 6
     assert got[1, 1] == pytest.approx(knn) and got[1, 2] == pytest.approx(knn)
     assert got[1, 3] == pytest.approx(math.log(5))
-    assert got[4].tolist() == [0.0] * 4 and got[7].tolist() == [0.0] * 4  # never engaged in training
+    assert got[4].tolist() == [0.0] * 5 and got[7].tolist() == [0.0] * 5  # never engaged in training, no interests
+
+
+def test_interest_matches_whole_words_in_order():
+    texts = ["Zen audio equipment sale. Audio for kids", "Party arts", "equipment audio", "trains_kids club", ""]
+    interests = [["audio_equipment"], ["art"], ["arts", "kids"], [], ["TRAINS_KIDS", "club_sale"]]
+    got = interest_matches(texts, interests, 6).toarray()
+    assert got.tolist() == [[1, 0, 0, 0, 0, 0],  # not "equipment audio": the words in order
+                            [0, 0, 0, 0, 0, 0],  # "art" is not a word of "Party" nor "arts"
+                            [1, 1, 0, 1, 0, 0],  # "kids" is a word of "trains_kids"
+                            [0] * 6,
+                            [0, 0, 0, 1, 0, 0]]  # the text's underscore separates words too
+    assert interest_matches([], [["art"]], 2).toarray().tolist() == [[0, 0]]
 
 
 def test_features_never_see_held_out_engagements_nor_the_users_own_row():
@@ -92,7 +128,7 @@ def test_the_ranker_reads_the_features_in_its_wide_and_deep_parts():
     cross = torch.rand(3, 40, features.N_FEATURES)
     torch.nn.init.normal_(model.head.mlp[-1].weight)
     with torch.no_grad():
-        model.head.cross.copy_(torch.tensor([0.3, -0.2, 0.1, 0.4]))
+        model.head.cross.copy_(torch.tensor([0.3, -0.2, 0.1, 0.4, 0.7]))
         experts = state.experts * state.mask[..., None]
         products = torch.einsum("bed,nd->bned", experts, stored[:, : DIMS.dim]).flatten(2)
         ad = torch.cat([stored[:, :-1], model.head.text(text)], 1)  # all but the bias
@@ -108,9 +144,9 @@ def test_the_ranker_reads_the_features_in_its_wide_and_deep_parts():
 
 def test_rank_items_gives_the_ranker_its_features_and_none_for_new_ads():
     torch.manual_seed(1)
-    data, model = tiny_data(), RetrievalModel("ranker", DIMS)
+    data, model = with_interests(tiny_data(), 5), RetrievalModel("ranker", DIMS)
     with torch.no_grad():
-        model.head.cross.copy_(torch.tensor([2.0, 1.0, 0.5, 0.2]))
+        model.head.cross.copy_(torch.tensor([2.0, 1.0, 0.5, 0.2, 1.0]))
     users = data.eval_users()[:5]
     positions = np.array([data.split(u)[1] for u in users])
     stored, text = model.item_vectors(data.items), torch.from_numpy(data.items.text).float()
@@ -132,17 +168,17 @@ def test_pair_weights_are_chosen_on_validation_within_the_funnel_and_stay_fixed(
     """Each combination's score is the validation score of the ranker with those wide weights (deep part
     silent) and its share kept is the share of its top-100 inside the MoE's top-1000; the best allowed
     combination is set; a warm-started ranker keeps the weights chosen while its deep part trains."""
-    data = tiny_data(n_items=1200, n_users=30)
+    data = with_interests(tiny_data(n_items=1200, n_users=30), 2)
     moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
     model = RetrievalModel("ranker", moe.dims, moe.item_ids, described=moe.described)
     model.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
     users = data.eval_users()
-    grid = ((0.0, 30.0), (0.0, 20.0), (0.0, 10.0), (0.0, -1.0))
+    grid = ((0.0, 30.0), (0.0, 20.0), (0.0, 10.0), (0.0, -1.0), (0.0, 5.0))
     moe_top = rank_items(moe, data, users, split=0, progress=False).top[:, :1000]
     for funnel in (0.0, 0.99, 1.0):
         scores = choose_pair_weights(model, data, users, PairFeatures.fit(data), grid, funnel=funnel)
         allowed = {w: score for w, (score, kept) in scores.items() if kept >= funnel}
-        assert len(scores) == 16 and (0.0,) * 4 in allowed
+        assert len(scores) == 32 and (0.0,) * 5 in allowed
         assert tuple(model.head.cross.tolist()) == max(allowed, key=allowed.get)
     for weights, (score, kept) in scores.items():
         with torch.no_grad():
@@ -156,3 +192,20 @@ def test_pair_weights_are_chosen_on_validation_within_the_funnel_and_stay_fixed(
     chosen.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
     choose_pair_weights(chosen, data, users, PairFeatures.fit(data))
     assert torch.equal(ranker.head.cross, chosen.head.cross)
+
+
+def test_a_feature_that_is_zero_everywhere_keeps_weight_zero_only():
+    """Without declared interests (MovieLens) the interest feature is 0 for every pair: only its weight 0 is tried,
+    with the same scores for the other features' combinations."""
+    data = with_interests(tiny_data(n_items=300, n_users=20), 4)
+    moe = train(data, "moe", TrainConfig(steps=10, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
+    model = RetrievalModel("ranker", moe.dims, moe.item_ids, described=moe.described)
+    model.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
+    users, grid = data.eval_users(), ((0.0, 10.0), (0.0,), (0.0,), (0.0, 0.5), (0.0, 4.0))
+    live = choose_pair_weights(model, data, users, PairFeatures.fit(data), grid, funnel=0.0)
+    data.users.interests = [[] for _ in data.users.items]
+    assert PairFeatures.fit(data).live() == (True, True, True, True, False)
+    dead = choose_pair_weights(model, data, users, PairFeatures.fit(data), grid, funnel=0.0)
+    assert len(live) == 8 and sorted(dead) == [w for w in sorted(live) if w[-1] == 0.0]
+    assert all(dead[w] == live[w] for w in dead)
+    assert model.head.cross[-1].item() == 0.0

@@ -54,6 +54,10 @@ def test_synthetic_loader_keeps_latest_versions_and_clicks(tmp_path, default_sch
     clicks = [h["ad_id"] for h in first["user"]["history"]]
     assert data.items.ids[data.users.items[0]].tolist() == clicks
     assert data.users.context[0, 0] == default_schema.by_name["surface"].value_index(first["context"]["surface"]) + 1
+    assert data.users.interests[0] == first["user"]["attributes"]["interests"] and len(data.users.interests) == 30
+    upserts = [e["ad"] for e in map(json.loads, (world / "events.jsonl").read_text().splitlines()) if e["op"] == "upsert"]
+    ad = [a for a in upserts if a["ad_id"] == data.items.ids[0]][-1]
+    assert data.items.texts[0] == f"{ad['creative']['title']}. {ad['creative']['body']}" and len(data.items.texts) == 600
 
 
 @pytest.mark.parametrize("name, text", [("engagements.jsonl", "garbage\n"), ("requests.jsonl", '{"user": 1}\n')])
@@ -120,6 +124,7 @@ def test_a_click_weight_is_refused_for_data_without_impressions(small_movielens,
 def test_movielens_logs_no_impressions(small_movielens):
     data = load_movielens(small_movielens[0])
     assert data.users.shown == [] and not data.click_logodds().any()
+    assert data.users.interests == [] and data.items.texts == []  # no interest feature: MovieLens declares none
 
 
 def test_a_text_encoder_failure_is_not_called_a_bad_world(tmp_path, default_schema, monkeypatch):
