@@ -59,7 +59,8 @@ def ranking_from_scores(scores: torch.Tensor, data: RecData, users: np.ndarray,
     in top and in target_rank alike (target_rank < k iff the target is in top[:k]): counting only
     strictly higher scores would put a target tied with thousands of zero-score items near the top."""
     scores = without_history(scores.clone(), data, users, positions)
-    top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :TOP].numpy()
+    top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :TOP].contiguous().numpy()  # a copy:
+    # a view would keep all (B, N) indices alive while the caller holds it
     return top, rank_of_targets(scores, data, users, positions)
 
 
