@@ -68,8 +68,8 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
     assert bool(re.search(rf"^\| {re.escape(quality.UNDISTILLED)} \| fp32 \|", text, re.M)) == went_on
     tradeoff = text.split("### The click prior")[1].split("###")[0]
     assert len(re.findall(r"^\| \d+(\.\d+)?( \(chosen\))? \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{3} \|$", tradeoff, re.M)) == 5
-    assert re.search(r"start: \d\.\d{4}, 0: \d\.\d{4}, 0\.5: \d\.\d{4}; chosen: (start|0|0\.5) \(", text)
-    assert trained_now(text) == ["sasrec", "two_tower", "moe", "ranker", "moe (distill 0)", "moe (distill 0.5)"]
+    assert re.search(r"start: \d\.\d{4}, 0: \d\.\d{4}, 0\.5: \d\.\d{4}, 2: \d\.\d{4}; chosen: (start|0|0\.5|2) \(", text)
+    assert trained_now(text) == ["sasrec", "two_tower", "moe", "ranker", "moe (distill 0)", "moe (distill 0.5)", "moe (distill 2)"]
     assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
 
 
@@ -138,13 +138,13 @@ def test_a_checkpoint_trained_otherwise_under_the_same_name_is_trained_again(tin
     start = quality.checkpoint_path("tiny", "moe")
     model, config = RetrievalModel.load(start)
     model.save(start, {**config, "note": "trained again elsewhere"})  # the same name and settings, other bytes
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0)", "moe (distill 0.5)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0)", "moe (distill 0.5)", "moe (distill 2)"]
 
 
 def test_a_model_going_on_from_one_trained_again_is_trained_again(tiny_report):
     _, out = tiny_report
     quality.checkpoint_path("tiny", "moe").unlink()
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe", "ranker", "moe (distill 0)", "moe (distill 0.5)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe", "ranker", "moe (distill 0)", "moe (distill 0.5)", "moe (distill 2)"]
 
 
 def test_the_steps_without_a_teacher_are_the_students_steps_in_their_own_checkpoint(tiny_report):
@@ -160,12 +160,12 @@ def test_the_steps_without_a_teacher_are_the_students_steps_in_their_own_checkpo
 def test_a_student_is_trained_again_after_its_teacher_or_when_it_was_taught_by_other_users(tiny_report, monkeypatch):
     _, out = tiny_report
     quality.checkpoint_path("tiny", "ranker").unlink()
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0.5)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0.5)", "moe (distill 2)"]
     path = quality.checkpoint_path("tiny", "moe", 0.5)
     model, config = RetrievalModel.load(path)
     assert config["teacher_users"] == len(quality.load_data("tiny").eval_users())  # fewer than TEACHER_USERS
     monkeypatch.setattr(quality, "ask_teacher", lambda ranker, data: ask_teacher(ranker, data, users=5))
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0.5)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0.5)", "moe (distill 2)"]
     assert RetrievalModel.load(path)[1]["teacher_users"] == 5
     assert trained_now(quality.quality_report(("tiny",), out)) == []
 
