@@ -26,7 +26,8 @@ def bytes_per_ad(model: RetrievalModel, dtype: str, rescore: int = 0) -> tuple[i
     S = model.dims.stored
     scanned = {"fp32": 4 * S, "fp16": 2 * S, "int8": S + 4 * int8_blocks(S)}[dtype]
     if model.pair_features:  # the ranker also reads the text embedding (fp16), and per pair one float32
-        scanned += 2 * 384 + 4 * (sum(RECENT) + 1)  # similarity per recent engagement and the popularity
+        scanned += 2 * 384 + 4 * (sum(RECENT) + 1)  # similarity per recent engagement and the popularity (interest
+        # is a lookup in the user's matches, built per request from an inverted index: nothing per ad)
     return scanned, scanned + (4 * S if rescore else 0)
 
 
@@ -88,10 +89,10 @@ def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: s
     `chunk` items at a time (512 keeps the ranker's (batch, chunk, 256) hidden layer cache-sized: 2.4x
     faster than 4096 on 2 cores, the same ranking; the MoE is as fast either way).
     keep: the user towers read only the last `keep` engagements (a short-history user); content_only:
-    every ad is embedded as if created after training (no learned identity, no pair features). The ranker's
-    pair features read the same (last `keep`) history as its towers."""
+    every ad is embedded as if created after training (no learned identity, no pair features read from engagements:
+    the ranker keeps interest). The ranker's pair features read the same (last `keep`) history as its towers."""
     known = torch.zeros(len(data.items.ids), dtype=torch.bool) if content_only else None
-    pair = PairFeatures.fit(data) if model.pair_features and not content_only else None  # a new ad has none
+    pair = PairFeatures.fit(data) if model.pair_features else None  # a new ad: only interest (PairFeatures.dense)
     exact = model.item_vectors(data.items, known=known)
     stored = round_trip(exact, dtype)
     text = torch.from_numpy(data.items.text).float()
@@ -101,7 +102,7 @@ def rank_items(model: RetrievalModel, data: RecData, users: np.ndarray, dtype: s
         us = users[first:first + batch]
         positions = np.array([data.split(u)[split] for u in us])
         state = model.users(user_inputs(data, exact if rescore else stored, us, positions, model.dims.history, keep))
-        cross = pair.dense(data, us, positions, keep) if pair is not None else None
+        cross = pair.dense(data, us, positions, keep, new_ads=content_only) if pair is not None else None
         scores = corpus_scores(model, state, stored, text, cross, chunk)
         if rescore:  # the shortlist is of items the user may be shown
             scores = rescored(model, state, without_history(scores, data, us, positions), exact, rescore * TOP)

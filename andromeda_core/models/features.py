@@ -36,6 +36,7 @@ from andromeda_core.models.recdata import RecData
 RECENT = (1, 5, 50)
 NAMES = tuple(f"knn{r}" for r in RECENT) + ("pop", "interest")
 N_FEATURES = len(NAMES)
+FROM_ENGAGEMENTS = NAMES.index("interest")  # the features before it read engagements: a new ad has none of them
 FLOPS_PER_PAIR = sum(r + 1 for r in RECENT) + 1  # one add per recent engagement, one divide, per kNN feature; the
 # interest lookup
 WORD = re.compile(r"[^\W_]+")  # a word: letters and digits (an interest's underscores separate words)
@@ -82,18 +83,26 @@ class PairFeatures:
         x = sp.csr_matrix((np.ones(len(rows)), (rows, np.concatenate(seqs or [np.zeros(0, np.int64)]).astype(np.int64))),
                           shape=(len(seqs), len(data.items.ids)))
         x.data[:] = 1.0  # the constructor summed repeats
+        if (data.users.interests and len(data.users.interests) != len(seqs)) or len(data.items.texts) not in (0, x.shape[1]):
+            raise ValueError(f"{len(data.users.interests)} users' interests and {len(data.items.texts)} item texts for "
+                             f"{len(seqs)} users and {x.shape[1]} items")
         interest = (interest_matches(data.items.texts, data.users.interests, x.shape[1]) if data.users.interests
                     else sp.csr_matrix(x.shape, dtype=np.float32))
         return cls(x, x.T.tocsr(), np.asarray(x.sum(0)).ravel(), interest)
 
     def live(self) -> tuple[bool, ...]:
         """(F,) whether each feature can be other than 0: interest only where some declared interest matches."""
-        return (True,) * (len(RECENT) + 1) + (self.interest.nnz > 0,)
+        return tuple(self.interest.nnz > 0 if name == "interest" else True for name in NAMES)
 
-    def dense(self, data: RecData, users: np.ndarray, positions: np.ndarray, keep: int | None = None) -> torch.Tensor:
+    def dense(self, data: RecData, users: np.ndarray, positions: np.ndarray, keep: int | None = None,
+              new_ads: bool = False) -> torch.Tensor:
         """(B, N, N_FEATURES) float32 features of every item for users (B,) at positions (B,); keep: the
-        history holds only the last `keep` engagements (a short-history user)."""
-        return self.pairs(data, users, positions, None, keep)
+        history holds only the last `keep` engagements (a short-history user); new_ads: every item as one created
+        after training (the features read from engagements 0, interest kept)."""
+        out = self.pairs(data, users, positions, None, keep)
+        if new_ads:
+            out[..., :FROM_ENGAGEMENTS] = 0.0
+        return out
 
     def pairs(self, data: RecData, users: np.ndarray, positions: np.ndarray, candidates: np.ndarray | None,
               keep: int | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ Every head adds the ad's bias b (the stored vector's last element) to its score.
 - RankerHead (quality ceiling and distillation teacher, not served): deep MLP over every expert, the
   full stored vector, the expert-ad products, the ad's text projection and the pair features
   (andromeda_core.models.features: item-kNN of the candidate against the user's recent engagements,
-  popularity), plus a wide part: the gated mixture-of-logits term (so it can only add to what the
+  popularity, a declared interest in the ad's text), plus a wide part: the gated mixture-of-logits term (so it can only add to what the
   retriever can express) and a learned weight per pair feature.
 Every head: score(state, stored (n, S), text (n, 384) or None, cross (B, n, F) or None) -> (B, n) and
 flops_per_pair(); only the ranker reads text and cross (`pair_features`).
@@ -102,7 +102,7 @@ class RankerHead(nn.Module):
     The first layer is evaluated in factored form, the same function with fewer FLOPs: the expert
     and ad blocks are projected once per user and once per ad, and the product block
     sum_{e,d} W[h, e, d] u_e[d] a[d] = a . (sum_e W[h, e, :] * u_e) is one (D x H1) matrix per user.
-    Pair features absent (cross None) read as 0, what a new ad has.
+    Pair features absent (cross None) read as 0.
     """
 
     pair_features = True

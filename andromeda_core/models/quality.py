@@ -477,7 +477,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"training (no learned id: embedded from content alone).\n\n"
             f"{subset_table([r for r in by_name.values() if r.name != ORACLE], cold)}\n\n"
             f"Every ad new: the whole corpus embedded from content alone (as if every ad were created after "
-            f"training).\n\n{subset_table(subsets['content_only'])}\n\n"
+            f"training; the ranker keeps only its interest feature).\n\n{subset_table(subsets['content_only'])}\n\n"
             f"Short histories: the {int(short.sum())} users with at most {SHORT_HISTORY} engagements before their "
             f"held-out one.\n\n{subset_table(list(by_name.values()), short)}\n\n"
             f"Short histories, simulated for every user: the towers read only the last {SHORT_HISTORY} engagements "

@@ -138,7 +138,8 @@ def _synthetic_users(world: Path, schema: Schema, row: dict[int, int]) -> tuple[
             events.append(np.array([EVENTS.index(h["event"]) for h in hist], np.int64))
             times.append(np.array([h["ts"] for h in hist], np.int64))
             segments.append(segment_ids(r["user"]["cohorts"], r["user"]["attributes"], schema))
-            interests.append(list(r["user"]["attributes"].get("interests", [])))
+            declared = r["user"]["attributes"].get("interests", [])
+            interests.append([declared] if isinstance(declared, str) else list(declared))
             held_out = set(seqs[-1][-2:].tolist())  # the world draws them from the same pool as the clicks
             co.append([row[c["ad_id"]] for c in r["user"]["co_engagement"]
                        if c["ad_id"] in row and row[c["ad_id"]] not in held_out])

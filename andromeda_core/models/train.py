@@ -162,7 +162,7 @@ def choose_pair_weights(model: RetrievalModel, data: RecData, users: np.ndarray,
     engagement, so on training rows the MoE term is in-sample and the weights learned there undervalue
     the features (on MovieLens, with knn5, knn50 and pop only, gradient training settled at 4.4 on knn5
     where validation preferred 20). A feature that is 0 for every pair (PairFeatures.live) is tried at weight 0 only."""
-    grid = tuple(weights if live else (0.0,) for weights, live in zip(grid, pair.live()))
+    grid = tuple(weights if live else (0.0,) for weights, live in zip(grid, pair.live(), strict=True))
     combos = torch.tensor(list(itertools.product(*grid)), dtype=torch.float32)  # (K, F)
     ranks = np.zeros((len(combos), len(users)), np.int64)  # (K, U) made up front: a small array kept per combination
     kept = np.zeros((len(combos), len(users)))  # and batch between the (B, N) temporaries fragmented the heap

@@ -67,6 +67,7 @@ def test_features_equal_the_brute_force_definition(seed):
     users = np.array([0, 1, 2, 3, 4, 5, 6, 2])
     positions = np.array([rng.integers(0, len(data.users.items[u]) + 1) for u in users])
     got = PairFeatures.fit(data).dense(data, users, positions).numpy()
+    assert got[..., -1].any() and not got[..., -1].all()  # the interest feature is tested at 0 and at 1
     for b, (u, p) in enumerate(zip(users, positions)):
         np.testing.assert_allclose(got[b], brute_features(data, u, p), atol=1e-6)
     candidates = np.array([4, 0, 4, 8, 2])
@@ -142,7 +143,7 @@ def test_the_ranker_reads_the_features_in_its_wide_and_deep_parts():
     assert model.head.flops_per_pair() > features.FLOPS_PER_PAIR >= sum(RECENT)
 
 
-def test_rank_items_gives_the_ranker_its_features_and_none_for_new_ads():
+def test_rank_items_gives_the_ranker_its_features_and_new_ads_only_interest():
     torch.manual_seed(1)
     data, model = with_interests(tiny_data(), 5), RetrievalModel("ranker", DIMS)
     with torch.no_grad():
@@ -159,9 +160,13 @@ def test_rank_items_gives_the_ranker_its_features_and_none_for_new_ads():
     with torch.no_grad():
         new = model.item_vectors(data.items, known=torch.zeros(40, dtype=torch.bool))
         state = model.users(user_inputs(data, new, users, positions, DIMS.history))
-        want = ranking_from_scores(model.score(state, new, text), data, users, positions)
+        full = PairFeatures.fit(data).dense(data, users, positions)
+        assert full[..., -1].any()  # some declared interest is in some ad's text
+        cross = torch.cat([torch.zeros_like(full[..., :-1]), full[..., -1:]], -1)  # nothing read from engagements
+        want = ranking_from_scores(model.score(state, new, text, cross), data, users, positions)
+        without = ranking_from_scores(model.score(state, new, text), data, users, positions)
     got = rank_items(model, data, users, content_only=True, progress=False)
-    assert np.array_equal(got.top, want[0])
+    assert np.array_equal(got.top, want[0]) and not np.array_equal(got.top, without[0])
 
 
 def test_pair_weights_are_chosen_on_validation_within_the_funnel_and_stay_fixed():
@@ -209,3 +214,14 @@ def test_a_feature_that_is_zero_everywhere_keeps_weight_zero_only():
     assert len(live) == 8 and sorted(dead) == [w for w in sorted(live) if w[-1] == 0.0]
     assert all(dead[w] == live[w] for w in dead)
     assert model.head.cross[-1].item() == 0.0
+
+
+def test_pair_features_refuse_interests_or_texts_of_another_length():
+    data = with_interests(random_data(1, n_items=9, n_users=7), 1)
+    data.users.interests = data.users.interests[:-1]
+    with pytest.raises(ValueError, match="6 users' interests"):
+        PairFeatures.fit(data)
+    data = with_interests(random_data(1, n_items=9, n_users=7), 1)
+    data.items.texts = data.items.texts[:3]
+    with pytest.raises(ValueError, match="3 item texts"):
+        PairFeatures.fit(data)

@@ -136,3 +136,12 @@ def test_a_text_encoder_failure_is_not_called_a_bad_world(tmp_path, default_sche
     monkeypatch.setattr(recdata, "encode_texts_cached", broken)
     with pytest.raises(AttributeError, match="the sentence model failed"):
         load_synthetic(world)
+
+
+def test_a_single_declared_interest_given_as_a_string_is_one_interest(tmp_path, default_schema):
+    world = synthesize(WorldConfig(ads=200, users=5, seed=3), tmp_path, default_schema, workers=1, progress=False)
+    lines = (world / "requests.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["user"]["attributes"]["interests"] = "audio_equipment"
+    (world / "requests.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    assert load_synthetic(world).users.interests[0] == ["audio_equipment"]
