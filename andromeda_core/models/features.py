@@ -49,14 +49,15 @@ def words(text: str) -> tuple[str, ...]:
 def interest_matches(texts: list[str], interests: list[list[str]], n_items: int) -> sp.csr_matrix:
     """(U, N) binary csr for users' declared interests (U lists of names) and items' texts (N, or none): 1 where
     one of user u's interests occurs as whole words, in order, in item j's text (case and underscores ignored)."""
-    phrases = {words(name) for declared in interests for name in declared} - {()}
+    declared = [[words(name) for name in names] for names in interests]  # each user's interests as word tuples
+    phrases = {phrase for user in declared for phrase in user} - {()}
     longest = max(map(len, phrases), default=0)
     items_of: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for j, text in enumerate(texts):
         w = words(text)
         for phrase in {w[s:s + n] for n in range(1, longest + 1) for s in range(len(w) - n + 1)} & phrases:
             items_of[phrase].append(j)
-    matched = [sorted(set().union(*(items_of.get(words(name), ()) for name in declared))) for declared in interests]
+    matched = [sorted(set().union(*(items_of.get(phrase, ()) for phrase in user))) for user in declared]
     rows = np.repeat(np.arange(len(matched)), [len(m) for m in matched])
     cols = np.concatenate([np.array(m, np.int64) for m in matched] or [np.zeros(0, np.int64)])
     return sp.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=(len(interests), n_items))
