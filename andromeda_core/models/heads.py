@@ -136,8 +136,9 @@ class RankerHead(nn.Module):
         ad = torch.cat([self.d.features(stored).float(), self.text(text.float())], 1)  # (n, S - 1 + D)
         per_user = experts.flatten(1) @ w_user.T + self.mlp[0].bias  # (B, H1)
         pair_weights = torch.einsum("hed,bed->bdh", w_pair, experts)  # (B, D, H1)
-        pairs = torch.einsum("nd,bdh->bnh", stored[:, :D].float(), pair_weights)
-        return pairs + per_user[:, None, :] + (ad @ w_ad.T)[None] + self._cross(state, stored, cross) @ w_cross.T
+        pairs = torch.einsum("nd,bdh->bnh", stored[:, :D].float(), pair_weights)  # the sum is built in it, in the
+        # order of pairs + per_user + ad + cross (the same bits as out of place, without three (B, n, H1) temporaries)
+        return pairs.add_(per_user[:, None, :]).add_((ad @ w_ad.T)[None]).add_(self._cross(state, stored, cross) @ w_cross.T)
 
     def deep(self, state: UserState, stored: torch.Tensor, text: torch.Tensor,
              cross: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,7 +31,8 @@ from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
 from andromeda_core.models.retrieval import UNLOADABLE, RetrievalModel
 from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
-from andromeda_core.models.train import CLICK_WEIGHTS, TrainConfig, default_config, other_start, train, validation_score
+from andromeda_core.models.train import (CLICK_WEIGHTS, DEEP_SCALES, TrainConfig, default_config, other_start, train,
+                                         validation_score)
 from andromeda_core.schema import load_schema
 from andromeda_core.synth import (GENERATOR, WorldConfig, engagement_probability, is_current, synthesize, truth_scores,
                                   world_config)
@@ -271,6 +272,16 @@ def click_weights(trained: Trained) -> str:
             + ", ".join(f"{kind} s = {d.click_smoothing:g}, w = {d.click_weight:g}" for kind, d in held.items()) + ". ")
 
 
+def deep_scale(trained: Trained) -> str:
+    """The scale the ranker's trained deep part was kept at (train.scale_deep_part)."""
+    ranker = trained.models["ranker"]
+    if ranker.head.silent and ranker.dims.deep_scale:  # never scaled: its training found nothing better than its start
+        return "0 (silent: its training found nothing better on that validation split)"
+    return (f"{ranker.dims.deep_scale:g} (the best-scoring on that validation split of "
+            f"{', '.join(f'{s:g}' for s in DEEP_SCALES)} whose top-100 keeps {TrainConfig.funnel:.0%} inside the MoE's "
+            f"top-1000)")
+
+
 def distill_label(weight: float | None) -> str:
     """How the report names a MoE kept (Trained.chosen): "start" for the undistilled one, else its weight."""
     return "start" if weight is None else f"{weight:g}"
@@ -492,7 +503,8 @@ def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
             f"{tuning}; chosen: {distill_label(trained.chosen)} (the teacher is asked at those same states, which "
             f"favours distillation a little). "
             f"The ranker's wide weights on its pair features, chosen on that validation split before its deep "
-            f"part trains: {pair}. The history baselines' windows, chosen on that validation split among "
+            f"part trains: {pair}; its deep part, trained after them, kept at scale {deep_scale(trained)}. "
+            f"The history baselines' windows, chosen on that validation split among "
             f"{', '.join(map(str, WINDOWS))}: " + ", ".join(f"{name} the last {w}" for name, w in windows.items()) +
             f". {click_weights(trained)}"
             f"Cells: mean [95% bootstrap interval over users].\n\n" + body)
@@ -525,13 +537,13 @@ def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, th
 
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None,
                    workers: int | None = None) -> str:
-    """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per data set,
-    at most one per core), the cores shared out among them as torch threads (at least one each): the models' small
-    ops use a second thread at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads
-    than on 1), so data sets on one thread each finish sooner than one after the other on two. On 2 cores MovieLens,
-    whose models take the most steps, then has a core to itself while the synthetic worlds run one after the other
-    on the other (2,369 s in all, 2026-12-05; three processes on the two cores took 2,406 s and wrote the same
-    report). Results are bit-identical for a seed on the same machine and the same number of threads per data set."""
+    """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per data set),
+    the cores shared out among them as torch threads (at least one each): the models' small ops use a second thread
+    at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads than on 1), so data sets on
+    one thread each finish sooner than one after the other on two. On 2 cores the three data sets share the two
+    cores: no one of them is more than half the work (MovieLens 2,476 s of 5,900 s of one thread in the run of
+    2026-12-06), and two processes, MovieLens in one and the synthetic worlds one after the other in the other, took
+    3,427 s. Results are bit-identical for a seed on the same machine and the same number of threads per data set."""
     if world and world_config(world) is not None and not is_current(world):
         raise InvalidInput(f"{world} was drawn by an older generator (the report reads what version {GENERATOR} keeps); "
                            f"draw it again with `andromeda synth`", "--world")
@@ -539,7 +551,7 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     out.parent.mkdir(parents=True, exist_ok=True)
     datasets = tuple(dict.fromkeys(datasets))  # a data set twice would write its checkpoints from two processes
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = max(1, min(len(datasets), workers or cores))
+    workers = max(1, min(len(datasets), workers or len(datasets)))
     threads = max(1, cores // workers)
     jobs = [(name, world if name == "synthetic" else None, retrain, out.parent, threads) for name in datasets]
     sections = side_by_side(_section_of, jobs, workers)  # in order: the longest (MovieLens) starts first

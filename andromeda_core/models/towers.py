@@ -54,6 +54,7 @@ class Dims:
     history: int = 50  # most recent engagements the user towers read
     click_weight: float = 2.0  # weight of an ad's click log-odds (RetrievalModel.click_prior) in its bias
     click_smoothing: float = 2.0  # impressions the click log-odds were smoothed by (RecData.click_logodds; a record)
+    deep_scale: float = 1.0  # a ranker's: the scale its trained deep part was kept at (train.scale_deep_part; a record)
     layers: int = 2  # self-attention blocks of the sequence expert
     heads: int = 2
 

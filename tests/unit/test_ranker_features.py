@@ -14,7 +14,8 @@ from andromeda_core.models import features
 from andromeda_core.models.evaluate import rank_items, ranking_from_scores
 from andromeda_core.models.features import RECENT, PairFeatures, interest_matches
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
-from andromeda_core.models.train import TrainConfig, choose_pair_weights, train, validation_score
+from andromeda_core.models.train import (DEEP_SCALES, TrainConfig, choose_pair_weights, train, validation_ranking,
+                                         validation_score)
 from tests.unit.test_baselines import HAND, random_data, rec_data
 from tests.unit.test_models import DIMS, tiny_data
 
@@ -197,6 +198,30 @@ def test_pair_weights_are_chosen_on_validation_within_the_funnel_and_stay_fixed(
     chosen.load_state_dict({k: v for k, v in moe.state_dict().items() if not k.startswith("head.")}, strict=False)
     choose_pair_weights(chosen, data, users, PairFeatures.fit(data))
     assert torch.equal(ranker.head.cross, chosen.head.cross)
+
+
+def test_the_trained_deep_part_is_scaled_down_into_the_funnel():
+    """A warm-started ranker's trained deep part is scaled by the best of DEEP_SCALES whose validation top-100 keeps
+    cfg.funnel inside the MoE's validation top-1000. Held to nothing, it is kept whole and moves more than 1% of the
+    top-100 out; held to 99%, the same wide weights and deep part are scaled down until the top-100 stays inside."""
+    data = with_interests(tiny_data(n_items=1200, n_users=30), 2)
+    moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
+    users = data.eval_users()
+    moe_top = validation_ranking(moe, data, users).top
+    kept, layers, scales = {}, {}, {}
+    for funnel in (0.0, 0.99):
+        cfg = TrainConfig(steps=40, batch=16, negatives=16, seed=1, validate_every=10, patience=4, funnel=funnel,
+                          validation_users=len(users), pair_users=len(users))
+        ranker = train(data, "ranker", cfg, init=moe, progress=False)
+        assert ranker.head.cross.tolist() == [10.0, 0.0, 0.0, 0.0, 0.0]
+        layers[funnel], scales[funnel] = ranker.head.mlp[-1].weight.detach(), ranker.dims.deep_scale
+        kept[funnel] = np.mean([len(set(t) & set(m)) / 100 for t, m in
+                                zip(validation_ranking(ranker, data, users).top[:, :100], moe_top)])
+    assert kept[0.0] < 0.99 <= kept[0.99] and layers[0.0].any()
+    assert scales[0.0] == 1.0 and scales[0.99] in DEEP_SCALES[1:]
+    assert torch.equal(layers[0.99], layers[0.0] * scales[0.99])
+    with pytest.raises(ValueError, match="funnel"):
+        TrainConfig(funnel=1.5)
 
 
 def test_a_feature_that_is_zero_everywhere_keeps_weight_zero_only():
