@@ -327,7 +327,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=output_file, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
     s.add_argument("--workers", type=POSITIVE, default=None,
                    help="processes the data sets run in side by side, the cores shared among them as torch threads "
-                        "(default: one per data set)")
+                        "(default: one per data set; one on a single core)")
     s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")

@@ -22,6 +22,11 @@ KINDS = ("enum", "ordinal", "id")
 SOURCES = ("user", "context")
 
 
+def attribute_values(raw: Any) -> list:
+    """A user attribute's or context field's values: a multi-valued one is sent as a list, one value as itself."""
+    return raw if isinstance(raw, list) else [raw]
+
+
 @dataclass(frozen=True)
 class Category:
     name: str

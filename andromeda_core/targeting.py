@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from andromeda_core.errors import InvalidInput, shown
-from andromeda_core.schema import Category, Schema
+from andromeda_core.schema import Category, Schema, attribute_values
 
 RULE_KEYS = ("any_of", "all_of", "none_of", "min", "max")
 
@@ -173,7 +173,7 @@ def compile_user(schema: Schema, attributes: Mapping[str, Any], context: Mapping
             if cat.source != source:
                 raise InvalidInput(f"{name} is a {cat.source} category; send it in "
                                    f"{'context' if cat.source == 'context' else 'user.attributes'}", f"{where}.{name}")
-            items = raw if isinstance(raw, list) else [raw]
+            items = attribute_values(raw)
             if isinstance(raw, list) and not cat.multi:
                 raise InvalidInput(f"{name} holds one value per user: send it as a single value, not a list",
                                    f"{where}.{name}")

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from andromeda_core.errors import InvalidInput, Overloaded
+from andromeda_core.schema import attribute_values
 from andromeda_core.types import RetrieveRequest
 from deployments.config import Limits
 
@@ -42,7 +43,7 @@ def check_values(limits: Limits, values: dict, field: str) -> None:
     limits.string_chars characters, at most limits.values_per_category values per category. (A category name is
     checked against the schema, and an error echoes at most api.ECHOED_CHARS of it.)"""
     for category, value in values.items():
-        held = value if isinstance(value, list) else [value]
+        held = attribute_values(value)
         if len(held) > limits.values_per_category:
             raise InvalidInput(over_limit(limits, "values_per_category", " values", len(held)), f"{field}.{category}")
         for j, v in enumerate(held):

@@ -137,7 +137,7 @@ class RankerHead(nn.Module):
         per_user = experts.flatten(1) @ w_user.T + self.mlp[0].bias  # (B, H1)
         pair_weights = torch.einsum("hed,bed->bdh", w_pair, experts)  # (B, D, H1)
         pairs = torch.einsum("nd,bdh->bnh", stored[:, :D].float(), pair_weights)  # the sum is built in it, in the
-        # order of pairs + per_user + ad + cross (the same bits as out of place, without three (B, n, H1) temporaries)
+        # order of pairs + per_user + ad + cross (the same bits as out of place, with two (B, n, H1) temporaries fewer)
         return pairs.add_(per_user[:, None, :]).add_((ad @ w_ad.T)[None]).add_(self._cross(state, stored, cross) @ w_cross.T)
 
     def deep(self, state: UserState, stored: torch.Tensor, text: torch.Tensor,

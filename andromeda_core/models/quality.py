@@ -537,7 +537,8 @@ def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, th
 
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None,
                    workers: int | None = None) -> str:
-    """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per data set),
+    """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per data set;
+    one in all on one core),
     the cores shared out among them as torch threads (at least one each): the models' small ops use a second thread
     at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads than on 1), so data sets on
     one thread each finish sooner than one after the other on two. On 2 cores the three data sets share the two
@@ -551,10 +552,10 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     out.parent.mkdir(parents=True, exist_ok=True)
     datasets = tuple(dict.fromkeys(datasets))  # a data set twice would write its checkpoints from two processes
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = max(1, min(len(datasets), workers or len(datasets)))
+    workers = max(1, min(len(datasets), workers or (len(datasets) if cores > 1 else 1)))
     threads = max(1, cores // workers)
     jobs = [(name, world if name == "synthetic" else None, retrain, out.parent, threads) for name in datasets]
-    sections = side_by_side(_section_of, jobs, workers)  # in order: the longest (MovieLens) starts first
+    sections = side_by_side(_section_of, jobs, workers)
     cpu = platform.processor() or platform.machine()
     text = (f"# Retrieval quality\n\nWritten by `andromeda eval` in one run ({time.time() - started:.0f} s on {cpu}, "
             f"{cores} cores: the data sets in {workers} processes of {threads} torch thread{'s' * (threads > 1)} "

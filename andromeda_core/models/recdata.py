@@ -20,7 +20,7 @@ import numpy as np
 from andromeda_core.config import load_settings
 from andromeda_core.models.segments import segment_ids
 from andromeda_core.models.text import encode_texts_cached
-from andromeda_core.schema import Schema, load_schema
+from andromeda_core.schema import Schema, attribute_values, load_schema
 from andromeda_core.synth import read_truth, world_files
 
 CLICK_SMOOTHING = 2.0  # impressions at the overall click rate added to each item's counts (RecData.click_logodds)
@@ -139,7 +139,7 @@ def _synthetic_users(world: Path, schema: Schema, row: dict[int, int]) -> tuple[
             times.append(np.array([h["ts"] for h in hist], np.int64))
             segments.append(segment_ids(r["user"]["cohorts"], r["user"]["attributes"], schema))
             declared = r["user"]["attributes"].get("interests", [])
-            interests.append([declared] if isinstance(declared, str) else list(declared))
+            interests.append(attribute_values(declared))
             held_out = set(seqs[-1][-2:].tolist())  # the world draws them from the same pool as the clicks
             co.append([row[c["ad_id"]] for c in r["user"]["co_engagement"]
                        if c["ad_id"] in row and row[c["ad_id"]] not in held_out])

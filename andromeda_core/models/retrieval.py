@@ -30,7 +30,7 @@ MODEL_VERSION = "9"  # 3: learned ad ids, ad bias, sequence expert; 4: segments 
 # 5: the ranker reads pair features (head.cross and a wider first layer); 6: click prior in the bias, which
 # the user towers and the ranker's deep part no longer read; 7: the segment expert reads the text of described values;
 # 8: the ranker's interest pair feature (features.NAMES); 9: the ranker's deep part scaled into the funnel
-# (dims.deep_scale), so a ranker trained before, held to nothing, is trained again
+# (dims.deep_scale), so a ranker trained before, held to nothing, is trained again (and with it every checkpoint)
 CO_ITEMS = 8
 UNLOADABLE = (OSError, ValueError, KeyError, SafetensorError)  # what RetrievalModel.load raises for a checkpoint this
 # code cannot use: missing or corrupt, of another model version, lacking a tensor

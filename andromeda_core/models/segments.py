@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from andromeda_core.models.text import encode_texts_cached
-from andromeda_core.schema import Schema
+from andromeda_core.schema import Schema, attribute_values
 
 SEGMENTS = 32  # at most this many per user: cohorts first, then attributes in schema order
 DESCRIBED = ("interests", "behaviors")  # user categories whose values are words: their text is read too
@@ -27,7 +27,7 @@ def segment_ids(cohorts: Sequence[int], attributes: Mapping[str, Any], schema: S
     for category in schema.categories:
         if category.kind == "enum" and category.source == "user" and category.name in attributes:
             values = attributes[category.name]
-            values = dict.fromkeys(values if isinstance(values, list) else [values])  # once each, in order
+            values = dict.fromkeys(attribute_values(values))  # once each, in order
             tokens += [f"{category.name}={v}" for v in values if category.value_index(v) is not None]
     return [_hash(t) for t in tokens[:SEGMENTS]]
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from andromeda_core.models import EmbeddingLookup, KernelHead, dot_head
-from andromeda_core.schema import Schema
+from andromeda_core.schema import Schema, attribute_values
 from andromeda_core.types import Ad, RetrieveRequest
 
 TOKEN = re.compile(r"[a-z0-9]+")
@@ -64,7 +64,7 @@ class HashedTwoTower:
         for category in USER_TEXT_CATEGORIES:
             value = r.user.attributes.get(category)
             known = self.schema.by_name.get(category) if self.schema is not None else None
-            words += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)
+            words += [v for v in attribute_values(value) if isinstance(v, str)
                       and (known is None or known.value_index(v) is not None)]
         return list(dict.fromkeys(words))
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from andromeda_core.models import features
-from andromeda_core.models.evaluate import rank_items, ranking_from_scores
+from andromeda_core.models.evaluate import rank_items, ranking_from_scores, recall_within
 from andromeda_core.models.features import RECENT, PairFeatures, interest_matches
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
-from andromeda_core.models.train import (DEEP_SCALES, TrainConfig, choose_pair_weights, train, validation_ranking,
-                                         validation_score)
+from andromeda_core.models.train import (DEEP_SCALES, TrainConfig, choose_pair_weights, scale_deep_part, train,
+                                         validation_ranking, validation_score)
 from tests.unit.test_baselines import HAND, random_data, rec_data
 from tests.unit.test_models import DIMS, tiny_data
 
@@ -201,25 +201,38 @@ def test_pair_weights_are_chosen_on_validation_within_the_funnel_and_stay_fixed(
 
 
 def test_the_trained_deep_part_is_scaled_down_into_the_funnel():
-    """A warm-started ranker's trained deep part is scaled by the best of DEEP_SCALES whose validation top-100 keeps
-    cfg.funnel inside the MoE's validation top-1000. Held to nothing, it is kept whole and moves more than 1% of the
-    top-100 out; held to 99%, the same wide weights and deep part are scaled down until the top-100 stays inside."""
+    """A warm-started ranker's trained deep part is scaled by the best-scoring of DEEP_SCALES whose validation top-100
+    keeps cfg.funnel inside the MoE's validation top-1000 (0 always allowed). Held to nothing, it is kept whole and
+    moves more than 1% of the top-100 out; held to 99%, the same wide weights and deep part are scaled by the
+    best-scoring scale that keeps 99%, each scale's score and share being those of the ranker at that scale."""
     data = with_interests(tiny_data(n_items=1200, n_users=30), 2)
     moe = train(data, "moe", TrainConfig(steps=30, batch=16, negatives=16, seed=1, validate_every=0), progress=False)
     users = data.eval_users()
     moe_top = validation_ranking(moe, data, users).top
-    kept, layers, scales = {}, {}, {}
+    kept, layers, scales, rankers = {}, {}, {}, {}
     for funnel in (0.0, 0.99):
         cfg = TrainConfig(steps=40, batch=16, negatives=16, seed=1, validate_every=10, patience=4, funnel=funnel,
                           validation_users=len(users), pair_users=len(users))
-        ranker = train(data, "ranker", cfg, init=moe, progress=False)
+        rankers[funnel] = ranker = train(data, "ranker", cfg, init=moe, progress=False)
         assert ranker.head.cross.tolist() == [10.0, 0.0, 0.0, 0.0, 0.0]
-        layers[funnel], scales[funnel] = ranker.head.mlp[-1].weight.detach(), ranker.dims.deep_scale
-        kept[funnel] = np.mean([len(set(t) & set(m)) / 100 for t, m in
-                                zip(validation_ranking(ranker, data, users).top[:, :100], moe_top)])
+        layers[funnel], scales[funnel] = ranker.head.mlp[-1].weight.detach().clone(), ranker.dims.deep_scale
+        kept[funnel] = recall_within(validation_ranking(ranker, data, users).top[:, :100], moe_top)
     assert kept[0.0] < 0.99 <= kept[0.99] and layers[0.0].any()
     assert scales[0.0] == 1.0 and scales[0.99] in DEEP_SCALES[1:]
     assert torch.equal(layers[0.99], layers[0.0] * scales[0.99])
+    whole = rankers[0.0]
+    layer = whole.head.mlp[-1]
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    out = scale_deep_part(whole, data, users, moe_top, 0.99)  # the choice that training held to 99% made
+    assert whole.dims.deep_scale == scales[0.99] and torch.equal(layer.weight, layers[0.99])
+    allowed = {scale: score for scale, (score, share) in out.items() if share >= 0.99 or scale == 0.0}
+    assert list(out) == list(DEEP_SCALES) and out[scales[0.99]][0] == max(allowed.values())
+    for scale, (score, share) in out.items():  # each scale's score and share are the ranker's at that scale
+        with torch.no_grad():
+            layer.weight.copy_(weight * scale)
+            layer.bias.copy_(bias * scale)
+        ranking = validation_ranking(whole, data, users)
+        assert score == validation_score(whole, data, users) and share == recall_within(ranking.top[:, :100], moe_top)
     with pytest.raises(ValueError, match="funnel"):
         TrainConfig(funnel=1.5)
 
