@@ -538,13 +538,13 @@ def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, th
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None,
                    workers: int | None = None) -> str:
     """Writes the report to `out`. The data sets run side by side in `workers` processes (default: one per data set;
-    one in all on one core),
-    the cores shared out among them as torch threads (at least one each): the models' small ops use a second thread
-    at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads than on 1), so data sets on
-    one thread each finish sooner than one after the other on two. On 2 cores the three data sets share the two
-    cores: no one of them is more than half the work (MovieLens 2,476 s of 5,900 s of one thread in the run of
-    2026-12-06), and two processes, MovieLens in one and the synthetic worlds one after the other in the other, took
-    3,427 s. Results are bit-identical for a seed on the same machine and the same number of threads per data set."""
+    one in all on one core), the cores shared out among them as torch threads (at least one each): the models' small
+    ops use a second thread at about 70% (a MoE's training steps on the synthetic world: 1.4x faster on 2 threads
+    than on 1), so data sets on one thread each finish sooner than one after the other on two. On 2 cores the three
+    data sets share the two cores, since no one of them is half the work: two processes, MovieLens in one and the
+    synthetic worlds one after the other in the other (2,476 s and 3,423 s of one core), took 3,427 s; three took
+    2,981 s (2026-12-06, with the ranker's rankings 14% faster as well). Results are bit-identical for a seed on the
+    same machine and the same number of threads per data set."""
     if world and world_config(world) is not None and not is_current(world):
         raise InvalidInput(f"{world} was drawn by an older generator (the report reads what version {GENERATOR} keeps); "
                            f"draw it again with `andromeda synth`", "--world")
