@@ -16,6 +16,7 @@ from andromeda_core.models import quality
 from andromeda_core.models.distill import ask_teacher
 from andromeda_core.models.evaluate import expected_metrics, per_user_metrics
 from andromeda_core.models.retrieval import RetrievalModel
+from andromeda_core.models.towers import Dims
 from andromeda_core.models.train import TrainConfig, default_config
 from andromeda_core.synth import WorldConfig, engagement_probability
 from tests.unit.test_models import tiny_data
@@ -209,3 +210,17 @@ def test_expected_metrics_average_the_metrics_over_every_possible_held_out_item(
         every = per_user_metrics(rank)  # the metrics if item t were the held-out one, (300,) each
         for name, values in every.items():
             assert expected[name][u] == pytest.approx(float((p[u] * values).sum()), abs=1e-12), name
+
+
+def test_the_report_names_the_scale_the_rankers_deep_part_was_kept_at():
+    """Silent because training found nothing better (never scaled: dims keep 1), scaled to 0 by the funnel, or
+    kept at a scale: each is said as it is."""
+    ranker = RetrievalModel("ranker", Dims())
+    trained = quality.Trained(models={"ranker": ranker})
+    assert ranker.head.silent and quality.deep_scale(trained).startswith("0 (silent: its training found nothing better")
+    ranker.dims = dataclasses.replace(ranker.dims, deep_scale=0.0)
+    assert quality.deep_scale(trained).startswith("0 (the best-scoring on that validation split of 1, 0.5, 0.25, 0 ")
+    ranker.head.mlp[-1].weight.data.fill_(0.1)
+    ranker.dims = dataclasses.replace(ranker.dims, deep_scale=0.5)
+    said = quality.deep_scale(trained)
+    assert said.startswith("0.5 (the best-scoring") and "keeps 95% inside" in said
