@@ -6,8 +6,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from andromeda_core.models.evaluate import Ranking, crossings, hit_metrics, rank_items, recall_within, rescored
+from andromeda_core.models.evaluate import (Ranking, crossings, hit_metrics, rank_items, recall_within, rescored,
+                                            top_columns)
 from andromeda_core.models.retrieval import RetrievalModel
 from tests.unit.test_models import DIMS, tiny_data
 
@@ -58,3 +61,14 @@ def test_int8_with_rescoring_ranks_like_fp32_when_the_shortlist_covers_the_truth
     assert served.target_rank.tolist() == fp32.target_rank.tolist() and np.array_equal(served.top, fp32.top)
     scan_only = rank_items(model, data, users, "int8", progress=False)
     assert not np.array_equal(scan_only.top, fp32.top)  # int8 alone does move items at this size
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 300), st.integers(1, 310), st.integers(0, 2**31 - 1))
+def test_top_columns_are_the_first_k_of_a_stable_descending_sort(b, n, k, seed):
+    """Many ties and -inf (history) included: the same columns in the same order, ties to the lower column."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-4, 4, (b, n), generator=g).float()
+    scores[torch.rand(b, n, generator=g) < 0.3] = float("-inf")
+    want = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(top_columns(scores, k), want)
