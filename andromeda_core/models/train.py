@@ -438,9 +438,9 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
         model.user_towers.requires_grad_(False)
     model.set_click_prior((), ())  # trained and validated without the click prior, added after (trained with
     # it, the softmax learns to cancel it)
-    if frozen and model.pair_features and cfg.validate_every:  # the deep part is silent: the ranker is MoE + wide
-        choose_pair_weights(model, data, data.eval_users()[: cfg.pair_users], PairFeatures.fit(data),  # weights
-                            funnel=cfg.funnel)
+    pair = PairFeatures.fit(data) if model.pair_features else None
+    if frozen and pair is not None and cfg.validate_every:  # the deep part is silent: the ranker is MoE + wide
+        choose_pair_weights(model, data, data.eval_users()[: cfg.pair_users], pair, funnel=cfg.funnel)  # weights
         model.head.cross.requires_grad_(False)
     funnel_top = None  # (U, TOP) the MoE's validation top-1000, which must keep cfg.funnel of the ranker's top-100
     if frozen and cfg.validate_every:
@@ -453,7 +453,6 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     engaged = item_probability(np.array([data.users.items[u][p] for u, p in examples]), draw, n_items)
     taught = None if teacher is None else np.bincount(teacher.top.ravel(), minlength=n_items) / teacher.top.size
     text = torch.from_numpy(data.items.text).float()
-    pair = PairFeatures.fit(data) if model.pair_features else None
     learn_mode(model, frozen)
     label = f"train {kind} on {data.name}" + (f" (distilled, {cfg.distill:g})" if teacher is not None else "")
     bar = tqdm(range(cfg.steps), desc=label, disable=not progress)
