@@ -44,10 +44,11 @@ WORLDS = {"synthetic": WorldConfig(ads=10000, users=4000, seed=5),
 DATASETS = ("movielens", *WORLDS)
 EVAL_USERS = 2000  # per data set (MovieLens has 610)
 TRUE_RECALL_TARGET = {"synthetic": 0.28}  # twice the 0.14 every model had on this world before learned ids
-DISTILL_GRID = (0.0, 0.5, 2.0)  # distillation weights of the steps going on from the undistilled MoE (0: the same
-# steps without a teacher); validation picks among those students and the MoE they start from. 2 since the ranker reads
+DISTILL_GRID = (0.0, 2.0)  # distillation weights of the steps going on from the undistilled MoE (0: the same steps
+# without a teacher); validation picks among those students and the MoE they start from. 2 since the ranker reads
 # declared interests: on the default world (one run each) validation 0.1250 / 0.1260 / 0.1278 at 0.5 / 1 / 2, expected
-# HR@200 0.342 / 0.352 / 0.354
+# HR@200 0.342 / 0.352 / 0.354. 0.5 left the grid for the eval's 45 minutes: in the report of 2026-12-06 validation
+# chose it once, on synthetic-b, 0.1184 against 0.1182 at 2
 SHORT_HISTORY = 5
 ORACLE = "oracle (true affinity)"
 CEILING = "ceiling (engagement probability)"
@@ -113,6 +114,7 @@ class Trained:
 
     models: dict[str, RetrievalModel] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # of the models trained in this run, in training order
+    beside: set[str] = field(default_factory=set)  # those of them trained in a process of their own (BESIDE)
     validation: dict[float | None, float] = field(default_factory=dict)
     chosen: float | None = None
 
@@ -143,39 +145,72 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
     return model, path, True
 
 
-def train_all(data: RecData, retrain: bool) -> Trained:
+BESIDE = ("two_tower",)  # trained in a process of their own beside the others when the data sets run side by side:
+# no other model starts from them, so nothing waits on them until ranking, and the longest data set's chain is shorter
+
+
+def fit_beside(data: RecData, kind: str, retrain: bool, threads: int) -> tuple[Path, float | None]:
+    """Trains (or loads) data's `kind` model in this process with `threads` torch threads, as get_model does: (its
+    checkpoint, the seconds it trained; None when loaded). Run in a process of its own by train_all."""
+    torch.set_num_threads(threads)
+    started = time.time()
+    _, path, fresh = get_model(data, kind, retrain)
+    return path, time.time() - started if fresh else None
+
+
+def train_all(data: RecData, retrain: bool, beside: bool = False) -> Trained:
     """The two-tower baselines; the MoE undistilled; the ranker on its frozen towers; then the same steps going on
     from the undistilled MoE at each weight of DISTILL_GRID (0: without the teacher, so that the teacher is judged
     against as many more steps, not against none). The MoE kept is the one of those and their start with the best
-    validation score (each user's second-to-last engagement, never the test one; of equals, the start)."""
+    validation score (each user's second-to-last engagement, never the test one; of equals, the start). beside: the
+    kinds of BESIDE train in a spawned process of their own meanwhile, with as many torch threads as this one (the
+    same bits as in this process)."""
     out, runs = Trained(), {}
     val_users = data.eval_users()[:EVAL_USERS]
+    pool = ProcessPoolExecutor(len(BESIDE), mp_context=multiprocessing.get_context("spawn")) if beside else None
+    try:
+        aside = {kind: pool.submit(fit_beside, data, kind, retrain, torch.get_num_threads()) for kind in BESIDE} \
+            if pool else {}
 
-    def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None,
-            going_on: bool = False):
-        # a model going on from one trained now is trained again too, and a student of a ranker trained now
-        again = retrain or init in out.seconds or (teacher is not None and "ranker" in out.seconds)
-        started = time.time()
-        model, path, fresh = get_model(data, kind, again, teacher, distill, runs[init] if init else None,
-                                       going_on=going_on)
-        runs[name] = model, path
-        if fresh:
-            out.seconds[name] = time.time() - started
-        return model
+        def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None,
+                going_on: bool = False):
+            # a model going on from one trained now is trained again too, and a student of a ranker trained now
+            again = retrain or init in out.seconds or (teacher is not None and "ranker" in out.seconds)
+            started = time.time()
+            model, path, fresh = get_model(data, kind, again, teacher, distill, runs[init] if init else None,
+                                           going_on=going_on)
+            runs[name] = model, path
+            if fresh:
+                out.seconds[name] = time.time() - started
+            return model
 
-    for kind in ("sasrec", "two_tower", "moe"):
-        out.models[kind] = fit(kind, kind)
-    out.models["ranker"] = fit("ranker", "ranker", init="moe")
-    teacher = ask_teacher(out.models["ranker"], data) if any(DISTILL_GRID) else None
-    candidates = {None: "moe", **{w: f"moe (distill {w:g})" for w in DISTILL_GRID}}
-    for weight in DISTILL_GRID:
-        fit(candidates[weight], "moe", weight, teacher if weight else None, init="moe", going_on=True)
-    out.validation = {w: validation_score(runs[name][0], data, val_users) for w, name in candidates.items()}
-    out.chosen = max(candidates, key=out.validation.get)  # max keeps the first of equals: the start
-    out.models["moe"] = runs[candidates[out.chosen]][0]
-    if out.chosen is not None:  # the retriever the ranker was built on and is held to beat
-        out.models[UNDISTILLED] = runs["moe"][0]
-    return out
+        for kind in ("sasrec", "two_tower", "moe"):
+            if kind not in aside:
+                out.models[kind] = fit(kind, kind)
+        out.models["ranker"] = fit("ranker", "ranker", init="moe")
+        teacher = ask_teacher(out.models["ranker"], data) if any(DISTILL_GRID) else None
+        candidates = {None: "moe", **{w: f"moe (distill {w:g})" for w in DISTILL_GRID}}
+        for weight in DISTILL_GRID:
+            fit(candidates[weight], "moe", weight, teacher if weight else None, init="moe", going_on=True)
+        out.validation = {w: validation_score(runs[name][0], data, val_users) for w, name in candidates.items()}
+        out.chosen = max(candidates, key=out.validation.get)  # max keeps the first of equals: the start
+        out.models["moe"] = runs[candidates[out.chosen]][0]
+        if out.chosen is not None:  # the retriever the ranker was built on and is held to beat
+            out.models[UNDISTILLED] = runs["moe"][0]
+        for kind, future in aside.items():
+            path, seconds = future.result()
+            out.models[kind] = RetrievalModel.load(path)[0]
+            if seconds is not None:
+                out.seconds[kind] = seconds
+                out.beside.add(kind)
+        return out
+    except BaseException:
+        if pool is not None:
+            terminate(pool)
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def ranking_by(scores: np.ndarray, data: RecData, users: np.ndarray) -> Ranking:
@@ -254,9 +289,10 @@ def asked(data: RecData) -> str:
 def timing(trained: Trained, started: float) -> str:
     """The sentence on where this data set's time went after its data was loaded: each model trained in this run,
     then the rest (the teacher's rankings, validations, ranking and measuring) up to the end of the report's
-    section."""
-    models = ", ".join(f"{name} {s:,.0f} s" for name, s in trained.seconds.items())
-    rest = time.time() - started - sum(trained.seconds.values())
+    section; a model trained beside the others is named with them, its seconds not in the rest's sum."""
+    models = ", ".join(f"{name} {s:,.0f} s" + (" (in a process of its own, beside the others)" if name in trained.beside
+                                                 else "") for name, s in trained.seconds.items())
+    rest = time.time() - started - sum(s for name, s in trained.seconds.items() if name not in trained.beside)
     return (f"Time: training {models or 'none (every model from its checkpoint)'}; the rest (the teacher's "
             f"rankings, validations, ranking and measuring) {rest:,.0f} s.")
 
@@ -456,9 +492,9 @@ def click_prior_tradeoff(model: RetrievalModel, ranked: Ranking, data: RecData, 
             "wherever it was shown: the two need not want the same weight.\n\n" + "\n".join(lines) + "\n\n")
 
 
-def section(data: RecData, retrain: bool, plot_dir: Path) -> str:
+def section(data: RecData, retrain: bool, plot_dir: Path, beside: bool = False) -> str:
     started = time.time()
-    trained = train_all(data, retrain)
+    trained = train_all(data, retrain, beside)
     users = data.eval_users()[:EVAL_USERS]
     rows, subsets, windows = rankings(data, trained, users)
     ranker_top = next(r for r in rows if r.name == "ranker").ranking.top[:, :100]
@@ -521,18 +557,24 @@ def side_by_side(fn: Callable, jobs: list[tuple], workers: int) -> list:
         futures = [pool.submit(fn, *job) for job in jobs]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for failed in (f for f in done if f.exception() is not None):
-            for process in list(pool._processes.values()):  # a running job would otherwise hold the exit for an hour
-                process.terminate()
+            terminate(pool)
             raise failed.exception()
         return [f.result() for f in futures]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, threads: int) -> str:
-    """One data set's section, computed with `threads` torch threads (in a worker process of quality_report)."""
+def terminate(pool: ProcessPoolExecutor) -> None:
+    """Stops the pool's processes, after an error: a running job would otherwise hold the exit for an hour."""
+    for process in list(pool._processes.values()):
+        process.terminate()
+
+
+def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, threads: int, beside: bool) -> str:
+    """One data set's section, computed with `threads` torch threads (in a worker process of quality_report; beside:
+    its BESIDE models in a process of their own)."""
     torch.set_num_threads(threads)
-    return section(load_data(name, world), retrain, plot_dir)
+    return section(load_data(name, world), retrain, plot_dir, beside)
 
 
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None,
@@ -543,8 +585,10 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     than on 1), so data sets on one thread each finish sooner than one after the other on two. On 2 cores the three
     data sets share the two cores, since no one of them is half the work: two processes, MovieLens in one and the
     synthetic worlds one after the other in the other (2,476 s and 3,423 s of one core), took 3,427 s; three took
-    2,981 s (2026-12-06, with the ranker's rankings 14% faster as well). Results are bit-identical for a seed on the
-    same machine and the same number of threads per data set."""
+    2,981 s (2026-12-06, with the ranker's rankings 14% faster as well). Side by side, each data set also trains its
+    BESIDE models in a process of its own (train_all), and the threads are shared out among all the processes:
+    MovieLens, whose three two-towers of 2,000 steps took 2,000 of its 2,476 s, was last by 200 s. Results are
+    bit-identical for a seed on the same machine and the same number of threads per process."""
     if world and world_config(world) is not None and not is_current(world):
         raise InvalidInput(f"{world} was drawn by an older generator (the report reads what version {GENERATOR} keeps); "
                            f"draw it again with `andromeda synth`", "--world")
@@ -553,13 +597,15 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     datasets = tuple(dict.fromkeys(datasets))  # a data set twice would write its checkpoints from two processes
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = max(1, min(len(datasets), workers or (len(datasets) if cores > 1 else 1)))
-    threads = max(1, cores // workers)
-    jobs = [(name, world if name == "synthetic" else None, retrain, out.parent, threads) for name in datasets]
+    beside = workers > 1  # side by side, each data set's BESIDE models train in a process of their own too
+    threads = max(1, cores // (workers * (1 + len(BESIDE) * beside)))
+    jobs = [(name, world if name == "synthetic" else None, retrain, out.parent, threads, beside) for name in datasets]
     sections = side_by_side(_section_of, jobs, workers)
     cpu = platform.processor() or platform.machine()
     text = (f"# Retrieval quality\n\nWritten by `andromeda eval` in one run ({time.time() - started:.0f} s on {cpu}, "
-            f"{cores} cores: the data sets in {workers} processes of {threads} torch thread{'s' * (threads > 1)} "
-            f"each, torch {torch.__version__}). Models train with default sizes "
+            f"{cores} cores: the data sets in {workers} processes"
+            + (f", each with its {', '.join(BESIDE)} in one more beside it," if beside else "")
+            + f" of {threads} torch thread{'s' * (threads > 1)} each, torch {torch.__version__}). Models train with default sizes "
             f"(`andromeda train`); checkpoints in `.cache/models/`. Baselines: most popular (training "
             f"engagements), item-kNN (cosine over co-engagement, summed over the user's last W), content (cosine of "
             f"the ad's MiniLM text embedding, the ad tower's input, with the mean of the user's last W; W chosen per "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.models import quality
@@ -17,7 +18,7 @@ from andromeda_core.models.distill import ask_teacher
 from andromeda_core.models.evaluate import expected_metrics, per_user_metrics
 from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.towers import Dims
-from andromeda_core.models.train import TrainConfig, default_config
+from andromeda_core.models.train import TrainConfig, default_config, train
 from andromeda_core.synth import WorldConfig, engagement_probability
 from tests.unit.test_models import tiny_data
 
@@ -69,8 +70,8 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
     assert bool(re.search(rf"^\| {re.escape(quality.UNDISTILLED)} \| fp32 \|", text, re.M)) == went_on
     tradeoff = text.split("### The click prior")[1].split("###")[0]
     assert len(re.findall(r"^\| \d+(\.\d+)?( \(chosen\))? \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{3} \|$", tradeoff, re.M)) == 5
-    assert re.search(r"start: \d\.\d{4}, 0: \d\.\d{4}, 0\.5: \d\.\d{4}, 2: \d\.\d{4}; chosen: (start|0|0\.5|2) \(", text)
-    assert trained_now(text) == ["sasrec", "two_tower", "moe", "ranker", "moe (distill 0)", "moe (distill 0.5)", "moe (distill 2)"]
+    assert re.search(r"start: \d\.\d{4}, 0: \d\.\d{4}, 2: \d\.\d{4}; chosen: (start|0|2) \(", text)
+    assert trained_now(text) == ["sasrec", "two_tower", "moe", "ranker", "moe (distill 0)", "moe (distill 2)"]
     assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
 
 
@@ -120,11 +121,11 @@ def test_a_world_of_an_older_generator_is_refused_and_left_alone(tmp_path):
 
 def test_a_distilled_checkpoint_that_names_no_start_is_trained_again(tiny_report, monkeypatch):
     _, out = tiny_report
-    path = quality.checkpoint_path("tiny", "moe", 0.5)
+    path = quality.checkpoint_path("tiny", "moe", 2.0)
     model, config = RetrievalModel.load(path)
     assert config["init"] == "tiny-moe.safetensors" and config["teacher"] == "tiny-ranker.safetensors"
     model.save(path, {k: v for k, v in config.items() if k not in ("model", "model_version", "dims", "init")})
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0.5)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 2)"]
 
 
 def test_a_checkpoint_trained_otherwise_under_the_same_name_is_trained_again(tiny_report):
@@ -139,13 +140,13 @@ def test_a_checkpoint_trained_otherwise_under_the_same_name_is_trained_again(tin
     start = quality.checkpoint_path("tiny", "moe")
     model, config = RetrievalModel.load(start)
     model.save(start, {**config, "note": "trained again elsewhere"})  # the same name and settings, other bytes
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0)", "moe (distill 0.5)", "moe (distill 2)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0)", "moe (distill 2)"]
 
 
 def test_a_model_going_on_from_one_trained_again_is_trained_again(tiny_report):
     _, out = tiny_report
     quality.checkpoint_path("tiny", "moe").unlink()
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe", "ranker", "moe (distill 0)", "moe (distill 0.5)", "moe (distill 2)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe", "ranker", "moe (distill 0)", "moe (distill 2)"]
 
 
 def test_the_steps_without_a_teacher_are_the_students_steps_in_their_own_checkpoint(tiny_report):
@@ -161,14 +162,36 @@ def test_the_steps_without_a_teacher_are_the_students_steps_in_their_own_checkpo
 def test_a_student_is_trained_again_after_its_teacher_or_when_it_was_taught_by_other_users(tiny_report, monkeypatch):
     _, out = tiny_report
     quality.checkpoint_path("tiny", "ranker").unlink()
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 0.5)", "moe (distill 2)"]
-    path = quality.checkpoint_path("tiny", "moe", 0.5)
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["ranker", "moe (distill 2)"]
+    path = quality.checkpoint_path("tiny", "moe", 2.0)
     model, config = RetrievalModel.load(path)
     assert config["teacher_users"] == len(quality.load_data("tiny").eval_users())  # fewer than TEACHER_USERS
     monkeypatch.setattr(quality, "ask_teacher", lambda ranker, data: ask_teacher(ranker, data, users=5))
-    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 0.5)", "moe (distill 2)"]
+    assert trained_now(quality.quality_report(("tiny",), out)) == ["moe (distill 2)"]
     assert RetrievalModel.load(path)[1]["teacher_users"] == 5
     assert trained_now(quality.quality_report(("tiny",), out)) == []
+
+
+def test_a_model_trained_beside_the_others_is_the_one_trained_in_this_process(tmp_path, monkeypatch):
+    """Side by side, train_all trains BESIDE in a spawned process of its own (which reads the real default_config: the
+    patched one stays in this process) while this one trains the rest: the same weights as training here, its seconds
+    named beside the others and left out of the rest's."""
+    monkeypatch.setenv("ANDROMEDA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(quality, "default_config", lambda kind, seed=0, distill=0.0, start="", going_on=False,
+                        examples=None: TrainConfig(steps=12, batch=16, negatives=16, seed=seed, distill=distill,
+                                                   teacher_rows=8, validate_every=6))
+    data = tiny_data(n_items=60, n_users=30)
+    started = time.time()
+    trained = quality.train_all(data, retrain=True, beside=True)
+    assert quality.BESIDE == ("two_tower",) and trained.beside == {"two_tower"} and list(trained.seconds)[-1] == "two_tower"
+    here = train(data, "two_tower", default_config("two_tower", examples=len(data.train_examples())), progress=False)
+    assert here.state_dict().keys() == trained.models["two_tower"].state_dict().keys()
+    assert all(torch.equal(v, trained.models["two_tower"].state_dict()[k]) for k, v in here.state_dict().items())
+    now, sentence = time.time(), quality.timing(trained, started)
+    assert re.search(r", two_tower [\d,]+ s \(in a process of its own, beside the others\); the rest", sentence)
+    others = sum(s for kind, s in trained.seconds.items() if kind != "two_tower")
+    rest = float(sentence.split("measuring) ")[1].split(" s.")[0].replace(",", ""))
+    assert trained.seconds["two_tower"] > 2 and abs(rest - (now - started - others)) < 1  # two_tower's seconds not taken
 
 
 def test_the_oracle_ranks_by_the_worlds_true_affinity():
