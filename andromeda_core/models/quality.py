@@ -25,7 +25,7 @@ from andromeda_core.models.distill import TEACHER_TOP, TEACHER_USERS, Teacher, a
 from andromeda_core.models.evaluate import (CUTOFFS, Ranking, bytes_per_ad, counted_flops_per_pair, crossings,
                                             expected_metrics, per_user_metrics, rank_items, ranking_from_scores,
                                             recall_within)
-from andromeda_core.models.features import NAMES as FEATURE_NAMES
+from andromeda_core.models.features import NAMES as FEATURE_NAMES, PairFeatures
 from andromeda_core.models.heads import HEADS
 from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
@@ -55,6 +55,9 @@ CEILING = "ceiling (engagement probability)"
 CONTENT = "content (MiniLM cosine)"
 DECLARED = "declared interests (MiniLM cosine)"
 UNDISTILLED = "moe, the ranker's start"  # the undistilled MoE the ranker starts from, where the one kept went on from it
+SIMULATED = ("sasrec", "two_tower", "moe")  # the models ranked again for the simulated short histories and every ad
+# new: the retrievers (the ranker's full-corpus ranking of 2,000 users took about 50 s of one core each, in a run over
+# 45 minutes; its cold-start row stays)
 STORAGE_ROWS = (("fp16", 0), ("int8", 0), ("fp16", RESCORE), ("int8", RESCORE))  # the MoE as stored and served
 
 
@@ -120,15 +123,16 @@ class Trained:
 
 
 def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None = None, distill: float = 0.0,
-              init: tuple[RetrievalModel, Path] | None = None, seed: int = 0,
-              going_on: bool = False) -> tuple[RetrievalModel, Path, bool]:
+              init: tuple[RetrievalModel, Path] | None = None, seed: int = 0, going_on: bool = False,
+              config: TrainConfig | None = None) -> tuple[RetrievalModel, Path, bool]:
     """(model, its checkpoint, trained in this call). The checkpoint is loaded unless retrain, or it is missing or
     unusable (of an older model version, say), or its metadata names another seed, number of steps, learning rate, set
     click weight or start than asked (init's checkpoint, by name and contents) or, when distilled, another number of users asked of
-    the teacher: it was trained otherwise (by `andromeda train --steps 3`, say, which writes the same names)."""
+    the teacher: it was trained otherwise (by `andromeda train --steps 3`, say, which writes the same names). config:
+    the training settings (None: default_config's)."""
     start = other_start(kind, init[0] if init else None)
     path = checkpoint_path(data.name, kind, distill, start, going_on)
-    cfg = default_config(kind, seed, distill, start, going_on, examples=len(data.train_examples()))
+    cfg = config or default_config(kind, seed, distill, start, going_on, examples=len(data.train_examples()))
     loaded = None
     if path.exists() and not retrain:
         try:
@@ -145,16 +149,17 @@ def get_model(data: RecData, kind: str, retrain: bool, teacher: Teacher | None =
     return model, path, True
 
 
-BESIDE = ("two_tower",)  # trained in a process of their own beside the others when the data sets run side by side:
-# no other model starts from them, so nothing waits on them until ranking, and the longest data set's chain is shorter
+BESIDE = ("sasrec", "two_tower")  # trained in a process of their own beside the others when the data sets run side by
+# side: no other model starts from these baselines, so nothing waits on them until ranking, and each data set's chain
+# of models (MoE, ranker, students) is shorter
 
 
-def fit_beside(data: RecData, kind: str, retrain: bool, threads: int) -> tuple[Path, float | None]:
-    """Trains (or loads) data's `kind` model in this process with `threads` torch threads, as get_model does: (its
-    checkpoint, the seconds it trained; None when loaded). Run in a process of its own by train_all."""
+def fit_beside(data: RecData, kind: str, retrain: bool, threads: int, config: TrainConfig) -> tuple[Path, float | None]:
+    """Trains (or loads) data's `kind` model by `config` in this process with `threads` torch threads, as get_model
+    does: (its checkpoint, the seconds it trained; None when loaded). Run in a process of its own by train_all."""
     torch.set_num_threads(threads)
     started = time.time()
-    _, path, fresh = get_model(data, kind, retrain)
+    _, path, fresh = get_model(data, kind, retrain, config=config)
     return path, time.time() - started if fresh else None
 
 
@@ -169,8 +174,9 @@ def train_all(data: RecData, retrain: bool, beside: bool = False) -> Trained:
     val_users = data.eval_users()[:EVAL_USERS]
     pool = ProcessPoolExecutor(len(BESIDE), mp_context=multiprocessing.get_context("spawn")) if beside else None
     try:
-        aside = {kind: pool.submit(fit_beside, data, kind, retrain, torch.get_num_threads()) for kind in BESIDE} \
-            if pool else {}
+        examples = len(data.train_examples())  # the settings are this process's, as get_model would make them here
+        aside = {kind: pool.submit(fit_beside, data, kind, retrain, torch.get_num_threads(),
+                                   default_config(kind, examples=examples)) for kind in BESIDE} if pool else {}
 
         def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None,
                 going_on: bool = False):
@@ -265,18 +271,20 @@ def rankings(data: RecData, trained: Trained, users: np.ndarray) -> tuple[list[R
         rows.insert(0, Row(ORACLE, "-", oracle_ranking(data, users)))
 
     counted = {kind: counted_flops_per_pair(model, data) for kind, model in m.items()}
+    pair = PairFeatures.fit(data)  # the ranker's, fit once for its rows
 
     def learned(kind: str, dtype: str = "fp32", rescore: int = 0, **how) -> Row:
         model = m[kind]
-        return Row(kind, storage_label(dtype, rescore), rank_items(model, data, users, dtype, rescore=rescore, **how),
+        return Row(kind, storage_label(dtype, rescore), rank_items(model, data, users, dtype, rescore=rescore, pair=pair,
+                                                                   **how),
                    model.head.flops_per_pair(), counted[kind], bytes_per_ad(model, dtype, rescore), kind)
 
     rows += [learned(kind) for kind in ("sasrec", "two_tower", "moe", UNDISTILLED) if kind in m]
     rows += [learned("moe", dtype, rescore) for dtype, rescore in STORAGE_ROWS] + [learned("ranker")]
     short = [Row("item-kNN", "-", item_knn(data, users, recent=SHORT_HISTORY)),
              Row(CONTENT, "-", content_similarity(data, users, recent=SHORT_HISTORY))]
-    short += [learned(kind, keep=SHORT_HISTORY) for kind in ("sasrec", "two_tower", "moe", "ranker")]
-    every_ad_new = [learned(kind, content_only=True) for kind in ("sasrec", "two_tower", "moe", "ranker")]
+    short += [learned(kind, keep=SHORT_HISTORY) for kind in SIMULATED]
+    every_ad_new = [learned(kind, content_only=True) for kind in SIMULATED]
     return rows, {"short": short, "content_only": every_ad_new}, {"item-kNN": knn_window, CONTENT: content_window}
 
 
@@ -524,12 +532,12 @@ def section(data: RecData, retrain: bool, plot_dir: Path, beside: bool = False) 
             f"training (no learned id: embedded from content alone).\n\n"
             f"{subset_table([r for r in by_name.values() if r.name != ORACLE], cold)}\n\n"
             f"Every ad new: the whole corpus embedded from content alone (as if every ad were created after "
-            f"training; the ranker keeps only its interest feature).\n\n{subset_table(subsets['content_only'])}\n\n"
+            f"training), for the retrieval models.\n\n{subset_table(subsets['content_only'])}\n\n"
             f"Short histories: the {int(short.sum())} users with at most {SHORT_HISTORY} engagements before their "
             f"held-out one.\n\n{subset_table(list(by_name.values()), short)}\n\n"
-            f"Short histories, simulated for every user: the towers read only the last {SHORT_HISTORY} engagements "
-            f"(item-kNN and content sum over their last {SHORT_HISTORY}; segments and co-engagements stay; the whole "
-            f"history is still excluded from the ranking).\n\n{subset_table(subsets['short'])}\n\n"
+            f"Short histories, simulated for every user: the towers of the retrieval models read only the last "
+            f"{SHORT_HISTORY} engagements (item-kNN and content sum over their last {SHORT_HISTORY}; segments and "
+            f"co-engagements stay; the whole history is still excluded from the ranking).\n\n{subset_table(subsets['short'])}\n\n"
             f"Targets:\n" + "\n".join(targets(rows, ranker_top, TRUE_RECALL_TARGET.get(data.name), truth, expected)))
     return (f"## {data.name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, {len(users)} evaluated "
             f"(last engagement held out, full corpus ranked, history excluded). {timing(trained, started)} "
@@ -604,7 +612,7 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     cpu = platform.processor() or platform.machine()
     text = (f"# Retrieval quality\n\nWritten by `andromeda eval` in one run ({time.time() - started:.0f} s on {cpu}, "
             f"{cores} cores: the data sets in {workers} processes"
-            + (f", each with its {', '.join(BESIDE)} in one more beside it," if beside else "")
+            + (f", each training its {' and '.join(BESIDE)} in processes of their own beside it," if beside else "")
             + f" of {threads} torch thread{'s' * (threads > 1)} each, torch {torch.__version__}). Models train with default sizes "
             f"(`andromeda train`); checkpoints in `.cache/models/`. Baselines: most popular (training "
             f"engagements), item-kNN (cosine over co-engagement, summed over the user's last W), content (cosine of "

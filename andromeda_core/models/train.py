@@ -223,7 +223,8 @@ DEEP_SCALES = (1.0, 0.5, 0.25, 0.0)  # scales of a warm-started ranker's trained
 
 @torch.no_grad()
 def scale_deep_part(model: RetrievalModel, data: RecData, users: np.ndarray, moe_top: np.ndarray, funnel: float,
-                    known: dict[float, Ranking] | None = None) -> dict[float, tuple[float, float]]:
+                    known: dict[float, Ranking] | None = None,
+                    pair: PairFeatures | None = None) -> dict[float, tuple[float, float]]:
     """Scales the trained deep part of a warm-started ranker (its output layer) by the scale of DEEP_SCALES with the
     best validation score at the users (U,) among those whose top-100 keeps at least `funnel` inside the top-1000 of
     the MoE it starts from (moe_top (U, TOP)); 0 (silent: the MoE and the wide weights chosen within the funnel on
@@ -231,7 +232,8 @@ def scale_deep_part(model: RetrievalModel, data: RecData, users: np.ndarray, moe
     share kept) per scale; of equal scores, the larger scale. Both models are judged without their click priors
     (chosen after), at the users the deep part's early stopping reads: a proxy for the report's target, which reads
     them with their priors, the ranker against the MoE kept (a student of it, perhaps). known: the validation rankings
-    already made at some scales (training's of the deep part kept, at 1, and of its silent start, at 0).
+    already made at some scales (training's of the deep part kept, at 1, and of its silent start, at 0); pair: the
+    PairFeatures fit on data (fit per ranking when None).
 
     Trained for its validation score alone, the deep part reorders more than a ranker fed by the retriever may: on
     the default synthetic world (one run on 2 threads, 2026-12-06) it lifted the ranker's validation score (1,000
@@ -243,7 +245,7 @@ def scale_deep_part(model: RetrievalModel, data: RecData, users: np.ndarray, moe
     for scale in DEEP_SCALES:
         layer.weight.copy_(trained[0] * scale)
         layer.bias.copy_(trained[1] * scale)
-        ranking = (known or {}).get(scale) or validation_ranking(model, data, users)
+        ranking = (known or {}).get(scale) or validation_ranking(model, data, users, pair)
         out[scale] = mean_metric(ranking.target_rank), recall_within(ranking.top[:, :100], moe_top)
     allowed = [scale for scale, (_, share) in out.items() if share >= funnel or scale == 0.0]
     best = max(allowed, key=lambda scale: out[scale][0])  # max keeps the first of equals
@@ -378,12 +380,13 @@ def expert_losses(dims: Dims, state: UserState, candidates: torch.Tensor, logq: 
     return (per * usable).sum(1) / usable.sum(1).clamp(min=1)
 
 
-def validation_ranking(model: RetrievalModel, data: RecData, users: np.ndarray) -> Ranking:
+def validation_ranking(model: RetrievalModel, data: RecData, users: np.ndarray,
+                       pair: PairFeatures | None = None) -> Ranking:
     """The users' (U,) rankings of the full corpus at their validation engagements (in eval mode; the model's modes
-    are restored after)."""
+    are restored after; pair: the PairFeatures fit on data, as rank_items)."""
     modes = {m: m.training for m in model.modules()}
     model.eval()
-    ranking = rank_items(model, data, users, split=0, progress=False)
+    ranking = rank_items(model, data, users, split=0, progress=False, pair=pair)
     for m, training in modes.items():
         m.train(training)
     return ranking
@@ -471,7 +474,7 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     funnel_top = None  # (U, TOP) the MoE's validation top-1000, which must keep cfg.funnel of the ranker's top-100
     start = best_ranking = None  # the validation rankings of the warm-started ranker's silent start and of the best
     if frozen and cfg.validate_every:
-        start = best_ranking = validation_ranking(model, data, val_users)
+        start = best_ranking = validation_ranking(model, data, val_users, pair)
         best, best_state = mean_metric(start.target_rank), copy.deepcopy(model.state_dict())
         with init.without_click_prior():
             funnel_top = validation_ranking(init, data, val_users).top
@@ -515,7 +518,7 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
         bar.set_postfix(loss=f"{loss.item():.3f}", **({"val": f"{best:.4f}"} if best_state is not None else {}),
                         refresh=False)  # the best validation score, once one has run
         if cfg.validate_every and ((step + 1) % cfg.validate_every == 0 or step + 1 == cfg.steps):
-            ranking = validation_ranking(model, data, val_users)
+            ranking = validation_ranking(model, data, val_users, pair)
             score = mean_metric(ranking.target_rank)
             if score > best:
                 best, best_state, best_ranking, since_best = score, copy.deepcopy(model.state_dict()), ranking, 0
@@ -526,7 +529,7 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
     if best_state is not None:
         model.load_state_dict(best_state)
     if funnel_top is not None and not model.head.silent:
-        scale_deep_part(model, data, val_users, funnel_top, cfg.funnel, known={1.0: best_ranking, 0.0: start})
+        scale_deep_part(model, data, val_users, funnel_top, cfg.funnel, known={1.0: best_ranking, 0.0: start}, pair=pair)
     choose_click_prior(model.eval(), data, pair, data.eval_users()[: cfg.prior_users],
                        weights=cfg.click_weights or CLICK_WEIGHTS)
     return model
