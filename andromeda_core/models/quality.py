@@ -8,6 +8,7 @@ import hashlib
 import multiprocessing
 import os
 import platform
+import signal
 import time
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from andromeda_core.models.heads import HEADS
 from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.recdata import RecData, load_movielens, load_synthetic
 from andromeda_core.models.retrieval import UNLOADABLE, RetrievalModel
+from andromeda_core.models.segments import described_table
 from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
 from andromeda_core.models.train import (CLICK_WEIGHTS, DEEP_SCALES, TrainConfig, default_config, other_start, train,
                                          validation_score)
@@ -116,8 +118,10 @@ class Trained:
     of those was kept."""
 
     models: dict[str, RetrievalModel] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)  # of the models trained in this run, in training order
+    seconds: dict[str, float] = field(default_factory=dict)  # of the models trained in this run, in the order they
+    # were done (those beside, last)
     beside: set[str] = field(default_factory=set)  # those of them trained in a process of their own (BESIDE)
+    waited: float = 0.0  # seconds this process waited for the models beside once its own were done
     validation: dict[float | None, float] = field(default_factory=dict)
     chosen: float | None = None
 
@@ -180,6 +184,8 @@ def train_all(data: RecData, retrain: bool, beside: bool = False) -> Trained:
 
         def fit(name: str, kind: str, distill: float = 0.0, teacher: Teacher | None = None, init: str | None = None,
                 going_on: bool = False):
+            for failed in (f for f in aside.values() if f.done() and f.exception() is not None):
+                raise failed.exception()  # a model beside failed: stop now, not after this process's hour
             # a model going on from one trained now is trained again too, and a student of a ranker trained now
             again = retrain or init in out.seconds or (teacher is not None and "ranker" in out.seconds)
             started = time.time()
@@ -203,12 +209,15 @@ def train_all(data: RecData, retrain: bool, beside: bool = False) -> Trained:
         out.models["moe"] = runs[candidates[out.chosen]][0]
         if out.chosen is not None:  # the retriever the ranker was built on and is held to beat
             out.models[UNDISTILLED] = runs["moe"][0]
+        waiting = time.time()
         for kind, future in aside.items():
             path, seconds = future.result()
             out.models[kind] = RetrievalModel.load(path)[0]
             if seconds is not None:
                 out.seconds[kind] = seconds
                 out.beside.add(kind)
+        out.waited = time.time() - waiting
+        out.models = {**{k: out.models[k] for k in BESIDE if k in aside}, **out.models}  # in the order trained in line
         return out
     except BaseException:
         if pool is not None:
@@ -297,11 +306,14 @@ def asked(data: RecData) -> str:
 def timing(trained: Trained, started: float) -> str:
     """The sentence on where this data set's time went after its data was loaded: each model trained in this run,
     then the rest (the teacher's rankings, validations, ranking and measuring) up to the end of the report's
-    section; a model trained beside the others is named with them, its seconds not in the rest's sum."""
+    section; a model trained beside the others is named with them, its seconds not in the rest's sum, nor the wait for
+    it."""
     models = ", ".join(f"{name} {s:,.0f} s" + (" (in a process of its own, beside the others)" if name in trained.beside
                                                  else "") for name, s in trained.seconds.items())
-    rest = time.time() - started - sum(s for name, s in trained.seconds.items() if name not in trained.beside)
-    return (f"Time: training {models or 'none (every model from its checkpoint)'}; the rest (the teacher's "
+    rest = time.time() - started - trained.waited - sum(s for name, s in trained.seconds.items()
+                                                        if name not in trained.beside)
+    waited = f"; waiting for the models beside {trained.waited:,.0f} s" if trained.waited >= 0.5 else ""
+    return (f"Time: training {models or 'none (every model from its checkpoint)'}{waited}; the rest (the teacher's "
             f"rankings, validations, ranking and measuring) {rest:,.0f} s.")
 
 
@@ -581,8 +593,14 @@ def terminate(pool: ProcessPoolExecutor) -> None:
 def _section_of(name: str, world: Path | None, retrain: bool, plot_dir: Path, threads: int, beside: bool) -> str:
     """One data set's section, computed with `threads` torch threads (in a worker process of quality_report; beside:
     its BESIDE models in a process of their own)."""
+    if beside:  # stopped by side_by_side, train_all stops the processes beside it
+        signal.signal(signal.SIGTERM, _exit)
     torch.set_num_threads(threads)
     return section(load_data(name, world), retrain, plot_dir, beside)
+
+
+def _exit(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, world: Path | None = None,
@@ -595,8 +613,9 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     synthetic worlds one after the other in the other (2,476 s and 3,423 s of one core), took 3,427 s; three took
     2,981 s (2026-12-06, with the ranker's rankings 14% faster as well). Side by side, each data set also trains its
     BESIDE models in a process of its own (train_all), and the threads are shared out among all the processes:
-    MovieLens, whose three two-towers of 2,000 steps took 2,000 of its 2,476 s, was last by 200 s. Results are
-    bit-identical for a seed on the same machine and the same number of threads per process."""
+    MovieLens, whose three retrieval models of 2,000 steps took 1,759 of its 2,476 s, was last by 200 s (the threads of
+    the processes beside stay reserved after they finish). Results are bit-identical for a seed on the same machine
+    and the same number of threads per process."""
     if world and world_config(world) is not None and not is_current(world):
         raise InvalidInput(f"{world} was drawn by an older generator (the report reads what version {GENERATOR} keeps); "
                            f"draw it again with `andromeda synth`", "--world")
@@ -608,6 +627,8 @@ def quality_report(datasets: tuple[str, ...], out: Path, retrain: bool = False, 
     beside = workers > 1  # side by side, each data set's BESIDE models train in a process of their own too
     threads = max(1, cores // (workers * (1 + len(BESIDE) * beside)))
     jobs = [(name, world if name == "synthetic" else None, retrain, out.parent, threads, beside) for name in datasets]
+    described_table(load_schema())  # the text of the described values, into the cache the processes read (each would
+    # otherwise load MiniLM for it)
     sections = side_by_side(_section_of, jobs, workers)
     cpu = platform.processor() or platform.machine()
     text = (f"# Retrieval quality\n\nWritten by `andromeda eval` in one run ({time.time() - started:.0f} s on {cpu}, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -149,7 +150,9 @@ class RetrievalModel(nn.Module):
         config = {"model": self.kind, "model_version": MODEL_VERSION, "dims": asdict(self.dims), **(meta or {})}
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata={"config": json.dumps(config, sort_keys=True)})
+        partial = Path(path).with_name(f"{Path(path).name}.{os.getpid()}.partial")  # a reader sees the whole file or
+        save_file(tensors, str(partial), metadata={"config": json.dumps(config, sort_keys=True)})  # the one before
+        os.replace(partial, path)
 
     @classmethod
     def load(cls, path: str | Path) -> tuple["RetrievalModel", dict]:
