@@ -403,6 +403,10 @@ def test_ranker_factored_first_layer_equals_the_plain_mlp():
         wide = model.head.wide.score(state, stored)
         assert wide.abs().sum() > 0 and torch.allclose(model.score(state, stored, text), model.head.mlp(pair).squeeze(-1) + wide,
                                                        atol=1e-5)
+    weights = [model.head.mlp[0].weight, model.head.mlp[0].bias, model.head.text.weight]  # and training's gradients
+    factored = torch.autograd.grad(model.head.deep(state, stored.detach(), text).sum(), weights)
+    plain = torch.autograd.grad(model.head.mlp(pair.detach()).sum(), weights[:2])
+    assert all(torch.allclose(f, p, atol=1e-4) for f, p in zip(factored, plain)) and factored[2].abs().sum() > 0
 
 
 def test_a_silent_deep_part_is_skipped_only_where_it_adds_exactly_0():
