@@ -154,17 +154,18 @@ PAIR_WEIGHTS = ((0.0, 10.0, 20.0), (0.0, 10.0, 20.0, 40.0), (0.0, 10.0, 20.0), (
 # combination, the smaller weights
 
 
-def _pair_weight_batches(model: RetrievalModel, data: RecData, users: np.ndarray, pair: PairFeatures,
-                         batch: int) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]]:
-    """Per batch of users at their validation engagements: (users (B,), positions (B,), the warm-started ranker's
-    scores with its deep part and wide weights silent, the MoE's (B, N), history at -inf, pair features (B, N, F))."""
-    stored = model.item_vectors(data.items)
+def _pair_weight_batches(model: RetrievalModel, data: RecData, users: np.ndarray, stored: torch.Tensor,
+                         pair: PairFeatures, batch: int) -> Iterator[tuple[slice, np.ndarray, torch.Tensor, torch.Tensor]]:
+    """Per batch of users at their validation engagements: (its slice of users (U,), positions (B,), the warm-started
+    ranker's scores with its deep part and wide weights silent, the MoE's (B, N), history at -inf, pair features
+    (B, N, F)); stored (N, S): the item vectors."""
     for first in range(0, len(users), batch):
-        us = users[first:first + batch]
+        rows = slice(first, first + batch)
+        us = users[rows]
         positions = np.array([data.split(u)[0] for u in us])
         state = model.users(user_inputs(data, stored, us, positions, model.dims.history))
         base = without_history(model.head.wide.score(state, stored), data, us, positions)  # -inf stays -inf
-        yield us, positions, base, pair.dense(data, us, positions)
+        yield rows, positions, base, pair.dense(data, us, positions)
 
 
 SHARES_CHECKED = 8  # combinations whose share kept choose_pair_weights measures in one more pass over the users
@@ -191,25 +192,22 @@ def choose_pair_weights(model: RetrievalModel, data: RecData, users: np.ndarray,
     ranks = np.zeros((len(combos), len(users)), np.int64)  # (K, U) made up front: a small array kept per combination
     # and batch between the (B, N) temporaries fragmented the heap (16 GB resident for 432 combinations over 2,000
     # users of the default synthetic world)
-    first = 0
-    for us, positions, base, cross in _pair_weight_batches(model, data, users, pair, batch):
+    stored = model.item_vectors(data.items)
+    for rows, positions, base, cross in _pair_weight_batches(model, data, users, stored, pair, batch):
         for k, w in enumerate(combos):
-            ranks[k, first:first + len(us)] = rank_of_targets(base + cross @ w, data, us, positions)
-        first += len(us)
+            ranks[k, rows] = rank_of_targets(base + cross @ w, data, users[rows], positions)
     scores = [mean_metric(r) for r in ranks]
     order = sorted(range(len(combos)), key=lambda k: (-scores[k], k))  # best first; of equals, the earlier
     shares: dict[int, float] = {}
     for start in range(0, len(order), SHARES_CHECKED):
         checked = order[start:start + SHARES_CHECKED]
         kept = np.zeros((len(checked), len(users)))
-        first = 0
-        for us, _, base, cross in _pair_weight_batches(model, data, users, pair, batch):
+        for rows, _, base, cross in _pair_weight_batches(model, data, users, stored, pair, batch):
             n = base.shape[1]
             inside = torch.zeros_like(base, dtype=torch.bool).scatter_(1, base.topk(min(TOP, n), dim=1).indices, True)
             for row, k in enumerate(checked):
                 top = (base + cross @ combos[k]).topk(min(100, n), dim=1).indices
-                kept[row, first:first + len(us)] = inside.gather(1, top).float().mean(1)
-            first += len(us)
+                kept[row, rows] = inside.gather(1, top).float().mean(1)
         shares.update({k: float(share.mean()) for k, share in zip(checked, kept)})
         allowed = [k for k in checked if shares[k] >= funnel]
         if allowed:
