@@ -12,6 +12,8 @@ from andromeda_core.errors import InvalidInput
 
 INT64 = Annotated[int, Field(ge=0, lt=2**63)]
 FLOAT32_MAX = 3.4028234663852886e38  # bids are stored as float32
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number: a positive bid below it would be stored as 0
+# or lose its precision
 TIME_LIMIT = 2**62  # times (seconds) are in [0, TIME_LIMIT); the match compares them as int64
 TIME = Annotated[int, Field(ge=0, lt=TIME_LIMIT)]
 
@@ -40,6 +42,14 @@ class Ad(_Strict):
     creative: Creative
     bid: float = Field(ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
     targeting: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("bid")
+    @classmethod
+    def _storable(cls, bid: float) -> float:
+        if 0 < bid < FLOAT32_TINY:
+            raise PydanticCustomError("bid_too_small", "must be 0 or at least {tiny} (bids are stored as float32)",
+                                      {"tiny": FLOAT32_TINY})
+        return bid
 
     @field_validator("end_time")
     @classmethod

@@ -117,9 +117,10 @@ ECHOED_CHARS = 512  # the most characters of an error's field or message (either
 def sendable(text: str, limit: int | None = ECHOED_CHARS) -> str:
     """text that encodes as UTF-8 (a lone surrogate from a JSON escape such as "\\ud800" becomes that escape
     again), cut to `limit` characters (None: whole). A client's text goes back in errors and logs only this way:
-    encoding the raw text raised inside the error handler, which then answered a plain-text 500."""
+    encoding the raw text raised inside the error handler, which then answered a plain-text 500. A cut text ends in
+    "...", within the limit."""
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if limit is None or len(text) <= limit else text[:limit] + "..."
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def error_response(status: int, category: str, message: str, field: str | None = None,

@@ -17,6 +17,8 @@ from tests.conftest import SMALL_SCHEMA, apply_events, make_ad, upsert
     ({"op": "upsert", "ad": {**make_ad(1), "bid": -1}}, "ad.bid", "greater than or equal"),
     ({"op": "upsert", "ad": {**make_ad(1), "bid": "cheap"}}, "ad.bid", "number"),
     ({"op": "upsert", "ad": {**make_ad(1), "bid": 3.5e38}}, "ad.bid", "less than or equal"),
+    ({"op": "upsert", "ad": {**make_ad(1), "bid": 1e-50}}, "ad.bid", "must be 0 or at least 1.1754943508222875e-38"),
+    ({"op": "upsert", "ad": {**make_ad(1), "bid": 1e-40}}, "ad.bid", "(bids are stored as float32)"),
     ({"op": "upsert", "ad": {**make_ad(1), "status": "running"}}, "ad.status", "active"),
     ({"op": "upsert", "ad": {**make_ad(1), "start_time": 9, "end_time": 3}}, "ad.end_time", "must be after start_time (9)"),
     ({"op": "upsert", "ad": {**make_ad(1), "start_time": 9, "end_time": 9}}, "ad.end_time", "must be after start_time (9)"),
