@@ -46,6 +46,21 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
+def timed_in_turn(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each callable's seconds in each of `rounds` rounds, after one call each: in a round they are called in turn, in
+    the given order in even rounds and in reverse in odd ones. On a shared machine separate runs swing by tens of
+    percent; calls in turn share its state, so the ratio of two in the same round resolves a few percent."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(rounds):
+        for name in list(fns) if round_ % 2 == 0 else list(fns)[::-1]:
+            started = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
 def sync(device: str) -> None:
     """Waits for the device's queued work (a no-op on the CPU), so that a timing covers it."""
     if device == "cuda":

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import re
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 
 from andromeda_cli.args import POSITIVE
+from benchmarks.common import timed_in_turn
 from benchmarks.kernels import TOP_N, K, S, table_and_requests
 from kernels import cpu
 
@@ -61,12 +62,8 @@ def alternate(args: tuple, builds: dict[str, ctypes.CDLL], calls: int) -> dict:
     same_slots = torch.equal(slots_a, slots_b) and torch.equal(counts_a, counts_b)
     gap = (scores_a.double() - scores_b.double()).nan_to_num(0.0).abs().max().item() if scores_a.numel() else 0.0
     largest = scores_a.double().nan_to_num(0.0, 0.0, 0.0).abs().max().item() if scores_a.numel() else 0.0
-    times: dict[str, list[float]] = {first: [], second: []}
-    for round_ in range(calls):
-        for name in (first, second) if round_ % 2 == 0 else (second, first):
-            start = time.perf_counter()
-            cpu.fused_scan(*args, lib=builds[name])
-            times[name].append(time.perf_counter() - start)
+    times = timed_in_turn({name: functools.partial(cpu.fused_scan, *args, lib=lib) for name, lib in builds.items()},
+                          calls)
     return {"same": same_slots and torch.equal(scores_a, scores_b),
             "rounding": same_slots and gap <= ROUNDING * max(largest, 1.0), "score_gap": gap,
             "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},

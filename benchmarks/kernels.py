@@ -11,8 +11,9 @@ over the same table and requests:
 - naive: a multi-kernel PyTorch pipeline per request (mask, gather eligible rows, matmul, top-2 softmax
   gating, top-k);
 - FAISS IndexFlatIP over the same vectors in fp32 (no targeting), at its fastest of 1 or --threads threads and
-  of its two distance paths (faiss_best; on CUDA, where the image has no faiss-gpu, a flat fp16 GEMM + torch.topk
-  over the same vectors stands in);
+  of its two distance paths (faiss_best), then timed in turn with ours over --rounds rounds (timed_in_turn: separate
+  runs on a shared machine swing by tens of percent), its time over ours the median of the rounds' ratios; on CUDA,
+  where the image has no faiss-gpu, a flat fp16 GEMM + torch.topk over the same vectors stands in, timed apart;
 - torch.topk alone over one score per ad.
 
 Reported per (storage, B): ads/s (ads scanned per second, whatever B), user-ad pairs/s, the bytes per
@@ -29,7 +30,9 @@ with the MoE's user towers for the same B requests added (end to end on the devi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pickle
+import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from andromeda_cli.args import NON_NEGATIVE
+from andromeda_cli.args import NON_NEGATIVE, POSITIVE
 from andromeda_core.index import AdIndex
 from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel
@@ -50,7 +53,7 @@ from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.targeting import compile_user
 from andromeda_core.types import parse_request
-from benchmarks.common import machine, matmul_gflops, median_seconds, sync, write_section
+from benchmarks.common import machine, matmul_gflops, median_seconds, sync, timed_in_turn, write_section
 from kernels import dispatch
 from kernels.reference import fused as reference
 
@@ -262,6 +265,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=POSITIVE, default=7, help="CPU: rounds of ours and FAISS timed in turn")
     p.add_argument("--peer-pairs", type=float, default=16e6,
                    help="run the reference and naive peers only up to this many user-ad pairs (they are slow)")
     p.add_argument("--workdir", type=Path, default=None)
@@ -297,20 +301,22 @@ def main() -> None:
     for done, times in enumerate(args.tile, 1):
         n = times * len(world.status)
         queries = {B: np.random.default_rng(B).random((B, S), dtype=np.float32) for B in args.batch}
-        if dev == "cpu":  # once per size and batch: its work does not depend on our storage
+        if dev == "cpu":  # its setting once per size and batch (its work does not depend on our storage), its time
+            # in turn with ours
             flat_scan = faiss_flat(world.vectors.repeat(times, 1))
             flat = {B: faiss_best(flat_scan, queries[B], args.threads, args.repeats) for B in args.batch}
         else:
             flat_scan = torch_flat(world.vectors, times, dev)
-            flat = {B: (timed(lambda: flat_scan(queries[B]), dev, args.repeats), "") for B in args.batch}
-        flat_scan = None  # frees its copy of the vectors before ours is made
+            flat = {B: (timed(lambda: flat_scan(queries[B]), dev, args.repeats), None) for B in args.batch}
+            flat_scan = None  # frees its copy of the vectors before ours is made
         scores = torch.randn((max(args.batch), n), device=dev)
         for storage in args.storage:
             on = stored[storage].tiled(times, dev)
             for B in args.batch:  # the same requests and experts in every storage
                 req = tuple(t.to(dev) for t in requests.batch(B, torch.Generator().manual_seed(B)))
                 args_ = (on.status, on.start, on.end, on.refs, on.vectors, on.scales, *req, S - 1, TOP_N)
-                ours = timed(lambda: dispatch.fused_scan(*args_, K), dev, args.repeats)
+                ours, faiss_time, vs_faiss = versus_flat(lambda: dispatch.fused_scan(*args_, K), flat_scan,
+                                                         queries[B], flat[B], dev, args)
                 match = timed(lambda: dispatch.clause_match(on.status, on.start, on.end, on.refs, req[1], req[0]),
                               dev, args.repeats)
                 eligible = float(dispatch.fused_scan(*args_, K)[2].float().mean()) / n
@@ -322,11 +328,13 @@ def main() -> None:
                 gated, threshold_scan = gated_share(args_) if dev == "cuda" else (None, False)
                 per_ad = bytes_per_ad(storage, dev, on.refs.shape[1], read[B], threshold_scan, B)
                 row = dict(n=n, storage=storage, B=B, ours=ours, match=match, eligible=eligible, read=read[B], per_ad=per_ad, ref=ref,
-                           naive=naive, faiss=flat[B][0], faiss_setup=flat[B][1], topk=topk, tower=tower,
+                           naive=naive, faiss=faiss_time, vs_faiss=vs_faiss,
+                           faiss_setup=describe(flat[B][1]) if flat[B][1] else "", topk=topk, tower=tower,
                            gbs=n * per_ad / ours / 1e9, gflops=B * n * eligible * FLOPS_PER_PAIR / ours / 1e9, gated=gated)
                 rows.append(row)
                 print(line(row, read_bw, peak))
             on = None  # frees the device copy before the next storage
+        flat_scan = None
         if not args.no_write:  # after each size: a run cut short (time, memory) keeps the sizes it finished
             write_section(f"kernels-{dev}", report(rows, args, args.tile[:done], copy, read_bw, peak))
 
@@ -355,9 +363,9 @@ def faiss_flat(vectors: torch.Tensor):
     return lambda queries: flat.search(queries, K)
 
 
-def faiss_best(search, queries: np.ndarray, threads: int, repeats: int) -> tuple[float, str]:
+def faiss_best(search, queries: np.ndarray, threads: int, repeats: int) -> tuple[float, tuple[int, int]]:
     """FAISS's fastest time for these queries (the median of `repeats`) over its settings that change speed, and
-    which: 1 or `threads` OpenMP threads (with fewer queries than threads, FAISS 1.15 splits the table between
+    which (threads, BLAS threshold): 1 or `threads` OpenMP threads (with fewer queries than threads, FAISS 1.15 splits the table between
     threads, which on 2 cores took twice the time of one thread), and BLAS or its own loop for the distances
     (distance_compute_blas_threshold: 1.15's default, 128,000 queries, keeps every batch here off BLAS; 20, the
     earlier default, sends batches of 20 and more to it). Leaves FAISS at `threads` threads and its default
@@ -365,18 +373,58 @@ def faiss_best(search, queries: np.ndarray, threads: int, repeats: int) -> tuple
     import faiss
 
     default = faiss.cvar.distance_compute_blas_threshold
-    best = (float("inf"), "")
-    try:
-        for n_threads in sorted({1, threads}):
-            for blas in sorted({default, 20}):
-                faiss.omp_set_num_threads(n_threads)
-                faiss.cvar.distance_compute_blas_threshold = blas
-                seconds = median_seconds(lambda: search(queries), repeats)
-                best = min(best, (seconds, f"{n_threads} thread{'s' if n_threads > 1 else ''}, BLAS from {blas:,} queries"))
-    finally:
-        faiss.omp_set_num_threads(threads)
-        faiss.cvar.distance_compute_blas_threshold = default
+    best = (float("inf"), (threads, default))
+    for setting in ((n_threads, blas) for n_threads in sorted({1, threads}) for blas in sorted({default, 20})):
+        with faiss_setting(*setting, threads):
+            best = min(best, (median_seconds(lambda: search(queries), repeats), setting))
     return best
+
+
+@contextlib.contextmanager
+def faiss_setting(threads: int, blas: int, after: int):
+    """FAISS at `threads` OpenMP threads, computing distances with BLAS from `blas` queries, inside; after, at `after`
+    threads and its default BLAS threshold. FAISS and torch share one OpenMP runtime here, so torch runs at those
+    thread counts too."""
+    import faiss
+
+    default = faiss.cvar.distance_compute_blas_threshold
+    faiss.omp_set_num_threads(threads)
+    faiss.cvar.distance_compute_blas_threshold = blas
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(after)
+        faiss.cvar.distance_compute_blas_threshold = default
+
+
+def describe(setting: tuple[int, int]) -> str:
+    threads, blas = setting
+    return f"{threads} thread{'s' if threads > 1 else ''}, BLAS from {blas:,} queries"
+
+
+def versus_flat(ours, flat_scan, queries: np.ndarray, flat: tuple[float, tuple[int, int] | None], device: str,
+                args) -> tuple[float, float, float]:
+    """(our seconds, the flat scan's seconds, its time over ours). On the CPU the two are timed in turn over
+    args.rounds rounds, FAISS at its fastest setting (flat: faiss_best's): medians, and the median of the rounds'
+    ratios. On a GPU, where the stand-in's copy of the vectors is freed before ours is made, ours is timed alone
+    (the median of args.repeats) against the stand-in's time flat[0]."""
+    if device != "cpu":
+        seconds = timed(ours, device, args.repeats)
+        return seconds, flat[0], flat[0] / seconds
+    import faiss
+
+    def ours_at_its_threads():  # FAISS and torch share one OpenMP runtime: FAISS's thread count is torch's too
+        torch.set_num_threads(args.threads)
+        ours()
+
+    def faiss_at_its_threads():
+        faiss.omp_set_num_threads(flat[1][0])
+        flat_scan(queries)
+
+    with faiss_setting(*flat[1], args.threads):
+        times = timed_in_turn({"ours": ours_at_its_threads, "faiss": faiss_at_its_threads}, args.rounds)
+    return (statistics.median(times["ours"]), statistics.median(times["faiss"]),
+            statistics.median(f / o for o, f in zip(times["ours"], times["faiss"])))
 
 
 def torch_flat(vectors: torch.Tensor, times: int, device: str):
@@ -408,8 +456,8 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-def ratio(peer: float | None, ours: float) -> str:
-    return "-" if peer is None else f"{peer / ours:.2f}x"
+def times_ours(r: dict) -> str:
+    return f"{r['vs_faiss']:.2f}x"
 
 
 def line(r: dict, read_bw: float, peak: float) -> str:
@@ -418,7 +466,7 @@ def line(r: dict, read_bw: float, peak: float) -> str:
             f"{r['per_ad']:.0f} B/ad, {r['gbs']:.1f} GB/s = {r['gbs'] / read_bw:.0%} of read, "
             f"{r['gflops']:.1f} GFLOP/s = {r['gflops'] / peak:.1%} of matmul)  eligible {r['eligible']:.1%}, rows read {r['read']:.1%}  "
             f"match alone {ms(r['match'])} ms ({r['n'] / r['match'] / 1e9:.2f}G ads/s)  "
-            f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({ratio(r['faiss'], r['ours'])}"
+            f"reference {ms(r['ref'])}  naive {ms(r['naive'])}  FAISS {ms(r['faiss'])} ({times_ours(r)}"
             f"{'; ' + r['faiss_setup'] if r['faiss_setup'] else ''})  "
             f"topk {ms(r['topk'])}  with the user towers {ms(r['tower'] + r['ours'])} ms "
             f"({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M ads/s)  blocks gated {share(r['gated'])}")
@@ -437,11 +485,12 @@ def report(rows: list[dict], args, tiles: list[int], copy: float, read_bw: float
                      f"{r['gbs'] / read_bw:.0%} | {r['gbs'] / copy:.0%} | {r['gflops']:.1f} | {r['gflops'] / peak:.1%} | "
                      f"{r['eligible']:.1%} | {r['read']:.1%} | {ms(r['match'])} ({r['n'] / r['match'] / 1e9:.2f}G) | "
                      f"{ms(r['ref'])} | {ms(r['naive'])} | "
-                     f"{ms(r['faiss'])} | {ratio(r['faiss'], r['ours'])} | {ms(r['topk'])} | "
+                     f"{ms(r['faiss'])} | {times_ours(r)} | {ms(r['topk'])} | "
                      f"{ms(r['tower'] + r['ours'])} ({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M) | {share(r['gated'])} |")
     setups = sorted({(r["B"], r["faiss_setup"]) for r in rows if r["faiss_setup"]})
     command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, tiles))} "
-               f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}")
+               f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}" +
+               (f" --rounds {args.rounds}" if cpu else ""))
     if cpu:
         rows_text = ("the vector rows of the \"rows read\": the ads some request of the batch is eligible for, whose row "
                      "the pass reads once for all of them, counted in the 64-byte cache lines they occupy (an fp16 row's "
@@ -454,9 +503,12 @@ def report(rows: list[dict], args, tiles: list[int], copy: float, read_bw: float
                      "batches every ad's row (it loads a block's rows before it knows which of them match), counted in "
                      "the 32-byte sectors they occupy; where it takes the threshold scan, its sample of 1 block in 16 "
                      "again")
-    faiss_text = (f"FAISS = {FLAT[cpu]}, timed once per size and batch at its fastest of 1 or {args.threads} threads and "
-                  f"BLAS from 20 queries or from 1.15's default of 128,000 (" +
-                  "; ".join(f"B = {B}: {setup}" for B, setup in setups) + ")") if cpu else f"FAISS = {FLAT[cpu]}"
+    faiss_text = (f"FAISS = {FLAT[cpu]}, at its fastest, chosen once per size and batch, of 1 or {args.threads} threads "
+                  f"and BLAS from 20 queries or from 1.15's default of 128,000 (" +
+                  "; ".join(f"B = {B}: {setup}" for B, setup in setups) + f"), then timed in turn with ours over "
+                  f"{args.rounds} rounds: their times are the medians of those rounds, and FAISS time / ours is the "
+                  f"median of the rounds' ratios (runs apart on these shared machines swing by tens of percent)"
+                  ) if cpu else f"FAISS = {FLAT[cpu]}"
     return f"""## Fused kernels on {args.device} ({dispatch.implementation(args.device)}) beside their peers
 
 `{command}`
@@ -482,7 +534,8 @@ pairs ("-" beyond). "With the user towers" adds the time of the MoE's user tower
 sizes, random weights, full histories) and their kernel head, on the same device: end to end but for the
 request's parsing and lookups. "Blocks gated" (CUDA): the share of (block of 128 ads, request) pairs whose gating the
 threshold scan computed; it skips a block where no eligible ad's largest similarity plus bias reaches the request's
-lower bound tau of its m-th best. Times are medians of {args.repeats} (peers: one run).
+lower bound tau of its m-th best. Times are medians of {args.repeats} (reference and naive: one run; on the CPU ours
+and FAISS: of the rounds in turn).
 
 {chr(10).join(table)}
 """

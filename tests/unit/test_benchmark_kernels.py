@@ -1,11 +1,15 @@
 """benchmarks.kernels: the vector bytes it counts are those of the rows the pass reads, once per batch, in the units
-memory moves them in; FAISS is timed at its fastest."""
+memory moves them in; FAISS is timed at its fastest, in turn with ours."""
 from __future__ import annotations
+
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from benchmarks import kernels
+from benchmarks.common import timed_in_turn
 from benchmarks.kernels import Requests, Table, bytes_per_ad, rows_read, vector_bytes
 from kernels.reference.fused import ALWAYS
 
@@ -40,5 +44,29 @@ def test_faiss_is_timed_at_its_fastest_setting_and_left_as_found(monkeypatch):
     cost = {(1, 20): 3.0, (1, default): 2.0, (2, 20): 5.0, (2, default): 4.0}
     monkeypatch.setattr(kernels, "median_seconds", lambda fn, repeats: cost[(faiss.omp_get_max_threads(),
                                                                               faiss.cvar.distance_compute_blas_threshold)])
-    assert kernels.faiss_best(lambda queries: None, None, 2, 3) == (2.0, f"1 thread, BLAS from {default:,} queries")
+    assert kernels.faiss_best(lambda queries: None, None, 2, 3) == (2.0, (1, default))
+    assert kernels.describe((1, default)) == f"1 thread, BLAS from {default:,} queries"
     assert faiss.omp_get_max_threads() == 2 and faiss.cvar.distance_compute_blas_threshold == default
+
+
+def test_calls_in_turn_alternate_their_order_after_one_call_each():
+    calls = []
+    times = timed_in_turn({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"] and [len(t) for t in times.values()] == [3, 3]
+
+
+def test_faiss_against_ours_is_the_median_of_the_rounds_ratios():
+    pytest.importorskip("faiss")
+    args = SimpleNamespace(rounds=5, threads=2, repeats=1)
+    ours, faiss_time, ratio = kernels.versus_flat(lambda: time.sleep(0.004), lambda queries: time.sleep(0.012), None,
+                                                  (0.0, (1, 20)), "cpu", args)
+    assert ours < faiss_time and 2 < ratio < 4
+
+
+def test_ours_runs_at_its_threads_whatever_thread_count_faiss_is_timed_at():
+    """FAISS at 1 thread sets the OpenMP runtime that torch (and our pass, which asks torch) shares."""
+    pytest.importorskip("faiss")
+    seen = []
+    kernels.versus_flat(lambda: seen.append(torch.get_num_threads()), lambda queries: None, None, (0.0, (1, 20)), "cpu",
+                        SimpleNamespace(rounds=3, threads=2, repeats=1))
+    assert seen == [2] * 4 and torch.get_num_threads() == 2
