@@ -184,12 +184,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_publish(args: argparse.Namespace) -> None:
     import redis
 
+    from index_updater.clients import unsupported_options
     from index_updater.publisher import TRANSIENT, Publisher
 
     settings = load_settings()
     url, option = (args.redis, "--redis") if args.redis else (settings.redis_url, "REDIS_URL")
     if not url:
         raise InvalidInput("no Redis to publish to: pass --redis or set REDIS_URL", "--redis")
+    if why := unsupported_options(url):
+        raise InvalidInput(why, option)
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5)
     except ValueError as exc:

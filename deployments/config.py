@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from andromeda_core.types import CO_ENGAGEMENT_MAX, COHORTS_MAX, HISTORY_MAX, K_MAX
+from index_updater.clients import unsupported_options
 
 BATCH_MAX = 4096  # the most requests of one POST /v1/retrieve:batch, whatever limits.batch_requests says
 
@@ -254,6 +255,13 @@ class ServiceConfig(BaseModel):
     host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$")
     port: int = Field(8000, ge=1, le=65535)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_replies(cls, url: str | None) -> str | None:
+        if url and (why := unsupported_options(url)):
+            raise ValueError(why)
+        return url
+
     def resolved_redis_url(self) -> str:
         """`redis_url`, or REDIS_URL of the process that asks (a replica)."""
         from andromeda_core.config import load_settings
@@ -261,6 +269,8 @@ class ServiceConfig(BaseModel):
         url = self.redis_url or load_settings().redis_url
         if not url:
             raise RuntimeError("no Redis: set redis_url in the service config or REDIS_URL in the replicas' environment")
+        if why := unsupported_options(url):
+            raise RuntimeError(f"REDIS_URL: {why}")
         return url
 
     def resolved_device(self) -> str:

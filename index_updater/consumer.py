@@ -46,17 +46,21 @@ LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every
 DEAD_LETTERS_KEPT = 100_000  # the dead-letter stream keeps about this many of the newest (XADD MAXLEN ~)
 # Dead-letter an entry once, whichever replicas of the shard meet it and however often. KEYS: the dead-letter stream,
 # the shard's sorted set of the entries dead-lettered ("<source id> <entry digest>", scored by the id's
-# milliseconds: the newest ARGV[2] kept; a key of another type, mangled, counts as none); ARGV: that member, the
-# length kept, its score, the record's fields and values. The digest tells a new entry that a stream gone back
+# milliseconds: the newest ARGV[2] kept); a key of another type, mangled, counts as none; ARGV: that member, the
+# length kept, its score, the record's fields and values. The record is added before the entry is marked: Redis does
+# not undo a script's writes when a later command fails, and a mark without its record would never be retried. The digest tells a new entry that a stream gone back
 # (went_back) put at an id from the one dead-lettered there before, with nothing to forget at the reset, so a
 # replica that notices the reset later adds nothing again.
 DEAD_LETTER_ONCE = """
-local kind = redis.call('TYPE', KEYS[2]).ok
-if kind ~= 'zset' and kind ~= 'none' then redis.call('DEL', KEYS[2]) end
+for i, want in ipairs({'stream', 'zset'}) do
+  local kind = redis.call('TYPE', KEYS[i]).ok
+  if kind ~= want and kind ~= 'none' then redis.call('DEL', KEYS[i]) end
+end
 if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return false end
+local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[2]) - 1)
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
+return id
 """
 RELEASE_ROUND = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # The stream's state, the entry at the last applied id and the entries after it, read at one moment (a script is
@@ -253,7 +257,9 @@ class ShardConsumer:
         self._gap_snapshot: str | None = None  # newest snapshot when a gap was last found uncovered
         self._entries_added: int | None = None  # the stream's XINFO entries-added at the last read
         self._last_digest: str | None = None  # entry_digest of the entry at stats.last_id, as read; None: unknown
-        self._from_start = False  # reading the stream again from its start (went_back): no gap before its first entry
+        self._from_start = False  # reading the stream again from its start (went_back)
+        self._reset_from = "0-0"  # the last id applied before the stream went back (while _from_start): what was
+        # trimmed from it up to there this replica applied; what was trimmed past it, it may never have read
         self._met: dict[str, None] = {}  # the poison entries counted in stats.dead_letters (DEAD_LETTER_ONCE's members)
 
     @property
@@ -370,14 +376,31 @@ class ShardConsumer:
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
                       "before", self.shard, reason)
             self.stats.stream_resets += 1
+            if not self._from_start:
+                self._reset_from = last_id
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
             self._last_digest = None
             self._reset_pending = True  # settle_reset, at the end of catch_up and at each turn of the loop
             return self.read()
         self._entries_added = info["entries-added"]
-        if not (self.stats.gap_unrecovered or self._from_start) and (gap := trimmed_past(info, self.stats.last_id)):
+        if self.stats.gap_unrecovered:
+            pass  # it applies what the stream still holds
+        elif not self._from_start and (gap := trimmed_past(info, self.stats.last_id)):
             raise self.gap_error(gap)
+        elif self._from_start and (gap := trimmed_past(info, self._reset_from)):
+            self._missed_after_reset(gap)
         return reply[0][1] if reply else []
+
+    def _missed_after_reset(self, gap: str) -> None:
+        """The stream it went back to was trimmed up to `gap`, past the last id applied before: entries added since
+        (a recreated stream's, say) may have been trimmed unread here. The index misses them until a snapshot newer
+        than the newest now covers them (the newest may be one the stream went back from, set aside only after this
+        read); meanwhile it applies what the stream holds and writes no snapshot."""
+        self.stats.gap_unrecovered = (f"the stream went back, and was trimmed up to {gap}, past the last id applied "
+                                      f"before ({self._reset_from})")
+        self._gap_snapshot = self._newest_snapshot()
+        log.error("shard %d: %s; the index misses those updates until a newer snapshot covers them", self.shard,
+                  self.stats.gap_unrecovered)
 
     @contextmanager
     def _reading(self) -> Iterator[None]:

@@ -113,6 +113,10 @@ def test_poison_entry_goes_to_dead_letters_and_the_next_good_one_applies(setup):
     c.stats.last_id, c._from_start = "0-0", True  # the stream read again from its start, as after it went back
     c.catch_up()
     assert c.stats.dead_letters == 6  # the metric (and its alert) count no poison entry twice
+    client.set(f"{DEFAULT_STREAM}:dead-letters", "not a stream")  # the dead-letter stream itself, mangled
+    client.xadd(SHARD0, {"garbage": b"\xfd"})
+    c.catch_up()  # its record is added (not marked done without one, then never retried)
+    assert c.stats.dead_letters == 7 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 1
 
 
 def test_bad_event_is_rejected_at_publish_and_writes_nothing(setup):
@@ -785,6 +789,46 @@ def test_stopping_drops_a_background_copy_in_progress(setup, tmp_path):
     assert wait_until(lambda: other._copy.bulk_done)
     other.stop()
     assert not other._writer.is_alive() and not other.index._exports and not other.snapshots.paths()
+
+
+def test_entries_trimmed_from_a_stream_that_went_back_past_what_a_replica_applied_are_a_gap(setup, tmp_path):
+    """The stream is lost while a replica is away; new ads go to a new one, which the others snapshot and trim. Back,
+    the replica finds the stream went back and reads it from its start: what was trimmed from it is newer than all it
+    had applied, so it misses those ads: unhealthy, no snapshot of its own, until a newer snapshot covers them."""
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    publisher.publish([upsert(i) for i in range(1, 11)])
+    away = make(snapshots=store)
+    away.catch_up()
+    client.delete(SHARD0)
+    ids = publisher.publish([upsert(i) for i in (100, 101, 102)])
+    healthy = make(snapshots=store)
+    healthy.catch_up()
+    healthy.snapshot()
+    client.xtrim(SHARD0, minid=ids[-1], approximate=False)  # below the healthy replica's snapshot
+    away.catch_up()
+    assert away.stats.stream_resets == 1 and "went back, and was trimmed up to" in away.stats.gap_unrecovered
+    assert not away.health(max_lag_s=60)[0] and 102 in away.index and 100 not in away.index
+    away.snapshot()
+    assert len(store.paths()) == 1  # none of its own: it must not pass for a complete index
+    publisher.publish([upsert(103)])
+    healthy.catch_up()
+    healthy.snapshot()  # newer than the newest when the gap was found
+    away._turn({"sweep": float("inf"), "snapshot": float("inf"), "report": float("inf"), "trim": float("inf")})
+    assert not away.stats.gap_unrecovered and {100, 101, 102, 103} <= set(away.index.ad_ids())
+
+
+def test_a_stream_trimmed_only_below_what_a_replica_applied_before_it_went_back_is_no_gap(setup, small_schema, scorer):
+    """A Redis restored from an older copy: its stream, trimmed as usual before the copy, holds fewer entries than a
+    replica read, all at ids it had applied. Read again from its start: what was trimmed, it applied."""
+    client, publisher, make = setup
+    publisher.publish([upsert(i) for i in range(1, 7)])
+    c = make()
+    c.catch_up()
+    take_over_with_lost_writes(client, Publisher(client, small_schema, scorer, stream="scratch"), 4, [])
+    client.xtrim(SHARD0, maxlen=2, approximate=False)  # the copy holds ads 3 and 4, its first two trimmed
+    c.catch_up()
+    assert c.stats.stream_resets == 1 and not c.stats.gap_unrecovered and len(c.index) == 6
 
 
 def test_a_background_snapshot_of_the_stream_before_it_went_back_is_set_aside(setup, tmp_path, small_schema, scorer):

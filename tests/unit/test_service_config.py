@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.config import SERVE_ENV, Autoscaling, ServiceConfig, apply_serve_env, by_reference
+from index_updater.clients import redis_client
 
 
 def test_serve_config_validates_with_rays_schema_and_names_every_shard():
@@ -35,6 +36,8 @@ def test_autoscaling_and_cuda_options():
 
 @pytest.mark.parametrize("bad, field", [({"shards": 0}, "shards"), ({"replicas": -1}, "replicas"),
                                         ({"storage": "int4"}, "storage"), ({"redis_url": ""}, "redis_url"),
+                                        ({"redis_url": "redis://r/0?protocol=3"}, "redis_url"),
+                                        ({"redis_url": "redis://r/0?decode_responses=true"}, "redis_url"),
                                         ({"shard_count": 2}, "shard_count"),
                                         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling"),
                                         ({"overload": {"router_queue": 0}}, "overload.router_queue"),
@@ -113,3 +116,19 @@ def test_the_load_benchmarks_ray_defaults_undo_every_serve_env_setting():
     from benchmarks.load import RAY_SERVE_DEFAULTS
 
     assert set(RAY_SERVE_DEFAULTS) == set(SERVE_ENV) and all(RAY_SERVE_DEFAULTS[k] != SERVE_ENV[k] for k in SERVE_ENV)
+
+
+@pytest.mark.parametrize("url, words", [("redis://r/0?protocol=3", "protocol=3"),
+                                        ("rediss://:pw@r:6380/1?decode_responses=yes", "decode_responses")])
+def test_redis_url_options_that_change_the_replies_are_refused_wherever_the_url_comes_from(url, words, monkeypatch):
+    """redis-py lets a URL's options override the client's: RESP3's dict replies or decoded strings would fail every
+    read of a replica's consumer. Refused in the config, in REDIS_URL, and by the clients themselves."""
+    with pytest.raises(ValidationError, match=words):
+        ServiceConfig(redis_url=url)
+    monkeypatch.setenv("REDIS_URL", url)
+    with pytest.raises(RuntimeError, match=f"REDIS_URL: its query option {words}"):
+        ServiceConfig().resolved_redis_url()
+    with pytest.raises(ValueError, match=words):
+        redis_client(url, 1.0)
+    for fine in ("redis://r/0?protocol=2", "redis://r/0?decode_responses=false", "unix:///run/redis.sock?db=2"):
+        assert ServiceConfig(redis_url=fine).redis_url == fine and redis_client(fine, 1.0) is not None
