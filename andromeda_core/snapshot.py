@@ -45,7 +45,8 @@ def save_snapshot(index: AdIndex, path: str | Path, metadata: dict[str, Any] | N
 
 def save_state(tensors: dict[str, torch.Tensor], layout: dict[str, str], path: str | Path,
                metadata: dict[str, Any] | None = None) -> Path:
-    """Write an index's exported state (AdIndex.export_state) to `path` atomically (temp file, fsync, rename)."""
+    """Write an index's exported state (AdIndex.export_state) to `path` atomically and durably (temp file, fsync,
+    rename, fsync of the folder)."""
     path = Path(path)
     meta = {**layout, "format": FORMAT, "user": json.dumps(metadata or {}, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
@@ -61,7 +62,23 @@ def save_state(tensors: dict[str, torch.Tensor], layout: dict[str, str], path: s
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    sync_directory(path.parent)  # the rename itself durable before the stream is trimmed below it
     return path
+
+
+def sync_directory(folder: Path) -> None:
+    """fsync `folder`, so that a rename in it survives a power loss (the rename is the directory's data); a file
+    system that cannot fsync a directory (some network ones) is left as it is."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def header(path: str | Path) -> dict[str, str]:

@@ -34,6 +34,16 @@ def test_round_trip_restores_content_metadata_and_tombstones(tmp_path, populated
     assert not list(tmp_path.glob(".*tmp*"))  # the temp file was renamed into place
 
 
+def test_the_rename_is_made_durable_after_the_file(tmp_path, populated, monkeypatch):
+    """The file is fsynced, renamed, then its folder fsynced (the rename is the folder's data): a power loss after a
+    trim below the snapshot must not take the snapshot back."""
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(snapshot.os, "fsync", lambda fd: (synced.append((os.path.isdir(f"/proc/self/fd/{fd}"),
+                                                                         (tmp_path / "index.snap").exists())), fsync(fd)))
+    save_snapshot(populated, tmp_path / "index.snap")
+    assert synced == [(False, False), (True, True)]
+
+
 def test_a_snapshot_keeps_an_ads_content_version_under_its_newer_pause(tmp_path, small_schema, scorer):
     """Upsert 1, pause 3, snapshot: an edit at version 2 arriving after the restore still brings its content,
     paused, as without the snapshot (the table's version column holds 3, the pause's)."""
