@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shlex
@@ -329,6 +330,8 @@ def run_service(config: ServiceConfig, world: Path | None, token_note: str,
     apply_serve_env()
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="WARNING",
              log_to_driver=False)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines here ("Connecting to existing Serve app
+    # ... New http_options will not be applied", after serve.start applied them) alarm more than they tell
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         print(f"starting {config.shards} shard(s) x {config.replicas} replica(s) on Ray Serve ...", file=sys.stderr)
