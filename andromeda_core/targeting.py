@@ -160,16 +160,17 @@ UserValues = dict[str, tuple[int, ...]]
 def compile_user(schema: Schema, attributes: Mapping[str, Any], context: Mapping[str, Any]) -> tuple[UserValues, list[str]]:
     """A request's user attributes and context -> (values per category, warnings).
 
-    Unknown categories and malformed values raise InvalidInput; a well-typed value outside the
-    vocabulary matches nothing and yields a warning.
+    Unknown categories (with a value or null) and malformed values raise InvalidInput; null for a known
+    category is the same as leaving it out; a well-typed value outside the vocabulary matches nothing and yields a
+    warning.
     """
     values: UserValues = {}
     warnings: list[str] = []
     for source, where, mapping in (("user", "user.attributes", attributes), ("context", "context", context)):
         for name, raw in mapping.items():
+            cat = schema.category(name, f"{where}.{name}")  # an unknown category is refused, null or not
             if raw is None:
                 continue
-            cat = schema.category(name, f"{where}.{name}")
             if cat.source != source:
                 raise InvalidInput(f"{name} is a {cat.source} category; send it in "
                                    f"{'context' if cat.source == 'context' else 'user.attributes'}", f"{where}.{name}")

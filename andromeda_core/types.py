@@ -111,7 +111,9 @@ class Context(BaseModel):
     ts: TIME | None = None
 
     def targeting_values(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if k != "ts"}
+        """The context's targeting values as sent (surface and placement only where given: a schema may not have
+        them)."""
+        return {k: v for k, v in self.model_dump(exclude_unset=True).items() if k != "ts"}
 
 
 class RetrieveRequest(_Strict):

@@ -43,6 +43,8 @@ MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
 REPLY_TIMEOUT_S = 10.0  # consumer_client's bound on a connection or a reply (a read's is milliseconds; XREAD blocks
 # for block_ms only)
 LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every second) by this much
+SWEEP_GRACE_S = 3600  # the loop frees the slots of ads that ended this long before the replica's clock: a request as of
+# an earlier time (context.ts) up to this much before it is matched exactly, whether or not its replica swept yet
 DEAD_LETTERS_KEPT = 100_000  # the dead-letter stream keeps about this many of the newest (XADD MAXLEN ~)
 # Dead-letter an entry once, whichever replicas of the shard meet it and however often. KEYS: the dead-letter stream,
 # the shard's sorted set of the entries dead-lettered ("<source id> <entry digest>", scored by the id's
@@ -210,7 +212,7 @@ class ShardConsumer:
                  block_ms: int = 50, snapshot_every_s: float = 60.0, sweep_every_s: float = 10.0, trim: bool = False,
                  on_applied: Callable[[str], None] | None = None, replica_id: str | None = None,
                  trim_keep_entries: int = 0, trim_every_s: float | None = None, replica_ttl_s: float = 60.0,
-                 background_snapshots: bool = True):
+                 background_snapshots: bool = True, sweep_grace_s: float = SWEEP_GRACE_S):
         """`trim`: trim the shard's stream (after each snapshot, and every `trim_every_s`) below what the oldest
         kept snapshot covers, what every live replica has applied (`replica_id` registers this one: it reports
         its applied id to `applied_key(stream, shard)`; a report older than `replica_ttl_s` no longer counts)
@@ -230,6 +232,7 @@ class ShardConsumer:
         self.dead_lettered = f"{self.dead_letter_stream}:{self.source}:once"  # DEAD_LETTER_ONCE's set
         self.snapshots, self.count, self.block_ms = snapshots, count, block_ms
         self.snapshot_every_s, self.sweep_every_s, self.trim = snapshot_every_s, sweep_every_s, trim
+        self.sweep_grace_s = sweep_grace_s
         self.on_applied = on_applied
         self.replica_id, self.trim_keep_entries, self.replica_ttl_s = replica_id, trim_keep_entries, replica_ttl_s
         self.trim_every_s = trim_every_s
@@ -751,7 +754,7 @@ class ShardConsumer:
         now = time.monotonic()
         if now >= due["sweep"]:
             due["sweep"] = now + self.sweep_every_s  # first: a sweep that fails waits for its next turn
-            self.index.sweep_expired(int(time.time()))
+            self.index.sweep_expired(int(time.time() - self.sweep_grace_s))
         try:
             self.settle_reset()
         except Exception as exc:  # an unwritable snapshot directory, say: the rest of the turn goes on

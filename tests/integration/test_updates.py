@@ -66,6 +66,19 @@ def test_expiry_needs_no_event(setup):
     assert c.index.sweep_expired(end) == 1 and 1 not in c.index
 
 
+def test_the_loop_sweeps_only_ads_that_ended_its_grace_before_its_clock(setup):
+    """A request may ask as of an earlier time (context.ts): an ad that ended since is still matched then, on every
+    replica, however soon each sweeps."""
+    _, publisher, make = setup
+    c = make(sweep_grace_s=600)
+    now = int(time.time())
+    publisher.publish([upsert(1, end_time=now - 60), upsert(2, end_time=now - 700), upsert(3)])
+    c.catch_up()
+    c._turn({"sweep": 0.0, "snapshot": float("inf"), "report": float("inf"), "trim": float("inf")})
+    assert sorted(c.index.ad_ids()) == [1, 3] and eligible(c.index, now=now - 61) == [1, 3]
+    assert eligible(c.index, now=now) == [3]
+
+
 def test_duplicate_and_out_of_order_delivery_is_idempotent(setup):
     _, publisher, make = setup
     events = [upsert(1, 3, {"age": {"min": 18}}), upsert(2, 1), {"op": "pause", "ad_id": 2, "version": 2}]

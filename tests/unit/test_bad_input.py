@@ -97,6 +97,12 @@ def test_request_unknown_category_is_an_error_unknown_value_a_warning(small_sche
                         "user.attributes.interests[1]: unknown value 'nope' matches nothing"]
 
 
+def test_null_for_a_known_category_is_leaving_it_out_and_unset_context_fields_are_not_sent(small_schema):
+    assert compile_user(small_schema, {"country": None}, {"surface": None}) == ({}, [])
+    context = parse_request({"user": {"user_id": 1}, "context": {"ts": 5}}).context
+    assert context.targeting_values() == {}  # a schema without surface or placement still takes it
+
+
 def test_a_multi_valued_category_takes_one_value_alone_as_a_list_of_one(small_schema):
     assert compile_user(small_schema, {"interests": "i1"}, {}) == compile_user(small_schema, {"interests": ["i1"]}, {})
     assert compile_user(small_schema, {"interests": "i1"}, {})[0] == {"interests": (1,)}
@@ -114,6 +120,8 @@ def test_a_multi_valued_category_takes_one_value_alone_as_a_list_of_one(small_sc
     ({"age": [15]}, {}, "user.attributes.age", "one value"),
     ({"audiences": ["a1"]}, {}, "user.attributes.audiences[0]", "values are integers"),
     ({}, {"weather": "rain"}, "context.weather", "unknown targeting category"),
+    ({"shoe_size": None}, {}, "user.attributes.shoe_size", "unknown targeting category"),  # null is no way around it
+    ({}, {"weather": None}, "context.weather", "unknown targeting category"),
 ])
 def test_bad_request_values_name_the_field(small_schema, attributes, context, field, words):
     with pytest.raises(InvalidInput) as err:
