@@ -27,7 +27,7 @@ from andromeda_core.schema import Schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_event
 from index_updater.clients import redis_client
-from index_updater.owners import ADMIN, APPEND, Writer, claim_of, run_append
+from index_updater.owners import ADMIN, APPEND, Refused, Writer, claim_of, run_append
 from index_updater.records import encode, layout_key, shard_stream, stream_layout, text
 
 DEFAULT_STREAM = Settings.stream
@@ -118,7 +118,8 @@ class Publisher:
         advertiser (`writer`), every shard's part is checked first (check_writer; `checked`: the caller just did,
         before embedding the batch); owners.Refused names the event (`where[i]`, default "[i]") that touches
         another's ad. Only an ad claimed by another writer between that check and its shard's append, or a shard's
-        stream failing after others took their parts, can leave the other shards' parts appended: `on_appended`
+        stream failing after others took their parts, can leave the other shards' parts appended (a Refused then says how
+        many events were): `on_appended`
         is called with each shard's count as it is acknowledged (what a metric of appended events counts)."""
         where = where or [f"[{i}]" for i in range(len(ops))]
         if writer.advertiser is not None and not checked:
@@ -128,11 +129,20 @@ class Publisher:
         deadline = self._deadline()  # after the encoding: the bound is the Redis work's alone
         ids = [""] * len(entries)
         token = uuid.uuid4().hex  # the same on every resend of a shard's part (run_append)
+        appended = 0
         for stream, positions in self._by_stream(ops).items():
             append = partial(run_append, self._append, stream, [ops[i] for i in positions],
                              [entries[i] for i in positions], writer, [where[i] for i in positions], token)
-            for i, entry_id in zip(positions, self._retry(append, deadline)):
-                ids[i] = text(entry_id)
+            try:
+                for i, entry_id in zip(positions, self._retry(append, deadline)):
+                    ids[i] = text(entry_id)
+            except Refused as refused:
+                if not appended:
+                    raise
+                raise Refused(f"{refused.message}; {appended} event(s) of the batch, on other shards, were appended "
+                              "before it was claimed: re-send the batch without this event (re-sent events are "
+                              "harmless: they apply by version)", refused.field) from None
+            appended += len(positions)
             if on_appended is not None:
                 on_appended(len(positions))
         return ids

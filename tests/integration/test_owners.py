@@ -51,6 +51,22 @@ def lengths(publish) -> list[int]:
     return [publish.client.xlen(shard_stream(publish.stream, s)) for s in range(2)]
 
 
+def test_an_ad_claimed_between_the_check_and_its_shards_append_says_what_was_appended_before(publish, small_schema,
+                                                                                           scorer):
+    """The router checks every shard's part, then appends them in turn: an id claimed by another advertiser in
+    between is refused at its shard's append, after the parts of shards before it were appended; the 403 says so."""
+    free, claimed = (next(i for i in range(100, 200) if shard_of(i, 2) == s) for s in (0, 1))
+    publish([ad(claimed, 1, 8)], advertiser=8)  # as if it came between advertiser 7's check and its append
+    ops = prepare_ops(small_schema, scorer, [parse_event(ad(free, 1, 7)), parse_event(ad(claimed, 1, 7))])
+    with pytest.raises(Refused) as refused:
+        publish.publisher.publish_ops(ops, Writer(7, {}), checked=True)
+    assert refused.value.field == "[1].ad.ad_id" and "1 event(s) of the batch, on other shards, were appended" in \
+        refused.value.message and lengths(publish) == [1, 1] and owner(publish, free) == "1 7"
+    with pytest.raises(Refused) as refused:  # refused at the first shard it appends to: nothing appended, as before
+        publish.publisher.publish_ops(ops[1:], Writer(7, {}), checked=True)
+    assert "appended" not in refused.value.message and lengths(publish) == [1, 1]
+
+
 def test_an_ad_published_but_not_applied_cannot_be_claimed(publish):
     """No replica reads these streams: the index knows none of the ads, as in the second before an apply."""
     publish([ad(11, 1, 7)], advertiser=7)
