@@ -136,6 +136,11 @@ def split_topk(result: TopK, sizes: Sequence[int]) -> list[TopK]:
     return [TopK(result.ids[a:b], result.scores[a:b], result.eligible[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+TIES_KEPT = 4096  # places a tie at a shortlist's cut may add to it (Retriever.shortlist): a request whose every ad
+# scores the same (no known interests and no history, to the untrained hashed two-tower) made the pass grow to the
+# whole table for its whole batch, and rescoring gather (B, n, S) vectors
+
+
 class Retriever:
     def __init__(self, index: AdIndex, scorer: Scorer, rescore: int = 2):
         self.index, self.scorer, self.rescore = index, scorer, rescore
@@ -164,21 +169,22 @@ class Retriever:
                   wanted: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The best wanted[b] eligible slots of each request by the kernel's scores, and every slot tied with
         the last of them: (slots (B, m) int64, -1 padded; eligible counts (B,)). The pass keeps one place more
-        than wanted and grows while a tie runs past its end. Call inside index.reading()."""
+        than wanted and grows while a tie runs past its end, by at most TIES_KEPT places: past them the kernel's
+        order (by slot) cuts the tie. Call inside index.reading()."""
         columns, n = self.index.scan_columns(), self.index.high_water
         if n == 0:
             return torch.full((len(wanted), 0), -1, device=self.index.device), torch.zeros(len(wanted), dtype=torch.int64)
         want = torch.tensor(wanted, device=self.index.device)
-        width = min(max(wanted) + 1, n)
+        width, limit = min(max(wanted) + 1, n), min(max(wanted) + 1 + TIES_KEPT, n)
         while True:
             slots, scores, eligible = dispatch.fused_scan(*columns, *inputs, head.experts, head.keys, head.mask,
                                                           head.bias_col, head.top_n, width)
             last = (want.clamp(max=width) - 1)[:, None]
             threshold = torch.where(slots.gather(1, last) >= 0, scores.gather(1, last), float("inf"))
             kept = (slots >= 0) & ((scores >= threshold) | (torch.arange(width, device=slots.device) <= last))
-            if width >= n or not (kept[:, -1] & (scores[:, -1] == threshold[:, 0])).any():
+            if width >= limit or not (kept[:, -1] & (scores[:, -1] == threshold[:, 0])).any():
                 return torch.where(kept, slots, -1), eligible
-            width = min(4 * width, n)
+            width = min(4 * width, limit)
 
     def warm_up(self) -> None:
         """Build what first searches would, so that no real request waits for it: a retrieval of one request of no

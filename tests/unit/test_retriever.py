@@ -9,6 +9,7 @@ from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.quantization import STORAGE
+from andromeda_core import retriever as retriever_module
 from andromeda_core.retriever import (Retriever, TopK, UserQuery, compile_requests, concat_queries, exact_scores,
                                      split_topk)
 from andromeda_core.types import FLOAT32_MAX, RetrieveResponse, parse_request
@@ -169,6 +170,19 @@ def test_a_tie_at_the_shortlist_cut_joins_the_shortlist(small_schema, scorer):
     index.columns["embedding_exact"][index.slot_of(33)] *= 3  # only the exact copy tells 33 apart
     body = {"user": {"user_id": 1, "history": [{"ad_id": 4, "event": "click", "ts": 5}]}, "context": {"ts": 100}, "k": 1}
     assert [a.ad_id for a in Retriever(index, scorer, rescore=1).retrieve([parse_request(body)])[0].ads] == [33]
+
+
+def test_a_tie_over_the_whole_table_grows_the_pass_by_at_most_ties_kept(small_schema, scorer, monkeypatch):
+    """Every ad scores the same for a user the scorer knows nothing of: the pass grows while the tie runs past its
+    end, but by at most TIES_KEPT places (then the kernel's slot order cuts the tie), not to the whole table for
+    every request of its batch."""
+    index = AdIndex(small_schema, scorer.dim)
+    apply_events(index, scorer, [upsert(i, title="same words") for i in range(1, 301)])
+    widths, scan = [], retriever_module.dispatch.fused_scan
+    monkeypatch.setattr(retriever_module, "TIES_KEPT", 10)
+    monkeypatch.setattr(retriever_module.dispatch, "fused_scan", lambda *args: (widths.append(args[-1]), scan(*args))[1])
+    [answer] = Retriever(index, scorer, rescore=1).retrieve([request(k=4)])
+    assert widths == [5, 15] and len(answer.ads) == 4 and len({a.score for a in answer.ads}) == 1
 
 
 def test_infinite_scores_go_out_as_float32_extremes_json_can_carry():
