@@ -21,6 +21,7 @@ from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel, served_nam
 from andromeda_core.models.segments import SEGMENTS, segment_ids
 from andromeda_core.models.text import encode_texts
 from andromeda_core.models.towers import UserInputs, UserState
+from andromeda_core.models.two_tower import POSITIVE_EVENTS
 from andromeda_core.schema import Schema
 from andromeda_core.types import Ad, RetrieveRequest
 
@@ -80,10 +81,12 @@ class ModelScorer:
         return stored.cpu()
 
     def _context(self, r: RetrieveRequest, now: int) -> list[int]:
-        def index(cat, value) -> int:
-            i = cat.value_index(value) if cat is not None and value is not None else None
-            return 0 if i is None else i + 1
-        return [index(self.surface, r.context.surface), index(self.placement, r.context.placement), now // 3600 % 24]
+        def index(cat, value, rows: int) -> int:  # 0: unknown, also past the checkpoint's rows (a schema of more
+            i = cat.value_index(value) if cat is not None and value is not None else None  # values than it was
+            return 0 if i is None or i + 1 >= rows else i + 1  # trained with: an IndexError in the towers before)
+        d = self.model.dims
+        return [index(self.surface, r.context.surface, d.surfaces), index(self.placement, r.context.placement,
+                                                                          d.placements), now // 3600 % 24]
 
     @torch.no_grad()
     def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> UserState:
@@ -102,8 +105,9 @@ class ModelScorer:
         co_mask = torch.zeros((B, CO_ITEMS), dtype=torch.bool)
         segments = torch.full((B, SEGMENTS), -1, dtype=torch.int64)
         for b, r in enumerate(requests):
-            events = sorted(r.user.history, key=lambda h: h.ts)
-            if events:  # the last L engagements with ads the index holds, oldest first, as in training
+            events = sorted((h for h in r.user.history if h.event in POSITIVE_EVENTS), key=lambda h: h.ts)
+            if events:  # the last L engagements with ads the index holds, oldest first, as in training (whose
+                # histories hold engagements alone: impressions and hides would push them out, and read as ones)
                 vectors, found = lookup([h.ad_id for h in events])
                 keep = found.nonzero().flatten()[-L:].tolist()
                 events, n = [events[i] for i in keep], len(keep)

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import yaml
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
@@ -16,6 +17,7 @@ from andromeda_core.models.serving import ModelScorer
 from andromeda_core.models.towers import Dims
 from andromeda_core.quantization import STORAGE, round_trip
 from andromeda_core.retriever import Retriever
+from andromeda_core.schema import DEFAULT_SCHEMA_PATH, schema_from_dict
 from andromeda_core.types import parse_event, parse_request
 from tests.conftest import upsert
 
@@ -219,3 +221,36 @@ def test_a_batched_request_gets_the_ads_it_gets_alone(default_schema, scorer, ev
         assert [x.ad_id for x in t.ads] == [x.ad_id for x in a.ads] and t.eligible == a.eligible
         assert [x.score for x in t.ads] == pytest.approx([x.score for x in a.ads], rel=1e-5, abs=1e-6)
     assert together[1].eligible == len(TITLES)  # the US user is eligible for every ad
+
+
+def state_of(scorer, index, body: dict) -> torch.Tensor:
+    """The user towers' experts for one request (body: its user and context), as the router computes them."""
+    r = parse_request({"k": 5, **body})
+    return scorer.encode_users([r], index.embeddings_of, [r.context.ts]).experts
+
+
+def test_impressions_and_hides_are_not_read_as_engagements(default_schema, scorer, events):
+    """Training histories hold engagements alone: an impression or a hide must neither read as one nor push the
+    engagements out of the last 50."""
+    index = indexed(default_schema, scorer, events)
+    clicks = [{"ad_id": i, "event": "click", "ts": 10 + i} for i in (1, 2, 3)]
+    shown = [{"ad_id": 4 + i % 5, "event": ["impression", "hide"][i % 2], "ts": 100 + i} for i in range(60)]
+    context = {"ts": 3600 * 30}
+    alone = state_of(scorer, index, {"user": {"user_id": 1, "history": clicks}, "context": context})
+    mixed = state_of(scorer, index, {"user": {"user_id": 1, "history": clicks + shown}, "context": context})
+    assert torch.equal(alone, mixed)
+
+
+def test_a_surface_past_the_checkpoints_rows_reads_as_unknown(default_schema, scorer, events):
+    """A schema of more surfaces than the checkpoint has rows for (it was trained under another): a request naming a
+    late one is served as an unknown surface, not an IndexError in the towers (a 500)."""
+    raw = yaml.safe_load(DEFAULT_SCHEMA_PATH.read_text())
+    surface = next(c for c in raw["categories"] if c["name"] == "surface")
+    surface["vocabulary"] += [f"s{i}" for i in range(20)]
+    schema = schema_from_dict(raw)
+    wide = ModelScorer(scorer.model, list(scorer.categories), schema)
+    index = indexed(schema, wide, events)
+    user = {"user_id": 1, "history": [{"ad_id": 1, "event": "click", "ts": 5}]}
+    late = state_of(wide, index, {"user": user, "context": {"ts": 100, "surface": "s19"}})
+    unknown = state_of(wide, index, {"user": user, "context": {"ts": 100}})
+    assert schema.by_name["surface"].value_index("s19") + 1 >= scorer.model.dims.surfaces and torch.equal(late, unknown)
