@@ -1,4 +1,6 @@
-"""Typed configuration. Environment variables are read here and nowhere else."""
+"""Typed configuration: the project's own environment variables (ANDROMEDA_*, REDIS_URL) are read here; the few
+that configure one module alone are read there (ANDROMEDA_CXXFLAGS and CXX in kernels/cpu.py, XDG_CACHE_HOME for the
+kernels' build cache, the Ray Serve settings in deployments/config.py)."""
 from __future__ import annotations
 
 import logging
@@ -138,7 +140,8 @@ def load_settings() -> Settings:
         index=index,
         redis_url=os.environ.get("REDIS_URL") or None,
         stream=_env_text("ANDROMEDA_STREAM", "andromeda:ad-events"),
-        shards=_env_int("ANDROMEDA_SHARDS", 1, 1, 4096),
+        shards=_env_int("ANDROMEDA_SHARDS", 1, 1, 1024),  # as ServiceConfig.shards: publish no count the service
+        # cannot run
         cache_dir=Path(os.environ.get("ANDROMEDA_CACHE", ".cache")),
         movielens_dir=Path(os.environ.get("ANDROMEDA_MOVIELENS", Settings.movielens_dir)),
         write_token=os.environ.get("ANDROMEDA_WRITE_TOKEN") or None,

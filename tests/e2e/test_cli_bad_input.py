@@ -157,6 +157,8 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("publish", "{d}/events.jsonl"), {"REDIS_URL": "redis://localhost:1/0?decode_responses=1"},
      ("REDIS_URL", "decode_responses")),
     (("publish", "{d}/events.jsonl", "--redis", "redis://localhost:1"), {"ANDROMEDA_SHARDS": "0"}, ("ANDROMEDA_SHARDS",)),
+    (("publish", "{d}/events.jsonl", "--redis", "redis://localhost:1"), {"ANDROMEDA_SHARDS": "1025"},
+     ("ANDROMEDA_SHARDS", "1024")),  # no more shards than the service can run
     (("publish", "{d}/events.jsonl", "--redis", "redis://localhost:1", "--shards", "-3"), {}, ("argument --shards",)),
     (("publish", "{d}/events.jsonl", "--redis", "redis://localhost:1", "--shards", "0"), {}, ("argument --shards",)),
     (("publish", "{d}/events.jsonl"), {"REDIS_URL": ""}, ("--redis", "REDIS_URL")),

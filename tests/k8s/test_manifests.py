@@ -407,6 +407,17 @@ def test_alerts_cover_what_sres_page_on_and_name_only_exported_metrics(overlay):
         assert names and names <= exported, f"{alert}: {names - exported}"
 
 
+def test_shard_readiness_is_judged_per_ray_cluster_which_the_scrape_labels(overlay):
+    """During an upgrade the new cluster's routers see shards still loading while the old cluster serves: the alert
+    must group by the ray_cluster label, which only the PodMonitor's relabeling gives the service's series."""
+    _, resources = overlay
+    assert "ray_cluster" in alert_exprs(resources)["AndromedaShardNotReady"]
+    [serve] = [e for r in resources if r["kind"] == "PodMonitor" for e in r["spec"]["podMetricsEndpoints"]
+               if e["port"] == "serve"]
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "ray_cluster"} in \
+        serve.get("relabelings", [])
+
+
 def test_the_ray_serve_metrics_alerts_read_are_ray_serves():
     from ray.serve._private.common import RequestProtocol
     from ray.serve._private.request_ingress_metrics import RequestIngressMetrics
