@@ -73,11 +73,12 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
     for name, path in (("model", config.model), ("schema_path", config.schema_path)):
         if path and not Path(path).is_file():
             raise InvalidInput(f"{path} is not a file", source(name))
-    if config.model:  # every replica would fail to start on it
-        from andromeda_core.models.retrieval import RetrievalModel
+    if config.model:  # every replica would fail to start on it: loaded as they load it (a ranker's is refused here)
+        from andromeda_core.models.serving import ModelScorer
 
+        schema = load_schema(config.schema_path)
         with checkpoint(source("model"), Path(config.model)):
-            RetrievalModel.load(config.model)
+            ModelScorer.load(config.model, schema)
     paths = {"model": config.model, "schema_path": config.schema_path, "snapshot_dir": config.snapshot_dir}
     return config.model_copy(update={k: str(Path(v).resolve()) for k, v in paths.items() if v})  # Ray workers' cwd may differ
 

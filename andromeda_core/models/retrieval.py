@@ -33,8 +33,9 @@ MODEL_VERSION = "9"  # 3: learned ad ids, ad bias, sequence expert; 4: segments 
 # 8: the ranker's interest pair feature (features.NAMES); 9: the ranker's deep part scaled into the funnel
 # (dims.deep_scale), so a ranker trained before, held to nothing, is trained again (and with it every checkpoint)
 CO_ITEMS = 8
-UNLOADABLE = (OSError, ValueError, KeyError, SafetensorError)  # what RetrievalModel.load raises for a checkpoint this
-# code cannot use: missing or corrupt, of another model version, lacking a tensor
+UNLOADABLE = (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError)  # what RetrievalModel.load
+# raises for a checkpoint this code cannot use: missing or corrupt, of another model version, lacking a tensor or its
+# metadata (TypeError), of tensors its dims do not fit (RuntimeError)
 
 
 def served_name(model: RetrievalModel, categories: Sequence[str]) -> str:

@@ -92,6 +92,10 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
                          "was trained on other data")):
         refused = andromeda("train", "--data", "synthetic", "--world", str(world), *args, check=False)
         assert refused.returncode == 2 and words in refused.stderr and refused.stdout == ""
+    refused = subprocess.run([sys.executable, "-m", "andromeda_cli", "serve", "--model", str(ranker)], capture_output=True,
+                             text=True, timeout=300, env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert refused.returncode == 2 and "--model" in refused.stderr and "is not served" in refused.stderr  # up front,
+    # not by every replica as it starts
     request = tmp_path / "req.json"
     request.write_text((world / "requests.jsonl").read_text().splitlines()[0])
     out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(request), "--k", "3",
