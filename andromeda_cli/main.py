@@ -153,6 +153,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     out = args.out or checkpoint_path(args.data, args.model, distill, start, going_on)
     if args.init is not None and out.resolve() == args.init.resolve():
         raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
+    if args.data == "movielens" and args.world is not None:
+        raise InvalidInput("--world is a synthetic world's folder; --data movielens reads ANDROMEDA_MOVIELENS", "--world")
+    if args.data == "movielens" and args.click_weight is not None:  # before loading it (its texts embed for minutes)
+        raise InvalidInput("--data movielens logs no impressions, so a model of it holds no click prior to weigh",
+                           "--click-weight")
     try:  # before the data and the training, not after
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -296,8 +301,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="train a retrieval model (checkpoint in safetensors)")
     s.add_argument("--data", choices=DATASETS, required=True, help="data set to train on")
     s.add_argument("--model", choices=("moe", "two_tower", "sasrec", "ranker"), required=True, help="model kind")
-    s.add_argument("--steps", type=POSITIVE, default=None, help="override the default number of steps")
-    s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed of the initialisation and batches")
+    s.add_argument("--steps", type=int_in(1, 10**9), default=None, help="override the default number of steps")
+    s.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="random seed of the initialisation and batches")
     s.add_argument("--click-weight", type=non_negative_float, default=None,
                    help="weight of the click prior in each ad's bias, instead of the one validation chooses among 0, "
                         "1, 2, 4 and 8: higher favours the ads clicked most per impression (the true affinity) over "

@@ -227,6 +227,8 @@ def read_yaml(path: str | Path) -> Any:
         return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"not UTF-8 text (byte {exc.start})", str(path)) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise InvalidInput("YAML nested too deeply", str(path)) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]

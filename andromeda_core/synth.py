@@ -331,7 +331,9 @@ def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, 
     topics = np.empty(cfg.ads, np.int16)
     latents = np.empty((cfg.ads, cfg.latent_dim), np.float16)
     quality = np.empty(cfg.ads, np.float32)
-    with open(out / "events.jsonl", "w", encoding="utf-8") as f, \
+    # each file written whole under a temporary name, renamed at the end: an interrupted run leaves no file cut short
+    part = {name: out / f".{name}.tmp" for name in ("events.jsonl", "requests.jsonl", "engagements.jsonl", "truth.npz")}
+    with open(part["events.jsonl"], "w", encoding="utf-8") as f, \
             tqdm(total=cfg.ads, unit="ad", desc="ads", disable=not progress) as bar:
         first = 0
         for text, t, lat, q in iter_ad_chunks(world, workers):
@@ -343,15 +345,15 @@ def synthesize(cfg: WorldConfig, out: str | Path, schema: Schema | None = None, 
     by_topic = _AdsByTopic(topics, len(world.topics))
     user_latents = np.empty((cfg.users, cfg.clusters, cfg.latent_dim), np.float16)
     user_topics = np.empty((cfg.users, cfg.clusters), np.int16)
-    with open(out / "requests.jsonl", "w", encoding="utf-8") as req_f, \
-            open(out / "engagements.jsonl", "w", encoding="utf-8") as log_f:
+    with open(part["requests.jsonl"], "w", encoding="utf-8") as req_f, \
+            open(part["engagements.jsonl"], "w", encoding="utf-8") as log_f:
         for u in tqdm(range(cfg.users), unit="user", desc="users", disable=not progress):
             request, user_topics[u], user_latents[u], log = _user(world, rng, u + 1, by_topic, latents, quality)
             req_f.write(json.dumps(request, separators=(",", ":")) + "\n")
             log_f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in log)
-    partial = out / ".truth.npz.tmp"
-    with open(partial, "wb") as f:
+    with open(part["truth.npz"], "wb") as f:
         np.savez(f, ad_latent=latents, ad_quality=quality, ad_topic=topics, user_latent=user_latents,
                  user_topic=user_topics, generator=GENERATOR, config=json.dumps(asdict(cfg)))
-    os.replace(partial, out / "truth.npz")  # whole or not at all: it says the world is complete
+    for name, partial in part.items():  # truth.npz last: it says the world is complete
+        os.replace(partial, out / name)
     return out

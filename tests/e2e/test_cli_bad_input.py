@@ -50,6 +50,7 @@ FILES = {
     "twice_shards.yaml": "shards: 2\nshards: 3\n",
     "model_missing.yaml": "model: /nonexistent/missing.safetensors\n",
     "twice_name.yaml": "categories:\n- name: a\n  kind: enum\n  name: b\n  vocabulary: [x]\n",
+    "deep.yaml": "{a: " * 500 + "1" + "}" * 500 + "\n",
 }
 
 
@@ -144,6 +145,12 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("token", "--file", "{d}/t.json", "--name", "bad name", "--role", "admin"), {}, ("--name", "letters")),
     (("token", "--file", "{d}/t.json", "--name", "evil\n", "--role", "admin"), {}, ("--name", "letters")),
     (("train", "--data", "synthetic", "--model", "moe", "--distill", "nan"), {}, ("argument --distill", "finite")),
+    (("train", "--data", "synthetic", "--model", "moe", "--steps", "9" * 20), {}, ("argument --steps",)),
+    (("train", "--data", "synthetic", "--model", "moe", "--seed", str(2**64)), {}, ("argument --seed",)),
+    (("train", "--data", "movielens", "--model", "moe", "--click-weight", "4"), {}, ("--click-weight", "impressions")),
+    (("train", "--data", "movielens", "--model", "moe", "--world", "{d}/w"), {}, ("--world", "ANDROMEDA_MOVIELENS")),
+    (("serve-config", "--config", "{d}/deep.yaml"), {}, ("deep.yaml", "nested too deeply")),
+    (("--schema", "{d}/deep.yaml", "schema"), {}, ("deep.yaml", "nested too deeply")),
     (("train", "--data", "synthetic", "--model", "moe", "--distill", "-1"), {}, ("argument --distill", ">= 0")),
     (("train", "--data", "synthetic", "--model", "moe", "--out", "{d}"), {}, ("argument --out", "is a directory")),
     (("train", "--data", "synthetic", "--model", "moe", "--out", "{d}/a_file/m.safetensors"), {},

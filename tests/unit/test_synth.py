@@ -109,10 +109,12 @@ def test_a_world_of_an_older_generator_is_not_current(world, tmp_path):
 
 def test_a_world_written_over_is_no_world_until_complete(tmp_path, default_schema, monkeypatch):
     """synth stopped part way over an existing world (Ctrl-C) left the old truth.npz beside empty files: demo, train
-    and eval took it for that world."""
+    and eval took it for that world; and files cut short, which `retrieve` read without a word. Each file is now
+    written whole under a temporary name and renamed at the end: the old ones stay whole until then."""
     small = WorldConfig(ads=30, users=2, seed=1)
     synthesize(small, tmp_path, default_schema, workers=1, progress=False)
     assert world_config(tmp_path) == small
+    before = {name: (tmp_path / name).read_bytes() for name in ("events.jsonl", "requests.jsonl", "engagements.jsonl")}
 
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -121,6 +123,7 @@ def test_a_world_written_over_is_no_world_until_complete(tmp_path, default_schem
     with pytest.raises(KeyboardInterrupt):
         synthesize(WorldConfig(ads=40, users=2, seed=2), tmp_path, default_schema, workers=1, progress=False)
     assert world_config(tmp_path) is None and not is_current(tmp_path)
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
 
 
 def test_a_truth_file_that_synth_did_not_write_is_named(tmp_path):
