@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -20,7 +21,7 @@ from andromeda_cli.args import (NON_NEGATIVE, POSITIVE, checkpoint, input_file, 
                                 output_dir, output_file)
 from andromeda_cli.k8s import add_commands as add_k8s_commands
 from andromeda_cli.request_file import read_requests
-from andromeda_cli.service import add_commands as add_service_commands
+from andromeda_cli.service import add_commands as add_service_commands, cli_command
 
 from andromeda_core.config import Settings, load_settings, redact, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
@@ -120,8 +121,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
               f"{response.eligible} eligible ads, top 5 in {response.took_ms:.1f} ms")
         for ad in response.ads:
             print(f"  {ad.score:6.3f}  ad {ad.ad_id:>6}  {titles[ad.ad_id]}")
-    print(f"\nTry it yourself:\n  .venv/bin/andromeda retrieve --events {world}/events.jsonl "
-          f"--request {world}/requests.jsonl --k 10 --quiet | head -3")
+    command = shlex.join([cli_command(), "retrieve", "--events", str((world / "events.jsonl").resolve()), "--request",
+                          str((world / "requests.jsonl").resolve()), "--k", "10", "--quiet"])  # from any folder
+    print(f"\nTry it yourself:\n  {command} | head -3")
 
 
 def cmd_train(args: argparse.Namespace) -> None:

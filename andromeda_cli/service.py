@@ -44,6 +44,10 @@ def read_config_file(path: Path | None) -> dict:
     return base
 
 
+ENV_SOURCES = {"redis_url": "REDIS_URL", "stream": "ANDROMEDA_STREAM", "shards": "ANDROMEDA_SHARDS",
+               "schema_path": "--schema", "rescore": "ANDROMEDA_RESCORE", "initial_capacity": "ANDROMEDA_INITIAL_CAPACITY"}
+
+
 def service_config(args: argparse.Namespace, redis_url: str | None, check_files: bool = True) -> ServiceConfig:
     """The config: the environment's settings (ANDROMEDA_SCHEMA, _STREAM, _SHARDS, _RESCORE, ...), then
     the config file (--config), then the command-line flags. With `check_files`, the model and schema
@@ -55,19 +59,23 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
     flags = {"host": args.host, "port": args.port, "shards": args.shards, "replicas": args.replicas,
              "model": str(args.model) if args.model else None, "storage": args.storage}  # each field's flag: --<field>
     given = {k: v for k, v in flags.items() if v is not None}
+    from_file = read_config_file(args.config)
 
-    def source(field: str) -> str:
-        """Where the field's value came from, as an error names it: its flag, else the config."""
-        return f"--{field}" if field in given else f"config {field}"
+    def source(field: str, path: str = "") -> str:
+        """Where the field's value came from, as an error names it: its flag, else the config file and the field's
+        path in it, else the environment variable (or --schema) that set it."""
+        if field in given:
+            return f"--{field}"
+        if field in from_file:
+            return f"{args.config}: {path or field}"
+        return ENV_SOURCES.get(field, f"config {path or field}")
 
     try:
-        config = ServiceConfig.model_validate({**{k: v for k, v in env.items() if v is not None},
-                                               **read_config_file(args.config), **given})
+        config = ServiceConfig.model_validate({**{k: v for k, v in env.items() if v is not None}, **from_file, **given})
     except ValidationError as exc:
         err = exc.errors()[0]
-        if err["loc"] and err["loc"][0] in given:
-            raise InvalidInput(err["msg"], source(str(err["loc"][0]))) from None
-        raise
+        loc = ".".join(map(str, err["loc"]))
+        raise InvalidInput(err["msg"], source(str(err["loc"][0]), loc) if err["loc"] else "config") from None
     if not check_files:
         return config
     for name, path in (("model", config.model), ("schema_path", config.schema_path)):
@@ -307,11 +315,17 @@ def example_body(world: Path | None) -> str:
     return shlex.quote(json.dumps({"user": {"user_id": 1, "attributes": {"country": "US", "age": 30}}, "k": 5}))
 
 
+def cli_command() -> str:
+    """This `andromeda`, as a command that works from any folder: the script beside this Python (a venv's), else the
+    name on PATH."""
+    cli = Path(sys.executable).with_name("andromeda")
+    return str(cli) if cli.exists() else "andromeda"
+
+
 def publish_command(config: ServiceConfig, redis_url: str | None) -> str:
     """The `andromeda publish` line for this service's stream, shards and model (and Redis: None leaves it to
     REDIS_URL, which may hold a password), its paths quoted for a shell."""
-    cli = Path(sys.executable).with_name("andromeda")
-    words = [str(cli) if cli.exists() else "andromeda", "publish", "EVENTS.jsonl", "--stream", config.stream,
+    words = [cli_command(), "publish", "EVENTS.jsonl", "--stream", config.stream,
              "--shards", str(config.shards)]
     words += ["--redis", redis_url] if redis_url else []
     words += ["--model", str(Path(config.model).resolve())] if Path(config.model).is_file() else []

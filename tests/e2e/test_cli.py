@@ -107,3 +107,6 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path):
     out = andromeda("demo", "--out", str(tmp_path / "demo"), "--ads", "1500", "--users", "4", "--show", "2")
     assert out.stdout.count("eligible ads, top 5") == 2 and "Try it yourself" in out.stdout
     assert (tmp_path / "demo" / "events.jsonl").exists()
+    suggested = out.stdout.split("Try it yourself:\n")[1].strip()  # runs as printed, from another folder
+    tried = subprocess.run(suggested, shell=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert tried.returncode == 0 and len(tried.stdout.splitlines()) == 3 and '"ads"' in tried.stdout, tried.stderr

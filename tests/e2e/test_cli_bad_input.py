@@ -51,6 +51,8 @@ FILES = {
     "model_missing.yaml": "model: /nonexistent/missing.safetensors\n",
     "twice_name.yaml": "categories:\n- name: a\n  kind: enum\n  name: b\n  vocabulary: [x]\n",
     "deep.yaml": "{a: " * 500 + "1" + "}" * 500 + "\n",
+    "shardz.yaml": "shardz: 2\n",
+    "nested_bad.yaml": "overload:\n  router_queue: 0\n",
 }
 
 
@@ -115,7 +117,9 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("serve", "--model", "{d}/missing.safetensors"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
      ("--model", "missing.safetensors is not a file")),
     (("serve", "--config", "{d}/model_missing.yaml"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
-     ("config model", "missing.safetensors is not a file")),
+     ("model_missing.yaml: model", "missing.safetensors is not a file")),
+    (("serve-config", "--config", "{d}/shardz.yaml"), {}, ("shardz.yaml: shardz", "Extra inputs")),  # the file named
+    (("serve-config", "--config", "{d}/nested_bad.yaml"), {}, ("nested_bad.yaml: overload.router_queue",)),
     (("serve-config", "--host", ""), {}, ("--host",)),
     (("train", "--data", "movielens", "--model", "moe", "--init", "{d}/not_a_checkpoint.safetensors"), {},
      ("--init", "is not a checkpoint")),
