@@ -386,12 +386,12 @@ class ShardConsumer:
             self._reset_pending = True  # settle_reset, at the end of catch_up and at each turn of the loop
             return self.read()
         self._entries_added = info["entries-added"]
-        if self.stats.gap_unrecovered:
-            pass  # it applies what the stream still holds
-        elif not self._from_start and (gap := trimmed_past(info, self.stats.last_id)):
-            raise self.gap_error(gap)
-        elif self._from_start and (gap := trimmed_past(info, self._reset_from)):
-            self._missed_after_reset(gap)
+        if not self.stats.gap_unrecovered:  # else it applies what the stream still holds
+            if self._from_start:
+                if gap := trimmed_past(info, self._reset_from):
+                    self._missed_after_reset(gap)
+            elif gap := trimmed_past(info, self.stats.last_id):
+                raise self.gap_error(gap)
         return reply[0][1] if reply else []
 
     def _missed_after_reset(self, gap: str) -> None:

@@ -81,12 +81,15 @@ class ModelScorer:
         return stored.cpu()
 
     def _context(self, r: RetrieveRequest, now: int) -> list[int]:
-        def index(cat, value, rows: int) -> int:  # 0: unknown, also past the checkpoint's rows (a schema of more
-            i = cat.value_index(value) if cat is not None and value is not None else None  # values than it was
-            return 0 if i is None or i + 1 >= rows else i + 1  # trained with: an IndexError in the towers before)
+        def index(cat, value, rows: int) -> int:
+            """1 + the value's place in cat's vocabulary; 0 for unknown, and for a place past the checkpoint's `rows`
+            (a schema of more values than it was trained with)."""
+            i = cat.value_index(value) if cat is not None and value is not None else None
+            return 0 if i is None or i + 1 >= rows else i + 1
+
         d = self.model.dims
-        return [index(self.surface, r.context.surface, d.surfaces), index(self.placement, r.context.placement,
-                                                                          d.placements), now // 3600 % 24]
+        return [index(self.surface, r.context.surface, d.surfaces),
+                index(self.placement, r.context.placement, d.placements), now // 3600 % 24]
 
     @torch.no_grad()
     def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup, now: Sequence[int]) -> UserState:
