@@ -21,7 +21,7 @@ from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel, served_nam
 from andromeda_core.models.segments import SEGMENTS, segment_ids
 from andromeda_core.models.text import encode_texts
 from andromeda_core.models.towers import UserInputs, UserState
-from andromeda_core.models.two_tower import POSITIVE_EVENTS
+from andromeda_core.models.two_tower import engagements_as_of
 from andromeda_core.schema import Schema
 from andromeda_core.types import Ad, RetrieveRequest
 
@@ -108,7 +108,7 @@ class ModelScorer:
         co_mask = torch.zeros((B, CO_ITEMS), dtype=torch.bool)
         segments = torch.full((B, SEGMENTS), -1, dtype=torch.int64)
         for b, r in enumerate(requests):
-            events = sorted((h for h in r.user.history if h.event in POSITIVE_EVENTS), key=lambda h: h.ts)
+            events = engagements_as_of(r, now[b])
             if events:  # the last L engagements with ads the index holds, oldest first, as in training (whose
                 # histories hold engagements alone: impressions and hides would push them out, and read as ones)
                 vectors, found = lookup([h.ad_id for h in events])
@@ -116,7 +116,7 @@ class ModelScorer:
                 events, n = [events[i] for i in keep], len(keep)
                 hist[b, :n], hist_mask[b, :n] = vectors[keep], True
                 hist_event[b, :n] = torch.tensor([EVENTS.index(h.event) for h in events], dtype=torch.int64)
-                hist_age[b, :n] = torch.tensor([max(0, now[b] - h.ts) / 3600 for h in events])
+                hist_age[b, :n] = torch.tensor([max(0, now[b] - h.ts) / 3600 for h in events])  # 0 within the skew
             if r.user.co_engagement:  # the last CO_ITEMS the index holds, as in training (not the last CO_ITEMS
                 vectors, found = lookup([c.ad_id for c in r.user.co_engagement])  # given, then those held)
                 keep = found.nonzero().flatten()[-CO_ITEMS:]

@@ -17,11 +17,21 @@ import torch.nn.functional as F
 
 from andromeda_core.models import EmbeddingLookup, KernelHead, dot_head
 from andromeda_core.schema import Schema, attribute_values
-from andromeda_core.types import Ad, RetrieveRequest
+from andromeda_core.types import Ad, HistoryEvent, RetrieveRequest
 
 TOKEN = re.compile(r"[a-z0-9]+")
 POSITIVE_EVENTS = frozenset({"click", "like", "share", "conversion"})
+CLOCK_SKEW_S = 60  # how far past the server's clock a request without context.ts still reads its history
 USER_TEXT_CATEGORIES = ("interests", "behaviors", "life_events")
+
+
+def engagements_as_of(r: RetrieveRequest, now: int) -> list[HistoryEvent]:
+    """The request's engagements (POSITIVE_EVENTS) up to its time `now`, oldest first (equal ts in the order
+    given): a later one had not happened as of now, so it is not read (training's histories end before their
+    target too). A request without context.ts is answered at the server's clock, which another machine's may
+    run ahead of: its entries up to CLOCK_SKEW_S past it are read as well."""
+    last = now + (CLOCK_SKEW_S if r.context.ts is None else 0)
+    return sorted((h for h in r.user.history if h.event in POSITIVE_EVENTS and h.ts <= last), key=lambda h: h.ts)
 
 
 def tokenize(text: str) -> list[str]:
@@ -69,12 +79,12 @@ class HashedTwoTower:
         return list(dict.fromkeys(words))
 
     def encode_users(self, requests: Sequence[RetrieveRequest], lookup: EmbeddingLookup,
-                     now: Sequence[int] = ()) -> torch.Tensor:
-        """-> (B, D) user embeddings on the device."""
+                     now: Sequence[int]) -> torch.Tensor:
+        """B requests, now (B,) seconds -> (B, D) user embeddings on the device."""
         content = self._embed([[t for w in self._values(r) for t in tokenize(w)] for r in requests])
         history = torch.zeros_like(content)
         for b, r in enumerate(requests):
-            engaged, found = lookup([h.ad_id for h in r.user.history if h.event in POSITIVE_EVENTS])
+            engaged, found = lookup([h.ad_id for h in engagements_as_of(r, now[b])])
             if found.any():
                 history[b] = F.normalize(engaged[found].mean(0), dim=0)  # copied onto the device
         return F.normalize(content + history, dim=1)

@@ -254,3 +254,39 @@ def test_a_surface_past_the_checkpoints_rows_reads_as_unknown(default_schema, sc
     late = state_of(wide, index, {"user": user, "context": {"ts": 100, "surface": "s19"}})
     unknown = state_of(wide, index, {"user": user, "context": {"ts": 100}})
     assert schema.by_name["surface"].value_index("s19") + 1 >= scorer.model.dims.surfaces and torch.equal(late, unknown)
+
+
+def test_history_later_than_the_request_time_is_not_read(default_schema, scorer, events):
+    """A request asks as of context.ts: an engagement after it had not happened then (training's histories end
+    before their target). It was read as the newest engagement, with age 0."""
+    index = indexed(default_schema, scorer, events)
+    now = 3600 * 30
+    clicks = [{"ad_id": i, "event": "click", "ts": now - 100 * i} for i in (1, 2, 3)]
+    later = {"ad_id": 7, "event": "click", "ts": now + 1}
+    at_now = {"ad_id": 7, "event": "click", "ts": now}
+
+    def state(history: list[dict]) -> torch.Tensor:
+        return state_of(scorer, index, {"user": {"user_id": 1, "history": history}, "context": {"ts": now}})
+
+    assert torch.equal(state(clicks + [later]), state(clicks))
+    assert not torch.equal(state(clicks + [at_now]), state(clicks))  # at its time: read
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_a_request_at_the_server_clock_reads_history_a_little_ahead_of_it(default_schema, scorer, events, hashed):
+    """Without context.ts the server's clock is the request's time, and the client's clock may run ahead of it:
+    entries up to CLOCK_SKEW_S past it are read, later ones are not. Both scorers."""
+    from andromeda_core.models.two_tower import CLOCK_SKEW_S, HashedTwoTower
+
+    model = HashedTwoTower(schema=default_schema) if hashed else scorer
+    index = indexed(default_schema, model, events)
+    now = 3600 * 30
+
+    def state(history: list[dict]) -> torch.Tensor:
+        r = parse_request({"user": {"user_id": 1, "history": history}, "k": 5})
+        users = model.encode_users([r], index.embeddings_of, [now])
+        return users if hashed else users.experts
+
+    base = [{"ad_id": 1, "event": "click", "ts": now - 500}]
+    assert not torch.equal(state(base + [{"ad_id": 7, "event": "click", "ts": now + CLOCK_SKEW_S}]), state(base))
+    assert torch.equal(state(base + [{"ad_id": 7, "event": "click", "ts": now + CLOCK_SKEW_S + 1}]), state(base))

@@ -68,7 +68,7 @@ def test_the_default_scorer_leaves_out_values_targeting_ignores_and_repeats(smal
 
     def user(values: list[str]) -> torch.Tensor:
         request = parse_request({"user": {"user_id": 1, "attributes": {"interests": values}}})
-        return two_tower.encode_users([request], lambda ids: (torch.zeros((len(ids), 16)), torch.zeros(len(ids), dtype=torch.bool)))
+        return two_tower.encode_users([request], lambda ids: (torch.zeros((len(ids), 16)), torch.zeros(len(ids), dtype=torch.bool)), [0])
 
     assert torch.equal(user([known, "zz_not_a_value", known]), user([known]))
     assert not torch.equal(user([known]), user([]))
