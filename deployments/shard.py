@@ -120,11 +120,12 @@ class ShardReplica:
         return out
 
     def _search(self, query: UserQuery) -> tuple[TopK, str | None, int]:
-        """(the search's result, the stream id the index had applied, the slots it scanned), of one state of the
-        index: a batch applied between reading them and the pass would make them disagree."""
+        """(the search's result, the stream id up to which the index had applied every entry (ConsumerStats.watermark),
+        the slots it scanned), of one state of the index: a batch applied between reading them and the pass would
+        make them disagree."""
         with self.retriever.index.reading():
-            last_id, scanned = self.consumer.stats.last_id, self.retriever.index.high_water
-            return self.retriever.search(query), None if last_id == "0-0" else last_id, scanned
+            watermark, scanned = self.consumer.stats.watermark(), self.retriever.index.high_water
+            return self.retriever.search(query), watermark, scanned
 
     def owners(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None, int | None]]:
         """(advertiser, content version, status version) of each ad as this replica's index has them

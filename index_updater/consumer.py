@@ -72,7 +72,7 @@ RELEASE_ROUND = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call
 READ = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 return {redis.call('XINFO', 'STREAM', KEYS[1]), redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1], 'COUNT', 1),
-        redis.call('XREAD', 'COUNT', ARGV[2], 'STREAMS', KEYS[1], ARGV[1])}
+        redis.call('XREAD', 'COUNT', ARGV[2], 'STREAMS', KEYS[1], ARGV[1]), redis.call('TIME')}
 """
 
 
@@ -155,6 +155,8 @@ class ConsumerStats:
     applied_at: float = 0.0  # wall time (s) the newest entry of this shard became servable
     behind_since: float | None = None  # publish time (s) of the oldest entry known to be unapplied; None: caught up
     last_id: str = "0-0"  # in the shard's stream
+    caught_up_to: str = ""  # "<ms>-0": Redis's clock, less 1 ms, at the newest read that held nothing past what it
+    # applied; every entry with an id up to it is applied (an idle stream's watermark moves on); "" when unknown
     index_size: int = 0
     recoveries: int = 0
     stream_resets: int = 0  # times the stream went back behind what was read (went_back) and was read again
@@ -162,6 +164,12 @@ class ConsumerStats:
     read_at: float = field(default_factory=time.monotonic)  # monotonic time of the last read Redis answered
     reading_since: float | None = None  # monotonic time the read now waiting on Redis began; None: none waits
     read_error: str = ""  # why the latest read of the stream failed; "" when it succeeded
+
+    def watermark(self) -> str | None:
+        """The stream id up to which this replica has applied every entry of its stream: the last applied id, or,
+        where newer, caught_up_to; None when it knows neither."""
+        marks = [m for m in (self.last_id, self.caught_up_to) if m and m != "0-0"]
+        return max(marks, key=stream_id_key) if marks else None
 
     def lag_seconds(self, now: float | None = None) -> float:
         """How long the oldest entry known to be unapplied has waited; 0 when caught up, so an idle
@@ -257,6 +265,7 @@ class ShardConsumer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._caught_up = False
+        self._read_clock: int | None = None  # Redis's clock (ms) at the newest read; None: that read found no stream
         self._gap_snapshot: str | None = None  # newest snapshot when a gap was last found uncovered
         self._entries_added: int | None = None  # the stream's XINFO entries-added at the last read
         self._last_digest: str | None = None  # entry_digest of the entry at stats.last_id, as read; None: unknown
@@ -328,6 +337,7 @@ class ShardConsumer:
                 self.stats.last_id = meta["stream_id"]  # state they saw: never newer than it, before adopt or after
             self.index.adopt(converted)
             self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
+            self.stats.caught_up_to = ""  # the entries after the snapshot are not applied yet
             self._entries_added, self._from_start = meta.get("entries_added"), False  # as the stream was then
             self._last_digest = meta.get("entry_digest")
             self.stats.recoveries += 1
@@ -361,15 +371,18 @@ class ShardConsumer:
         pipe.xinfo_stream(self.source)
         pipe.xrange(self.source, min=last_id, max=last_id, count=1)
         pipe.xread({self.source: last_id}, count=self.count)
+        pipe.time()
+        self._read_clock = None
         with self._reading():
             try:
-                info, at_last, reply = pipe.execute()
+                info, at_last, reply, clock = pipe.execute()
             except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):  # Redis is full: READ
                 state = self._read(keys=[self.source], args=[last_id, self.count])
                 if state is None:
                     return []
                 info = {text(key): value for key, value in zip(state[0][::2], state[0][1::2])}  # as redis-py parses it
                 at_last, reply = entries_of(state[1]), [(name, entries_of(read)) for name, read in state[2] or []]
+                clock = state[3]
             except redis.ResponseError as exc:
                 if no_stream(exc):
                     return []
@@ -382,7 +395,7 @@ class ShardConsumer:
             if not self._from_start:
                 self._reset_from = last_id
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
-            self._last_digest = None
+            self.stats.caught_up_to, self._last_digest = "", None  # the stream may now hold new entries before it
             self._reset_pending = True  # settle_reset, at the end of catch_up and at each turn of the loop
             return self.read()
         self._entries_added = info["entries-added"]
@@ -392,6 +405,7 @@ class ShardConsumer:
                     self._missed_after_reset(gap)
             elif gap := trimmed_past(info, self.stats.last_id):
                 raise self.gap_error(gap)
+        self._read_clock = int(clock[0]) * 1000 + int(clock[1]) // 1000  # Redis's clock (ms) as it made the read
         return reply[0][1] if reply else []
 
     def _missed_after_reset(self, gap: str) -> None:
@@ -399,6 +413,7 @@ class ShardConsumer:
         (a recreated stream's, say) may have been trimmed unread here. The index misses them until a snapshot newer
         than the newest now covers them (the newest may be one the stream went back from, set aside only after this
         read); meanwhile it applies what the stream holds and writes no snapshot."""
+        self.stats.caught_up_to = ""
         self.stats.gap_unrecovered = (f"the stream went back, and was trimmed up to {gap}, past the last id applied "
                                       f"before ({self._reset_from})")
         self._gap_snapshot = self._newest_snapshot()
@@ -463,6 +478,10 @@ class ShardConsumer:
         newest = self._apply_read(entries) if entries else None
         if len(entries) < self.count:  # the stream held no more than this read
             self.stats.behind_since, self._caught_up = None, True
+            if self._read_clock is not None and not self.stats.gap_unrecovered:  # a later entry's id is past the
+                # read's clock (Redis ids its entries by its clock, never going back): up to 1 ms before it, every
+                # entry was in the read
+                self.stats.caught_up_to = f"{self._read_clock - 1}-0"
         else:  # more may wait, published no earlier than this read's newest
             self.stats.behind_since = newest
         return len(entries)
@@ -786,7 +805,7 @@ class ShardConsumer:
                 self.stats.gap_unrecovered = ""
                 return
             gap = self.gap_error(still)
-        self.stats.gap_unrecovered = str(gap)
+        self.stats.gap_unrecovered, self.stats.caught_up_to = str(gap), ""
         log.error("shard %d: no snapshot covers the gap; the index misses those updates until one does", self.shard)
 
     def _newest_snapshot(self) -> str | None:

@@ -11,7 +11,7 @@ from andromeda_core.ingest import prepare_ops
 from andromeda_core.types import parse_event
 from index_updater.publisher import DEFAULT_STREAM
 from index_updater.records import encode, shard_stream
-from index_updater.snapshots import SnapshotStore
+from index_updater.snapshots import SnapshotStore, stream_id_key
 from tests.conftest import upsert, wait_until
 
 SHARD0 = shard_stream(DEFAULT_STREAM, 0)
@@ -136,3 +136,24 @@ def test_an_uncovered_gap_is_reported_until_a_snapshot_covers_it(setup, tmp_path
     finally:
         lagging.stop()
 
+
+
+def test_an_idle_streams_watermark_moves_on_with_redis_clock(setup):
+    """A request's index_watermark is its shards' oldest: a shard whose stream saw nothing since id X reported X for
+    ever, so a write to another shard (a newer id) never showed as applied by every shard. Once a read finds nothing
+    past what it applied, the watermark is Redis's clock at that read (less 1 ms); a full read claims nothing more."""
+    client, publisher, make = setup
+    c = make(count=2)
+    assert c.stats.watermark() is None
+    ids = publisher.publish([upsert(i) for i in range(1, 6)])
+    assert c.poll(block_ms=0) == 2 and c.stats.caught_up_to == "" and c.stats.watermark() == ids[1]  # more may wait
+    c.poll(block_ms=0)
+    c.poll(block_ms=0)
+    caught = c.stats.watermark()
+    assert c.stats.last_id == ids[-1] and stream_id_key(caught) >= stream_id_key(ids[-1]) and caught == c.stats.caught_up_to
+    time.sleep(0.01)
+    assert c.poll(block_ms=0) == 0 and stream_id_key(c.stats.watermark()) > stream_id_key(caught)  # idle: it moves on
+    later = publisher.publish([upsert(9)])[0]
+    assert stream_id_key(c.stats.watermark()) < stream_id_key(later)  # not applied, not claimed
+    seconds, micros = client.time()
+    assert c.poll(block_ms=0) == 1 and stream_id_key(later) <= stream_id_key(c.stats.watermark()) < (seconds * 1000 + micros // 1000 + 1000, 0)

@@ -919,6 +919,7 @@ def test_a_full_redis_still_lets_replicas_read_start_and_trim(setup, tmp_path):
         started.catch_up()  # reads past the poison, though it can neither record it nor register its position yet
         assert sorted(started.index.ad_ids()) == list(range(1, 9)) and started.stats.errors == 2
         assert started.stats.dead_letters == 1 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 0
+        assert started.stats.caught_up_to and started.stats.watermark() == started.stats.caught_up_to  # READ's clock
         running._turn({"sweep": 0.0, "snapshot": 0.0, "trim": 0.0, "report": float("inf")})
         assert sorted(running.index.ad_ids()) == list(range(1, 9)) and running.stats.dead_letters == 1
         assert "OutOfMemoryError" in running.stats.last_error  # the round's claim was refused, and the trim still
