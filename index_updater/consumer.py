@@ -67,10 +67,10 @@ return id
 RELEASE_ROUND = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # The stream's state, the entry at the last applied id and the entries after it, read at one moment (a script is
 # atomic), for when a MULTI/EXEC cannot: Redis refuses every command queued in one, reads too, once its memory passes
-# maxmemory, and a replica must still read (and start) then. Only then: converting the replies costs the script
-# 5-8x the Redis time of the transaction. None when the stream does not exist.
+# maxmemory, and a replica must still read (and start) then; and for a stream that does not exist, whose only reply is
+# Redis's clock. Only then: converting the replies costs the script 5-8x the Redis time of the transaction.
 READ = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {redis.call('TIME')} end
 return {redis.call('XINFO', 'STREAM', KEYS[1]), redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1], 'COUNT', 1),
         redis.call('XREAD', 'COUNT', ARGV[2], 'STREAMS', KEYS[1], ARGV[1]), redis.call('TIME')}
 """
@@ -376,17 +376,17 @@ class ShardConsumer:
         with self._reading():
             try:
                 info, at_last, reply, clock = pipe.execute()
-            except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):  # Redis is full: READ
-                state = self._read(keys=[self.source], args=[last_id, self.count])
-                if state is None:
-                    return []
+            except redis.ResponseError as exc:  # Redis is full (its MULTI refused), or there is no stream
+                if not isinstance(exc, (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError)) \
+                        and not no_stream(exc):
+                    raise
+                state = self._read(keys=[self.source], args=[last_id, self.count])  # Redis is full, or no stream:
+                if len(state) == 1:  # READ, which also tells the clock of a stream that does not exist
+                    self._read_clock = self._clock(state[0]) if last_id == "0-0" else None  # (an empty one: nothing
+                    return []  # before it is unapplied; else it was deleted, and what it held is not known)
                 info = {text(key): value for key, value in zip(state[0][::2], state[0][1::2])}  # as redis-py parses it
                 at_last, reply = entries_of(state[1]), [(name, entries_of(read)) for name, read in state[2] or []]
                 clock = state[3]
-            except redis.ResponseError as exc:
-                if no_stream(exc):
-                    return []
-                raise
         if reason := went_back(info, last_id, self._entries_added, held_digest(at_last), self._last_digest):
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
@@ -405,8 +405,13 @@ class ShardConsumer:
                     self._missed_after_reset(gap)
             elif gap := trimmed_past(info, self.stats.last_id):
                 raise self.gap_error(gap)
-        self._read_clock = int(clock[0]) * 1000 + int(clock[1]) // 1000  # Redis's clock (ms) as it made the read
+        self._read_clock = self._clock(clock)
         return reply[0][1] if reply else []
+
+    @staticmethod
+    def _clock(time_reply: list | tuple) -> int:
+        """Redis's TIME (seconds, microseconds) in milliseconds: its clock as it made the read."""
+        return int(time_reply[0]) * 1000 + int(time_reply[1]) // 1000
 
     def _missed_after_reset(self, gap: str) -> None:
         """The stream it went back to was trimmed up to `gap`, past the last id applied before: entries added since

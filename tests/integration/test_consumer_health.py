@@ -157,3 +157,14 @@ def test_an_idle_streams_watermark_moves_on_with_redis_clock(setup):
     assert stream_id_key(c.stats.watermark()) < stream_id_key(later)  # not applied, not claimed
     seconds, micros = client.time()
     assert c.poll(block_ms=0) == 1 and stream_id_key(later) <= stream_id_key(c.stats.watermark()) < (seconds * 1000 + micros // 1000 + 1000, 0)
+
+
+def test_a_stream_never_written_is_caught_up_to_redis_clock(setup):
+    """A shard whose stream holds no entry yet (a small corpus puts ids 1-100 on one shard) had no watermark, which
+    made every request's index_watermark null; a stream that does not exist holds nothing unapplied."""
+    client, publisher, make = setup
+    c = make(shard=1, shards=2)
+    assert not client.exists(c.source)
+    seconds, micros = client.time()
+    assert c.poll(block_ms=0) == 0
+    assert stream_id_key(c.stats.watermark()) >= (seconds * 1000 + micros // 1000 - 1, 0)
