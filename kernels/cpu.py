@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.dispatch import require_rows, require_top
+from kernels.dispatch import require_head, require_match_inputs, require_rows, require_top
 
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math",
@@ -121,6 +121,8 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     n, B, threads = status.shape[0], now.shape[0], torch.get_num_threads()
     require_top(m, top_n)  # an empty heap would be written through
     require_rows(n, vectors, scales, experts.shape[2], keys.shape[2], bias_col)  # else read past them
+    require_match_inputs(status, start, end, refs, truth, now)  # passed as raw pointers: dtypes and rows
+    require_head(B, experts, keys, mask)
     if B == 0:
         return torch.zeros((0, m), dtype=torch.int64), torch.zeros((0, m)), torch.zeros(0, dtype=torch.int64)
     if vectors.stride(1) != 1:
@@ -150,6 +152,7 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
 def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                  truth: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
     """kernels.reference.fused.clause_match on CPU tensors."""
+    require_match_inputs(status, start, end, refs, truth, now)
     status, start, end, refs, truth, now = (t.contiguous() for t in (status, start, end, refs, truth, now))
     n, B = status.shape[0], now.shape[0]
     out = torch.empty((B, n), dtype=torch.bool)  # one byte each: the kernel writes 0 or 1

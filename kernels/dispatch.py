@@ -30,6 +30,36 @@ def require_top(m: int, top_n: int) -> None:
         raise ValueError(f"m and top_n must be at least 1, got m={m}, top_n={top_n}")
 
 
+COMPILED_STORAGE = (torch.float32, torch.float16, torch.int8)  # table dtypes the compiled kernels read; others: reference
+
+
+def require_match_inputs(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
+                         truth: torch.Tensor, now: torch.Tensor) -> None:
+    """The match's operands as the compiled kernels read them (raw pointers): status int8 (n,), start and end int64
+    and refs int32 (n, C) of at least n rows, truth int32 (B, W) with W >= 1, now int64 (B,). Raises ValueError
+    naming the first that is not (another dtype or fewer rows would be read wrongly or past its end). The refs'
+    values are the caller's to keep below 32 W clauses (AdIndex does): they are not read here."""
+    n, B = status.shape[0], now.shape[0]
+    for name, t, dtype, rows in (("status", status, torch.int8, n), ("start", start, torch.int64, n),
+                                 ("end", end, torch.int64, n), ("refs", refs, torch.int32, n),
+                                 ("truth", truth, torch.int32, B), ("now", now, torch.int64, B)):
+        dims = 2 if name in ("refs", "truth") else 1
+        if t.dtype != dtype or t.dim() != dims or t.shape[0] < rows or (name == "truth" and (t.shape[0] != B or t.shape[1] < 1)):
+            raise ValueError(f"{name}: {t.dtype} of shape {tuple(t.shape)}, where the kernels read {dtype} of "
+                             f"{rows} rows{' (and at least one column)' if name == 'truth' else ''}"
+                             f"{'' if dims == 1 else ' of columns'}")
+
+
+def require_head(B: int, experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> None:
+    """experts (B, E, D), keys (B, E, G) and mask (B, E), one row per request: ValueError otherwise (the compiled
+    kernels would read past a shorter one)."""
+    E = experts.shape[1] if experts.dim() == 3 else -1
+    if experts.dim() != 3 or experts.shape[0] != B or keys.dim() != 3 or tuple(keys.shape[:2]) != (B, E) \
+            or tuple(mask.shape) != (B, E):
+        raise ValueError(f"a head of experts {tuple(experts.shape)}, keys {tuple(keys.shape)}, mask {tuple(mask.shape)} "
+                         f"for {B} requests: want (B, E, D), (B, E, G), (B, E)")
+
+
 def require_rows(n: int, vectors: torch.Tensor, scales: torch.Tensor | None, D: int, G: int, bias_col: int) -> None:
     """The kernels read, for each of the n slots, D + G dims and the bias column of its row of vectors, and for an
     int8 table the scale of each block of SCALE_BLOCK of those: raises ValueError where the tensors hold less (the
@@ -50,10 +80,15 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
                vectors: torch.Tensor, scales: torch.Tensor | None, now: torch.Tensor, truth: torch.Tensor,
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
                m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Match, score and top-m in one pass (kernels.reference.fused.fused_scan) on the table's device."""
+    """Match, score and top-m in one pass (kernels.reference.fused.fused_scan) on the table's device; a table of
+    another dtype than COMPILED_STORAGE (float64, bfloat16) by the reference."""
     require_top(m, top_n)
+    require_match_inputs(status, start, end, refs, truth, now)
+    require_head(now.shape[0], experts, keys, mask)
     require_rows(status.shape[0], vectors, scales, experts.shape[2], keys.shape[2], bias_col)
     args = (status, start, end, refs, vectors, scales, now, truth, experts, keys, mask, bias_col, top_n)
+    if vectors.dtype not in COMPILED_STORAGE:
+        return reference_in_parts(*args, m)
     if not vectors.is_cuda:
         from kernels.cpu import fused_scan as run
         return run(*args, m)
@@ -123,6 +158,7 @@ def warm_up(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: 
 def clause_match(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, refs: torch.Tensor,
                  truth: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
     """Eligibility (B, n) bool (kernels.reference.fused.clause_match) on the table's device."""
+    require_match_inputs(status, start, end, refs, truth, now)
     if status.is_cuda:
         from kernels.triton.match import clause_match_count
         with on_its_gpu(status):

@@ -66,6 +66,7 @@ def top_n_gates(logits: torch.Tensor, top_n: int) -> torch.Tensor:
     NaN, and the first +inf, always is; the softmax of a NaN or +inf is NaN throughout, which nan_to_num makes
     0). Counted pair by pair over the E experts (E is small): a sort along E costs several times more on CPU."""
     E = logits.shape[1]
+    top_n = min(top_n, E)  # a larger one chooses every expert (and would wrap in the int16 comparison below)
     above = torch.zeros(logits.shape, dtype=torch.int16, device=logits.device)
     for j in range(E):
         other = logits[:, j: j + 1]

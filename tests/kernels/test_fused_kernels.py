@@ -827,3 +827,65 @@ def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch
         assert {kernel for kernel, _, _, _ in warmed} == {"_scan_kernel", "_merge_kernel"}
         assert {dict(constants)["MATCHED_ROWS"] for kernel, _, _, constants in warmed if kernel == "_scan_kernel"} == {
             True, False}
+
+
+def dispatched_ops(table, requests, m=5):
+    """The public ops over one table: both read the match's operands as raw pointers on the CPU."""
+    status, start, end, refs, vectors, scales = table
+    now, truth, experts, keys, mask = requests
+    return (lambda: dispatch.fused_scan(*table, *requests, -1, 2, m),
+            lambda: cpu.fused_scan(*table, *requests, -1, 2, m),
+            lambda: dispatch.clause_match(status, start, end, refs, truth, now))
+
+
+@pytest.mark.parametrize("name, change", [
+    ("status", lambda t: t.long()), ("start", lambda t: t.int()), ("end", lambda t: t.int()),
+    ("refs", lambda t: t.long()), ("truth", lambda t: t.long()), ("now", lambda t: t.int()),
+    ("truth", lambda t: t[:, :0]), ("refs", lambda t: t[:-1]),
+])
+def test_operands_of_another_dtype_or_fewer_rows_are_refused_naming_them(name, change):
+    """The compiled ops read raw pointers: int64 refs, int32 times and the like were read as other values or past
+    their end (a review found wrong matches and reads past the buffers; truth of no column crashed the process)."""
+    gen = torch.Generator().manual_seed(3)
+    status, start, end, refs, vectors, scales = make_table(gen, 41, 3, 19, torch.float16)
+    now, truth, experts, keys, mask = make_requests(gen, 2, 2, 8, 4)
+    operands = dict(status=status, start=start, end=end, refs=refs, truth=truth, now=now)
+    operands[name] = change(operands[name])
+    table = (operands["status"], operands["start"], operands["end"], operands["refs"], vectors, scales)
+    for op in dispatched_ops(table, (operands["now"], operands["truth"], experts, keys, mask)):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            op()
+
+
+def test_a_head_with_fewer_rows_than_requests_is_refused():
+    """experts of one row for four requests were read past their end (garbage scores) by the CPU kernel."""
+    gen = torch.Generator().manual_seed(4)
+    table = make_table(gen, 41, 3, 19, torch.float16)
+    now, truth, experts, keys, mask = make_requests(gen, 4, 2, 8, 4)
+    for short in ((now, truth, experts[:1], keys, mask), (now, truth, experts, keys[:1], mask),
+                  (now, truth, experts, keys, mask[:1])):
+        with pytest.raises(ValueError, match="a head of experts"):
+            dispatched_ops(table, short)[0]()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_table_the_kernels_do_not_read_is_scanned_by_the_reference(dtype):
+    """float64 and bfloat16 tables ended in a bare KeyError on the CPU; the reference reads them."""
+    gen = torch.Generator().manual_seed(6)
+    status, start, end, refs, vectors, _ = make_table(gen, 57, 3, 29, torch.float32)
+    table = (status, start, end, refs, vectors.to(dtype), None)
+    requests = make_requests(gen, 3, 6, 16, 8)
+    got = dispatch.fused_scan(*table, *requests, 24, 2, 9)
+    want = reference.fused_scan(*table, *requests, 24, 2, 9)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("top_n", [32768, 65536, 2 ** 40])
+def test_top_n_above_the_experts_chooses_them_all_in_the_reference_too(top_n):
+    """The reference compared an int16 count with top_n, which wrapped (32768 -> -32768): every gate 0, scores of the
+    bias alone, where the CPU kernel clamps top_n to E."""
+    gen = torch.Generator().manual_seed(7)
+    table = make_table(gen, 61, 3, 29, torch.float32)
+    requests = make_requests(gen, 2, 6, 16, 8)
+    assert_same(cpu.fused_scan(*table, *requests, 24, top_n, 9), reference.fused_scan(*table, *requests, 24, top_n, 9))
+    assert_same(reference.fused_scan(*table, *requests, 24, top_n, 9), reference.fused_scan(*table, *requests, 24, 6, 9))
