@@ -21,7 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BeforeValidator, Field
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from andromeda_core.config import install_log_redaction, load_settings
 from andromeda_core.errors import (AndromedaError, DeadlineExceeded, Forbidden, InvalidInput, NotFound, Overloaded,
@@ -49,6 +49,8 @@ from index_updater.publisher import Publisher
 metrics = ServiceMetrics()  # one per process: a router replica is one Ray actor process
 app = create_app(on_error=lambda cause: metrics.errors.labels(cause).inc())
 log = logging.getLogger(__name__)
+HISTORY_SHARE = 0.3  # of the time a request has left, what the history lookup's shard calls may take: the searches
+# need the rest (a dead shard owning a history ad made the lookup's tries take 90% of it, and no answer came in time)
 ANSWER_SHARE = 0.9  # of the time a request has left, what its shard calls may take: the rest answers
 WRITE_SLOT_WAIT_S = 0.1  # how long a write that finds every write slot taken waits for one before its 503: a write on
 # a healthy Redis frees its slot in milliseconds (more, where ad towers embed a large batch), so a burst past
@@ -150,6 +152,11 @@ class Missing:
     error: AndromedaError
 
 
+async def as_answer(missing: Missing) -> Missing:
+    """A shard's place among the search's answers without asking it (it did not answer the history lookup)."""
+    return missing
+
+
 class StreamUnavailable(AndromedaError):
     """Redis did not answer a write's step within about overload.write_timeout_s (its message says whether some of the
     batch may have been appended)."""
@@ -226,7 +233,8 @@ class Router:
         remaining_s()
         query = ShardQuery(UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests]), current_deadline())
         method = "search" if len(requests) <= self.config.max_batch_size else "search_alone"  # @serve.batch's bound
-        answers = await asyncio.gather(*(self.ask(s, allow_partial, method, query) for s in range(len(self.shards))))
+        answers = await asyncio.gather(*(self.ask(s, allow_partial, method, query) if s not in unreachable
+                                         else as_answer(unreachable[s]) for s in range(len(self.shards))))
         t3 = time.perf_counter()
         if any(isinstance(a, str) and a == EXPIRED for a in answers):  # a shard dropped the query: its deadline had passed
             remaining_s()
@@ -247,16 +255,19 @@ class Router:
                 raise InvalidInput(c.message, f"{where.format(i)}{c.field}")
         return compiled
 
-    async def history_lookup(self, requests: Sequence[RetrieveRequest], allow_partial: bool) -> tuple[EmbeddingLookup, set[int]]:
+    async def history_lookup(self, requests: Sequence[RetrieveRequest],
+                             allow_partial: bool) -> tuple[EmbeddingLookup, dict[int, Missing]]:
         """Fetch the stored vectors of every history and co-engagement ad of the batch from the shards
-        that own them (one concurrent call per shard) -> (lookup(ad ids) for the user towers, shards
-        that did not answer: their ads count as not indexed; only with allow_partial)."""
+        that own them (one concurrent call per shard, their tries within HISTORY_SHARE of the time left) ->
+        (lookup(ad ids) for the user towers, the shards that did not answer: their ads count as not indexed, and
+        they are not searched; only with allow_partial)."""
         wanted = sorted({h.ad_id for r in requests for h in r.user.history} |
                         {c.ad_id for r in requests for c in r.user.co_engagement})
         by_shard: dict[int, list[int]] = {}
         for ad_id in wanted:
             by_shard.setdefault(shard_of(ad_id, len(self.shards)), []).append(ad_id)
-        replies = await asyncio.gather(*(self.ask(s, allow_partial, "vectors", ids) for s, ids in by_shard.items()))
+        replies = await asyncio.gather(*(self.ask(s, allow_partial, "vectors", ids, share=HISTORY_SHARE)
+                                         for s, ids in by_shard.items()))
         found: dict[int, torch.Tensor] = {}
         for ids, reply in zip(by_shard.values(), replies):
             if not isinstance(reply, Missing):
@@ -269,31 +280,32 @@ class Router:
             return (torch.stack([found.get(i, zero) for i in ad_ids]),
                     torch.tensor([i in found for i in ad_ids], dtype=torch.bool))
 
-        return lookup, {s for s, reply in zip(by_shard, replies) if isinstance(reply, Missing)}
+        return lookup, {s: reply for s, reply in zip(by_shard, replies) if isinstance(reply, Missing)}
 
-    async def ask(self, shard: int, allow_partial: bool, method: str, *args: Any) -> Any:
-        """`call`, except that with allow_partial a shard that does not answer (ShardUnavailable) or whose queue is
-        full (Overloaded) gives Missing(that error). A shard's own error (its answer, or a bug) still fails the
-        request."""
+    async def ask(self, shard: int, allow_partial: bool, method: str, *args: Any, share: float = 0.0) -> Any:
+        """`call` (share: its tries' share of the time left, default ANSWER_SHARE), except that with allow_partial a
+        shard that does not answer (ShardUnavailable) or whose queue is full (Overloaded) gives Missing(that error).
+        A shard's own error (its answer, or a bug) still fails the request."""
         try:
-            return await self.call(shard, method, *args)
+            return await self.call(shard, method, *args, share=share or ANSWER_SHARE)
         except (ShardUnavailable, Overloaded) as exc:
             if allow_partial:
                 return Missing(exc)
             raise
 
-    async def call(self, shard: int, method: str, *args: Any, attempts: int = 2, timeout_s: float | None = None) -> Any:
+    async def call(self, shard: int, method: str, *args: Any, attempts: int = 2, timeout_s: float | None = None,
+                   share: float = ANSWER_SHARE) -> Any:
         """Call a shard with a deadline; a call that times out or whose replica died is made again
-        (attempts in all), then ShardUnavailable names the shard. The tries left share what the request's deadline
-        leaves, less a tenth kept for the answer, so that the last one gives up in time for a 503 or a partial
-        answer (the default 2 x shard_timeout_s is the whole default deadline). An error raised by the shard's own
+        (attempts in all), then ShardUnavailable names the shard. The tries left share `share` of what the request's
+        deadline leaves (by default all but a tenth kept for the answer), so that the last one gives up in time for
+        a 503 or a partial answer (the default 2 x shard_timeout_s is the whole default deadline). An error raised by the shard's own
         code is not retried: an AndromedaError passes through, anything else is a 500 (logged)."""
         error: BaseException | None = None
         for attempt in range(attempts):
             left = remaining_s()  # DeadlineExceeded rather than another try once the request's deadline passed
             timeout = timeout_s or self.config.shard_timeout_s
             if left is not None:
-                timeout = min(timeout, ANSWER_SHARE * left / (attempts - attempt))
+                timeout = min(timeout, share * left / (attempts - attempt))
             response = getattr(self.shards[shard], method).remote(*args)
             try:
                 return await asyncio.wait_for(response, timeout)
@@ -305,8 +317,9 @@ class Router:
                                  " retry after Retry-After", f"shard {shard}") from None
             except AndromedaError as exc:  # the shard's answer (e.g. NotFound), not a failure to answer
                 raise getattr(exc, "cause", exc) from None
-            except (TimeoutError, RayActorError, grpc.aio.AioRpcError) as exc:  # no answer in time, a dead or
-                # unreachable replica, a broken gRPC call: try again
+            except (TimeoutError, RayActorError, grpc.aio.AioRpcError, DeploymentUnavailableError,
+                    ReplicaUnavailableError) as exc:  # no answer in time, a dead or unreachable replica, a broken gRPC
+                # call, a shard deployment that failed to deploy (its replicas never started): try again
                 response.cancel()
                 error = exc
             except Exception as exc:  # a bug in the shard's code (as raised over gRPC, a RayTaskError by reference):
@@ -316,12 +329,13 @@ class Router:
         raise ShardUnavailable(f"shard {shard} did not answer ({type(error).__name__}); retry later", f"shard {shard}")
 
     def merge(self, requests: Sequence[RetrieveRequest], compiled: Sequence[CompiledRequest],
-              answers: Sequence[ShardAnswer | Missing], unreachable: set[int], started: float) -> list[RetrieveResponse]:
+              answers: Sequence[ShardAnswer | Missing], unreachable: dict[int, Missing],
+              started: float) -> list[RetrieveResponse]:
         """Exact merge of the shards' partial top-k; eligible counts add up. Shards that did not answer
         the search or the history lookup are listed as missing. With no answer at all: Overloaded when every
         shard's queue was full, else ShardUnavailable."""
         present = {s: a for s, a in enumerate(answers) if not isinstance(a, Missing)}
-        missing = sorted(unreachable | (set(range(len(answers))) - set(present)))
+        missing = sorted(set(unreachable) | (set(range(len(answers))) - set(present)))
         if not present:
             if answers and all(isinstance(a.error, Overloaded) for a in answers):
                 raise Overloaded("every shard's queue is full; retry after Retry-After", "shard")

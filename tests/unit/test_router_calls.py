@@ -5,6 +5,7 @@ it over gRPC), what allow_partial leaves out. tests/integration runs the same ca
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from types import SimpleNamespace
@@ -12,16 +13,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 from ray.exceptions import ActorUnavailableError
-from ray.serve.exceptions import BackPressureError
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from andromeda_core.errors import NotFound, Overloaded
+from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.retriever import TopK, compile_requests
 from andromeda_core.schema import load_schema
+from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_request
 from deployments.api import DEADLINE
 from deployments.metrics import ServiceMetrics
+from deployments.config import Limits
 from deployments.router import Missing, Router, ShardUnavailable
-from deployments.shard import ShardAnswer
+from deployments.shard import HistoryVectors, ShardAnswer
 
 
 class Reply:
@@ -61,8 +66,12 @@ def call(error: BaseException) -> tuple[Shard, BaseException]:
     return shard, raised.value
 
 
-@pytest.mark.parametrize("error", [TimeoutError(), ActorUnavailableError("gone", b"\0" * 16)])
+@pytest.mark.parametrize("error", [TimeoutError(), ActorUnavailableError("gone", b"\0" * 16),
+                                   DeploymentUnavailableError(DeploymentID(name="shard-0", app_name="andromeda")),
+                                   ReplicaUnavailableError("replica-abc")])
 def test_no_answer_or_a_dead_replica_is_asked_again_then_named_unavailable(error):
+    """A shard deployment that failed to deploy (Serve raises DeploymentUnavailableError) was a logged 500, not a
+    shard to leave out with allow_partial."""
     shard, raised = call(error)
     assert len(shard.replies) == 2 and all(r.cancelled for r in shard.replies)
     assert isinstance(raised, ShardUnavailable) and raised.field == "shard 0" and type(error).__name__ in raised.message
@@ -186,10 +195,46 @@ def test_the_merge_lists_shards_missing_from_the_search_or_the_history_lookup():
     router = SimpleNamespace(metrics=ServiceMetrics())
     unavailable, full = Missing(ShardUnavailable("no answer", "shard 1")), Missing(Overloaded("full", "shard 1"))
     answers = [part([4, 6], [0.5, 0.25], 7, "5-0"), unavailable, part([9, -1], [0.75, float("-inf")], 1, "3-0")]
-    response = Router.func_or_class.merge(router, requests, compiled, answers, {2}, 0.0)[0]
+    response = Router.func_or_class.merge(router, requests, compiled, answers, {2: unavailable}, 0.0)[0]
     assert [(a.ad_id, a.score) for a in response.ads] == [(9, 0.75), (4, 0.5)] and response.eligible == 8
     assert response.missing_shards == [1, 2] and response.shard_watermarks == ["5-0", None, "3-0"]
     with pytest.raises(ShardUnavailable):
-        Router.func_or_class.merge(router, requests, compiled, [full, unavailable], set(), 0.0)
+        Router.func_or_class.merge(router, requests, compiled, [full, unavailable], {}, 0.0)
     with pytest.raises(Overloaded, match="every shard's queue is full"):
-        Router.func_or_class.merge(router, requests, compiled, [full, full], set(), 0.0)
+        Router.func_or_class.merge(router, requests, compiled, [full, full], {}, 0.0)
+
+
+class Healthy:
+    """A shard handle that answers at once: no history ad indexed, a top-k of ad 4."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, method: str):
+        async def answer(*args):
+            self.calls.append(method)
+            if method == "vectors":
+                return HistoryVectors(torch.zeros((len(args[0]), 16)), torch.zeros(len(args[0]), dtype=torch.bool))
+            return ShardAnswer(TopK(torch.tensor([[4]]), torch.tensor([[0.5]]), torch.tensor([3])), "1-0", 1.0, 10)
+        return SimpleNamespace(remote=lambda *args: answer(*args))
+
+
+def test_a_dead_shard_owning_history_ads_leaves_the_search_time_for_a_partial_answer():
+    """The history lookup's tries at a shard with no live replica took 90% of what the deadline left, and the searches
+    got the rest: a request allowing a partial answer was a 503 though the other shard was healthy. The lookup now
+    takes at most HISTORY_SHARE of it, and a shard that missed it is not searched (it is listed as missing)."""
+    healthy, dead = Healthy(), Silent()
+    dead.vectors = dead.search  # never answers either call
+    scorer = HashedTwoTower(dim=16, buckets=64)
+    router = SimpleNamespace(shards=[healthy, dead], scorer=scorer, schema=load_schema(), metrics=ServiceMetrics(),
+                             config=SimpleNamespace(shard_timeout_s=5.0, max_batch_size=16, limits=Limits()))
+    for name in ("compiled", "history_lookup", "ask", "call", "merge", "answered"):
+        setattr(router, name, functools.partial(getattr(Router.func_or_class, name), router))
+    on_dead = next(a for a in range(1, 100) if shard_of(a, 2) == 1)
+    request = parse_request({"user": {"user_id": 1, "history": [{"ad_id": on_dead, "event": "click", "ts": 5}]},
+                             "context": {"ts": 100}, "k": 1, "allow_partial": True})
+    DEADLINE.set(time.time() + 1.0)
+    started = time.time()
+    response = asyncio.run(Router.func_or_class.answer(router, [request], "retrieve", ""))[0]
+    assert [a.ad_id for a in response.ads] == [4] and response.missing_shards == [1]
+    assert time.time() - started < 0.5 and dead.calls == 2 and healthy.calls == ["search"]  # 2 tries: the lookup
