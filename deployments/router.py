@@ -41,7 +41,7 @@ from deployments.config import BATCH_MAX, ServiceConfig, by_reference
 from deployments.limits import ThreadLane, TokenBuckets, check_requests, over_limit
 from deployments.metrics import ServiceMetrics
 from deployments.shared_limits import SharedTokenBuckets
-from deployments.shard import EXPIRED, ShardAnswer, ShardQuery
+from deployments.shard import EXPIRED, Mismatch, ShardAnswer, ShardQuery, serving_identity
 from index_updater.owners import ADMIN, Writer
 from index_updater.clients import redis_client
 from index_updater.publisher import Publisher
@@ -145,6 +145,11 @@ class ShardUnavailable(AndromedaError):
     """A shard did not answer within its deadline, twice."""
 
 
+class ShardMismatch(ShardUnavailable):
+    """A shard serves another model or schema than the router (a rollout half done, or a misconfiguration): its
+    answer would be read under the wrong one."""
+
+
 @dataclass(frozen=True)
 class Missing:
     """A shard's place among the answers when allow_partial left it out, and why: ShardUnavailable or Overloaded."""
@@ -191,6 +196,7 @@ class Router:
         app.state.buckets = rate_limiter(cfg)
         self.schema = load_schema(self.config.schema_path)
         self.scorer = load_scorer(self.config.model, self.schema)
+        self.identity = serving_identity(self.scorer.name, self.schema)  # what every shard must serve too
         if isinstance(self.scorer, ModelScorer):  # it embeds the ads of every write: load its sentence model now
             self.scorer.warm_up()
         # A write's Redis calls and ad towers run on threads of their own, each Redis step bounded: with them in the
@@ -231,7 +237,8 @@ class Router:
         users = await asyncio.to_thread(self.scorer.encode_users, requests, lookup, nows)
         t2 = time.perf_counter()
         remaining_s()
-        query = ShardQuery(UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests]), current_deadline())
+        query = ShardQuery(UserQuery(users, [c.values for c in compiled], nows, [r.k for r in requests]), current_deadline(),
+                           self.identity)
         method = "search" if len(requests) <= self.config.max_batch_size else "search_alone"  # @serve.batch's bound
         answers = await asyncio.gather(*(self.ask(s, allow_partial, method, query) if s not in unreachable
                                          else as_answer(unreachable[s]) for s in range(len(self.shards))))
@@ -266,7 +273,7 @@ class Router:
         by_shard: dict[int, list[int]] = {}
         for ad_id in wanted:
             by_shard.setdefault(shard_of(ad_id, len(self.shards)), []).append(ad_id)
-        replies = await asyncio.gather(*(self.ask(s, allow_partial, "vectors", ids, share=HISTORY_SHARE)
+        replies = await asyncio.gather(*(self.ask(s, allow_partial, "vectors", ids, self.identity, share=HISTORY_SHARE)
                                          for s, ids in by_shard.items()))
         found: dict[int, torch.Tensor] = {}
         for ids, reply in zip(by_shard.values(), replies):
@@ -308,7 +315,11 @@ class Router:
                 timeout = min(timeout, share * left / (attempts - attempt))
             response = getattr(self.shards[shard], method).remote(*args)
             try:
-                return await asyncio.wait_for(response, timeout)
+                answer = await asyncio.wait_for(response, timeout)
+                if isinstance(answer, Mismatch):
+                    raise ShardMismatch(f"shard {shard} serves {answer.identity}; this router serves {self.identity}: "
+                                        "retry once the rollout is done", f"shard {shard}")
+                return answer
             except asyncio.CancelledError:
                 response.cancel()
                 raise
@@ -454,10 +465,12 @@ class Router:
     @app.head("/readyz", include_in_schema=False)
     @app.get("/readyz", response_model=Health, responses={503: {"model": Health}})
     async def readyz(self):
-        """200 once every shard answers and has caught up with its stream."""
+        """200 once every shard answers, has caught up with its stream and serves the router's model and schema."""
         status = await self.shard_status()
-        ready = all(s is not None and s["ready"] for s in status)
-        shards = [s if s is not None else {"shard": i, "ready": False, "reason": "unreachable"} for i, s in enumerate(status)]
+        shards = [{"shard": i, "ready": False, "reason": "unreachable"} if s is None
+                  else {**s, "ready": False, "reason": f"serves {s.get('identity')}; the router {self.identity}"}
+                  if s.get("identity") != self.identity else s for i, s in enumerate(status)]
+        ready = all(s["ready"] for s in shards)
         body = Health(status="ready" if ready else "not ready", shards=shards)
         return body if ready else json_response(503, body)
 

@@ -21,7 +21,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core.models.serving import load_scorer
 from andromeda_core.quantization import STORAGE
 from andromeda_core.retriever import Retriever, TopK, UserQuery, concat_queries, split_topk
-from andromeda_core.schema import load_schema
+from andromeda_core.schema import Schema, load_schema
 from andromeda_core.wire import NumpyPickled
 from deployments.config import ServiceConfig
 from index_updater.consumer import ShardConsumer, consumer_client
@@ -53,12 +53,28 @@ class ShardAnswer:
 EXPIRED = "expired"  # a shard's answer to a query whose deadline passed before its pass began
 
 
+def serving_identity(scorer_name: str, schema: Schema) -> str:
+    """What a router and the shards it asks must share: the model that embeds users and ads (its served name) and the
+    schema that compiles the targeting values (name, version, fingerprint)."""
+    return f"model {scorer_name}, schema {schema.name} v{schema.version} ({schema.fingerprint})"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A shard's answer to a router of another serving identity: its own (the router's user state or targeting values
+    would be read under another model or schema)."""
+
+    identity: str
+
+
 @dataclass(frozen=True)
 class ShardQuery:
-    """What the router sends a shard: the compact query and the request's deadline (time.time(); None: none)."""
+    """What the router sends a shard: the compact query, the request's deadline (time.time(); None: none) and the
+    router's serving_identity."""
 
     query: UserQuery
     deadline: float | None = None
+    identity: str = ""
 
     def __len__(self) -> int:
         return len(self.query)
@@ -77,6 +93,7 @@ class ShardReplica:
         index = AdIndex(schema, scorer.dim, capacity=cfg.initial_capacity, device=device,
                         embedding_dtype=STORAGE[cfg.storage], exact_copy=cfg.rescore > 0)
         self.retriever = Retriever(index, scorer, rescore=cfg.rescore)
+        self.identity = serving_identity(scorer.name, schema)
         snapshots = SnapshotStore(Path(cfg.snapshot_dir) / f"shard-{shard}")
         self.consumer = ShardConsumer(consumer_client(cfg.resolved_redis_url()), index, scorer.name, shard, cfg.shards,
                                       stream=cfg.stream, snapshots=snapshots, snapshot_every_s=cfg.snapshot_every_s,
@@ -97,20 +114,24 @@ class ShardReplica:
         log.info("shard %d ready: %d ads at %s", shard, len(index), self.consumer.stats.last_id)
 
     @serve.batch(batch_size_fn=lambda queries: sum(len(q) for q in queries))  # a batch counts requests, not calls
-    async def search(self, queries: list[ShardQuery]) -> list[ShardAnswer | str]:
+    async def search(self, queries: list[ShardQuery]) -> list[ShardAnswer | Mismatch | str]:
         """Queries from concurrent requests share one pass over the table; each gets its own rows back. A query
-        whose deadline passed while it waited gets EXPIRED and costs no work."""
+        whose deadline passed while it waited gets EXPIRED and costs no work; one from a router of another serving
+        identity gets Mismatch (the others of its batch are answered)."""
         return await self._pass(queries)
 
-    async def search_alone(self, query: ShardQuery) -> ShardAnswer | str:
+    async def search_alone(self, query: ShardQuery) -> ShardAnswer | Mismatch | str:
         """One query of more requests than `max_batch_size` (a large retrieve:batch): its own pass."""
         return (await self._pass([query]))[0]
 
-    async def _pass(self, queries: list[ShardQuery]) -> list[ShardAnswer | str]:
+    async def _pass(self, queries: list[ShardQuery]) -> list[ShardAnswer | Mismatch | str]:
         started, now = time.perf_counter(), time.time()
-        live = [i for i, q in enumerate(queries) if q.deadline is None or q.deadline > now]
-        out: list[ShardAnswer | str] = [EXPIRED] * len(queries)
-        self.expired += len(queries) - len(live)
+        out: list[ShardAnswer | Mismatch | str] = [EXPIRED] * len(queries)
+        for i, q in enumerate(queries):  # a router of another model or schema: its query alone is answered so
+            if q.identity != self.identity:
+                out[i] = Mismatch(self.identity)
+        live = [i for i, q in enumerate(queries) if out[i] == EXPIRED and (q.deadline is None or q.deadline > now)]
+        self.expired += sum(1 for a in out if a == EXPIRED) - len(live)
         if not live:
             return out
         result, watermark, scanned = await asyncio.to_thread(self._search, concat_queries([queries[i].query for i in live]))
@@ -132,8 +153,11 @@ class ShardReplica:
         (AdIndex.owners_of): what the owner registry takes where newer than its entry (index_updater/owners.py)."""
         return self.retriever.index.owners_of(ad_ids)
 
-    def vectors(self, ad_ids: Sequence[int]) -> HistoryVectors:
-        """The stored vectors of ad_ids: the router's user towers read the history ads that live on this shard."""
+    def vectors(self, ad_ids: Sequence[int], identity: str) -> HistoryVectors | Mismatch:
+        """The stored vectors of ad_ids: the router's user towers read the history ads that live on this shard (a
+        router of another serving identity gets Mismatch: they are another model's)."""
+        if identity != self.identity:
+            return Mismatch(self.identity)
         with self.retriever.index.reading():
             return HistoryVectors(*self.retriever.index.embeddings_of(ad_ids))
 
@@ -156,7 +180,7 @@ class ShardReplica:
         return {"shard": self.shard, "ready": self.consumer.caught_up and healthy, "healthy": healthy, "reason": reason,
                 "stream_up": not stats.stream_down(self.config.stream_down_s),
                 "stream_read_age_seconds": stats.read_age_s(),
-                "model": self.retriever.scorer.name, "index_size": len(self.retriever.index),
+                "model": self.retriever.scorer.name, "identity": self.identity, "index_size": len(self.retriever.index),
                 "lag_seconds": stats.lag_seconds(), "applied": stats.applied, "stale": stats.stale,
                 "dead_letters": stats.dead_letters, "errors": stats.errors, "stream_resets": stats.stream_resets,
                 "last_error": stats.last_error, "last_id": stats.last_id, "capacity": self.retriever.index.capacity,

@@ -64,7 +64,8 @@ def update_path(tmp_path, small_schema, scorer, monkeypatch) -> Iterator[SimpleN
     replica.config = ServiceConfig(redis_url=server.url, stream=STREAM, stream_down_s=BOUND_S)
     replica.shard, replica.consumer, replica.expired = 0, consumer, 0
     replica.retriever = SimpleNamespace(scorer=scorer, index=consumer.index)
-    _, app = router_on(server.url, monkeypatch, ReplicaHandle(replica), stream_down_s=BOUND_S)
+    router, app = router_on(server.url, monkeypatch, ReplicaHandle(replica), stream_down_s=BOUND_S)
+    replica.identity = router.identity  # the router's model and schema (a replica's own, in a real one)
     publisher = Publisher(redis.Redis.from_url(server.url), small_schema, scorer, stream=STREAM)
     publisher.publish([upsert(1)])
     consumer.catch_up()

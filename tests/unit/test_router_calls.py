@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from types import SimpleNamespace
@@ -16,17 +17,20 @@ from ray.exceptions import ActorUnavailableError
 from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-from andromeda_core.errors import NotFound, Overloaded
+from andromeda_core.errors import ErrorCategory, NotFound, Overloaded
 from andromeda_core.models.two_tower import HashedTwoTower
-from andromeda_core.retriever import TopK, compile_requests
+from andromeda_core.index import AdIndex
+from andromeda_core.retriever import Retriever, TopK, UserQuery, compile_requests
 from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_request
 from deployments.api import DEADLINE
 from deployments.metrics import ServiceMetrics
 from deployments.config import Limits
-from deployments.router import Missing, Router, ShardUnavailable
-from deployments.shard import HistoryVectors, ShardAnswer
+from index_updater.consumer import ConsumerStats
+from tests.conftest import apply_events, upsert
+from deployments.router import Missing, Router, ShardMismatch, ShardUnavailable
+from deployments.shard import HistoryVectors, Mismatch, ShardAnswer, ShardQuery, ShardReplica, serving_identity
 
 
 class Reply:
@@ -227,7 +231,8 @@ def test_a_dead_shard_owning_history_ads_leaves_the_search_time_for_a_partial_an
     dead.vectors = dead.search  # never answers either call
     scorer = HashedTwoTower(dim=16, buckets=64)
     router = SimpleNamespace(shards=[healthy, dead], scorer=scorer, schema=load_schema(), metrics=ServiceMetrics(),
-                             config=SimpleNamespace(shard_timeout_s=5.0, max_batch_size=16, limits=Limits()))
+                             config=SimpleNamespace(shard_timeout_s=5.0, max_batch_size=16, limits=Limits()),
+                             identity="model m, schema s")
     for name in ("compiled", "history_lookup", "ask", "call", "merge", "answered"):
         setattr(router, name, functools.partial(getattr(Router.func_or_class, name), router))
     on_dead = next(a for a in range(1, 100) if shard_of(a, 2) == 1)
@@ -238,3 +243,64 @@ def test_a_dead_shard_owning_history_ads_leaves_the_search_time_for_a_partial_an
     response = asyncio.run(Router.func_or_class.answer(router, [request], "retrieve", ""))[0]
     assert [a.ad_id for a in response.ads] == [4] and response.missing_shards == [1]
     assert time.time() - started < 0.5 and dead.calls == 2 and healthy.calls == ["search"]  # 2 tries: the lookup
+
+
+class Serving:
+    """A shard handle that answers every call with `answer` (awaited at once)."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __getattr__(self, method: str):
+        async def reply(*args):
+            return self.answer
+        return SimpleNamespace(remote=lambda *args: reply(*args))
+
+
+def test_a_shard_of_another_model_or_schema_is_refused_not_read():
+    """Router and shards embed and compile under their own model and schema: a shard serving others (a rollout half
+    done) answered as if they were the router's, and its scores or matches were wrong without a word. Its Mismatch
+    answer is a 503 naming both, and allow_partial leaves the shard out."""
+    router = SimpleNamespace(shards=[Serving(Mismatch("model b, schema s"))], config=SimpleNamespace(shard_timeout_s=5.0),
+                             identity="model a, schema s")
+    router.call = functools.partial(Router.func_or_class.call, router)
+    with pytest.raises(ShardMismatch, match="shard 0 serves model b, schema s; this router serves model a") as raised:
+        asyncio.run(Router.func_or_class.ask(router, 0, False, "search", "query"))
+    assert raised.value.category == ErrorCategory.UNAVAILABLE
+    left_out = asyncio.run(Router.func_or_class.ask(router, 0, True, "search", "query"))
+    assert isinstance(left_out, Missing) and isinstance(left_out.error, ShardMismatch)
+
+
+def test_readiness_needs_every_shard_to_serve_the_routers_model_and_schema():
+    ours = {"shard": 0, "ready": True, "identity": "model a, schema s"}
+    theirs = {"shard": 1, "ready": True, "identity": "model b, schema s"}
+
+    async def statuses():
+        return [ours, theirs]
+
+    router = SimpleNamespace(shard_status=statuses, identity="model a, schema s")
+    answer = asyncio.run(Router.func_or_class.readyz(router))
+    body = json.loads(answer.body)
+    assert answer.status_code == 503 and body["shards"][0] == ours
+    assert body["shards"][1]["ready"] is False and body["shards"][1]["reason"] == "serves model b, schema s; the router model a, schema s"
+
+
+def test_a_shard_answers_a_query_of_another_identity_with_mismatch_and_the_rest_of_its_batch_as_usual(small_schema):
+    """One router of another model in a shard's batched pass must not fail the queries of the others."""
+    scorer = HashedTwoTower(dim=16, buckets=64)
+    index = AdIndex(small_schema, scorer.dim)
+    apply_events(index, scorer, [upsert(i) for i in (1, 2, 3)])
+    cls = ShardReplica.func_or_class
+    replica = cls.__new__(cls)  # what ShardReplica.__init__ sets (no Ray, no stream)
+    replica.retriever, replica.expired = Retriever(index, scorer), 0
+    replica.consumer = SimpleNamespace(stats=ConsumerStats())
+    replica.identity = serving_identity(scorer.name, small_schema)
+    request = parse_request({"user": {"user_id": 1}, "context": {"ts": 100}, "k": 2})
+    users = scorer.encode_users([request], index.embeddings_of, [100])
+    query = UserQuery(users, [compile_requests(small_schema, [request])[0].values], [100], [2])
+    ours, theirs = ShardQuery(query, None, replica.identity), ShardQuery(query, None, "model other, schema s")
+    answers = asyncio.run(cls._pass(replica, [theirs, ours, theirs]))
+    assert answers[0] == answers[2] == Mismatch(replica.identity) and replica.expired == 0
+    assert isinstance(answers[1], ShardAnswer) and answers[1].topk.ids.shape == (1, 2)
+    assert cls.vectors(replica, [1], "model other, schema s") == Mismatch(replica.identity)
+    assert cls.vectors(replica, [1], replica.identity).found.tolist() == [True]
