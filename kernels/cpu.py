@@ -36,8 +36,9 @@ def _machine() -> bytes:
 
 
 def _cache_folder() -> Path:
-    """$XDG_CACHE_HOME/andromeda (default ~/.cache/andromeda), or a folder in the temp dir where that
-    cannot be written (read-only home in a container)."""
+    """$XDG_CACHE_HOME/andromeda (default ~/.cache/andromeda), or a folder of this user's alone in the temp dir where
+    that cannot be written (read-only home in a container): the library is loaded from it, so one another user could
+    write to (made there first, or opened up) is refused, naming it."""
     folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "andromeda"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -46,7 +47,12 @@ def _cache_folder() -> Path:
     except OSError:
         pass
     folder = Path(tempfile.gettempdir()) / f"andromeda-{os.getuid()}"
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = folder.lstat()
+    if not folder.is_dir() or folder.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise RuntimeError(f"{folder} is not a folder of this user's alone (owner uid {info.st_uid}, mode "
+                           f"{info.st_mode & 0o777:o}): the CPU kernel is loaded from it; remove it, or set XDG_CACHE_HOME "
+                           "to a folder of yours")
     return folder
 
 
