@@ -41,8 +41,8 @@ class HistoryVectors(NumpyPickled):
 
 @dataclass(frozen=True)
 class ShardAnswer:
-    """A shard's partial top-k for one query, the stream id its index reflects (None before the first
-    entry), its pass's time and the slots the pass scanned."""
+    """A shard's partial top-k for one query, the stream id up to which its index had applied every entry
+    (ConsumerStats.watermark; None when it knows none), its pass's time and the slots the pass scanned."""
 
     topk: TopK
     watermark: str | None
