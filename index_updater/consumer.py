@@ -335,9 +335,9 @@ class ShardConsumer:
                 return False
             if stream_id_key(meta["stream_id"]) < stream_id_key(self.stats.last_id):  # searches read last_id as the
                 self.stats.last_id = meta["stream_id"]  # state they saw: never newer than it, before adopt or after
+            self.stats.caught_up_to = ""  # nor this: the entries after the snapshot are not applied yet
             self.index.adopt(converted)
             self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
-            self.stats.caught_up_to = ""  # the entries after the snapshot are not applied yet
             self._entries_added, self._from_start = meta.get("entries_added"), False  # as the stream was then
             self._last_digest = meta.get("entry_digest")
             self.stats.recoveries += 1
@@ -484,7 +484,7 @@ class ShardConsumer:
         if len(entries) < self.count:  # the stream held no more than this read
             self.stats.behind_since, self._caught_up = None, True
             if self._read_clock is not None and not self.stats.gap_unrecovered:  # a later entry's id is past the
-                # read's clock (Redis ids its entries by its clock, never going back): up to 1 ms before it, every
+                # read's clock (Redis ids entries by its clock, assumed not to step back): up to 1 ms before it, every
                 # entry was in the read
                 self.stats.caught_up_to = f"{self._read_clock - 1}-0"
         else:  # more may wait, published no earlier than this read's newest
