@@ -278,15 +278,15 @@ class AdIndex:
             }
 
     def owners_of(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None, int | None]]:
-        """(advertiser or None where not indexed, content version or None where never seen, version of the pause or
-        resume kept or None) of each ad, the advertisers read in one gather: what the owner registry takes where
-        newer than its entry (index_updater/owners.py)."""
+        """(advertiser, or None where not indexed but for an ad that expired: still its advertiser's; content version
+        or None where never seen; version of the pause or resume kept or None) of each ad, the advertisers read in
+        one gather: what the owner registry takes where newer than its entry (index_updater/owners.py)."""
         with self.reading():
             book = self._book
             slots = [book.slot_of.get(ad_id) for ad_id in ad_ids]
             live = torch.tensor([s for s in slots if s is not None], dtype=torch.int64, device=self.device)
             owners = iter(self.columns["advertiser_id"][live].tolist())
-            return [(None if slot is None else next(owners), book.version.get(ad_id),
+            return [(book.expired.get(ad_id) if slot is None else next(owners), book.version.get(ad_id),
                      book.status[ad_id][0] if ad_id in book.status else None) for ad_id, slot in zip(ad_ids, slots)]
 
     def content_version_of(self, ad_id: int) -> int | None:
@@ -361,6 +361,8 @@ class AdIndex:
         tombstones = self._book.tombstones()
         tensors["tombstones.ad_id"] = torch.tensor(list(tombstones), dtype=torch.int64)
         tensors["tombstones.version"] = torch.tensor(list(tombstones.values()), dtype=torch.int64)
+        tensors["expired.ad_id"] = torch.tensor(list(self._book.expired), dtype=torch.int64)
+        tensors["expired.advertiser"] = torch.tensor(list(self._book.expired.values()), dtype=torch.int64)
         statuses = self._book.status  # with the content version each is newer than (-1: none)
         tensors["statuses.ad_id"] = torch.tensor(list(statuses), dtype=torch.int64)
         tensors["statuses.version"] = torch.tensor([v for v, _ in statuses.values()], dtype=torch.int64)
@@ -400,6 +402,8 @@ class AdIndex:
         book.slot_of = dict(zip(ad_ids, live))
         book.version = dict(zip(tensors["tombstones.ad_id"].tolist(), tensors["tombstones.version"].tolist()))
         book.dead = set(book.version).difference(book.slot_of)
+        if "expired.ad_id" in tensors:  # snapshots before 2026-12-06 have none: their expired ads read as deleted
+            book.expired = dict(zip(tensors["expired.ad_id"].tolist(), tensors["expired.advertiser"].tolist()))
         book.version.update(zip(ad_ids, index.columns["version"][live].tolist()))  # the newest: content, but
         if "statuses.ad_id" in tensors:  # where a newer pause or resume set it (snapshots before these have none)
             statuses = zip(*(tensors[f"statuses.{name}"].tolist() for name in ("ad_id", "version", "active", "content_version")))
@@ -450,8 +454,9 @@ class AdIndex:
             live = (self.columns["status"][:n].to(torch.int32) & LIVE) != 0
             slots = torch.nonzero(live & (self.columns["end"][:n] <= now)).flatten().tolist()
             plan = SlotPlan(self._book, self.capacity)
-            for ad, slot in zip(self.columns["ad_id"][slots].tolist(), slots):
-                plan.release(ad, slot, self._book.version[ad])  # a newer pause outlives it: a late edit comes back paused
+            for ad, slot, advertiser in zip(self.columns["ad_id"][slots].tolist(), slots,
+                                            self.columns["advertiser_id"][slots].tolist()):
+                plan.expire(ad, slot, advertiser)  # a newer pause outlives it: a late edit comes back paused
             self._commit(plan, {})
             return len(slots)
 

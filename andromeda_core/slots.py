@@ -18,6 +18,8 @@ class SlotBook:
         self.free: list[int] = list(range(capacity - 1, -1, -1))  # popped from the end: lowest slot first
         self.high_water = 0  # slots >= high_water have never held an ad; scans stop there
         self.dead: set[int] = set()  # the ads of `version` not in slot_of (deleted or expired), kept as they change
+        self.expired: dict[int, int] = {}  # ad -> its advertiser, for a tombstone left by expiry: the ad is still
+        # its owner's (an advertiser's write to the id is checked against it: index_updater/owners.py)
 
     def tombstones(self) -> dict[int, int]:
         """ad_id -> the version that deleted or expired it (as many steps as there are tombstones, not ads)."""
@@ -52,6 +54,7 @@ class SlotPlan:
         self.active: dict[int, bool] = {}  # slot -> ACTIVE bit set over its row's status, if any
         self.ad_at: dict[int, int] = {}  # slot -> ad, for every slot whose status and version are rewritten
         self.freed: list[int] = []
+        self.expired: dict[int, int] = {}  # ad -> advertiser, of the ads this plan expires
         self.taken = 0  # new slots: from the end of the free list, then past the capacity
 
     @property
@@ -97,6 +100,11 @@ class SlotPlan:
         self.slot_of[ad], self.ad_at[slot], self.version[ad] = slot, ad, version
         return True
 
+    def expire(self, ad: int, slot: int, advertiser: int) -> None:
+        """Free the slot of an ad past its end, leaving a tombstone at its version that keeps its advertiser."""
+        self.release(ad, slot, self.content_version(ad))
+        self.expired[ad] = advertiser
+
     def release(self, ad: int, slot: int, version: int) -> None:
         """Free the ad's slot, leaving a tombstone at `version`."""
         self.slot_of[ad], self.version[ad] = None, version
@@ -126,6 +134,8 @@ class SlotPlan:
                 book.dead.discard(ad)
             else:
                 book.dead.add(ad)
+            book.expired.pop(ad, None)  # its content changed since it expired (an upsert, a delete)
+        book.expired.update(self.expired)
         for ad, status in self.status.items():
             if status is None:
                 book.status.pop(ad, None)

@@ -8,6 +8,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
+from andromeda_core.index import AdIndex
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.ops import OP_CODES
 from andromeda_core.slots import SlotBook, SlotPlan
@@ -16,7 +17,7 @@ from andromeda_core.types import parse_event
 from index_updater.owners import Refused, Writer, owners_key
 from index_updater.publisher import Publisher
 from index_updater.records import shard_stream
-from tests.conftest import upsert
+from tests.conftest import apply_events, upsert
 
 
 @pytest.fixture
@@ -402,3 +403,25 @@ def test_two_advertisers_racing_for_new_ids_never_both_get_one(publish):
     assert won[7] | won[8] == set(ids) and not won[7] & won[8]
     assert all(owner(publish, i).split(" ")[1] == str(7 if i in won[7] else 8) for i in ids)
     assert sum(lengths(publish)) == len(ids)  # each refused claim appended nothing
+
+
+def test_an_expired_ad_swept_from_the_index_stays_its_owners(publish, small_schema, scorer):
+    """Replicas free an expired ad's slot (an hour after its end); the index then reported it as not indexed at the
+    version the registry holds, and at equal versions the index counts: the id read as free, another advertiser
+    could take it, and its owner could neither pause nor delete it. Through a snapshot too."""
+    index = AdIndex(small_schema, scorer.dim)
+    event = upsert(60, 1, advertiser_id=7, start_time=1_000, end_time=2_000)
+    publish([event], advertiser=7)
+    apply_events(index, scorer, [event])
+    assert index.sweep_expired(5_000) == 1 and 60 not in index
+    for replica in (index, AdIndex.from_state(small_schema, *index.export_state(copy=True))):
+        indexed = {60: replica.owners_of([60])[0]}
+        assert indexed[60] == (7, 1, None)
+        with pytest.raises(Refused):
+            publish([ad(60, 2, 8)], advertiser=8, indexed=indexed)
+    publish([{"op": "pause", "ad_id": 60, "version": 2}], advertiser=7, indexed=indexed)
+    publish([ad(60, 3, 7)], advertiser=7, indexed=indexed)  # extended by its owner
+    assert owner(publish, 60) == "3 7"
+    apply_events(index, scorer, [upsert(60, 3, advertiser_id=7)])
+    apply_events(index, scorer, [{"op": "delete", "ad_id": 60, "version": 4}])
+    assert index.owners_of([60]) == [(None, 4, None)]  # deleted: no owner any more
