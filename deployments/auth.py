@@ -58,7 +58,7 @@ class Principal:
         return self.role in ("admin", "advertiser")
 
 
-ADMIN = Principal("admin", "admin")
+ENV_ADMIN = Principal("admin", "admin")  # ANDROMEDA_WRITE_TOKEN's (a token file may name a token "admin" too)
 
 
 @dataclass(frozen=True)
@@ -206,5 +206,5 @@ class TokenStore:
         entry = self.entries.get(name) if dot else None
         matched = hmac.compare_digest(token_hash((entry or _DUMMY).salt, token), (entry or _DUMMY).digest)
         if is_admin:
-            return ADMIN
+            return ENV_ADMIN
         return entry.principal if entry is not None and matched else None

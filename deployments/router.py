@@ -36,7 +36,7 @@ from andromeda_core.types import INT64, AdEvent, RetrieveRequest, RetrieveRespon
 from deployments.api import (BODY_ERRORS, ERRORS, WRITE_ERRORS, AdState, BatchResponse, GuardSettings, Health,
                              PublishResponse, bearer_token, create_app, current_deadline, lift_deadline,
                              remaining_s)
-from deployments.auth import Principal, TokenStore
+from deployments.auth import ENV_ADMIN, Principal, TokenStore
 from deployments.config import BATCH_MAX, ServiceConfig, by_reference
 from deployments.limits import ThreadLane, TokenBuckets, check_requests, over_limit
 from deployments.metrics import ServiceMetrics
@@ -60,7 +60,10 @@ bearer = HTTPBearer(auto_error=False)
 
 
 def caller_of(request: Request, principal: Principal | None) -> str:
-    """The rate limiter's key: the token's name, else the client's address."""
+    """The rate limiter's key: the token's name (ANDROMEDA_WRITE_TOKEN's a key of its own: a token file's token may
+    be named "admin" too, and shared its bucket), else the client's address."""
+    if principal is ENV_ADMIN:
+        return "env:ANDROMEDA_WRITE_TOKEN"
     if principal is not None:
         return f"token:{principal.name}"
     return f"addr:{request.client.host if request.client else '-'}"
@@ -84,12 +87,17 @@ def writer(request: Request, credentials: HTTPAuthorizationCredentials | None = 
     if not tokens.writes_enabled:
         raise Unauthorized("writes are disabled: the service has neither ANDROMEDA_WRITE_TOKEN nor auth.token_file",
                            "Authorization")
-    principal = tokens.verify(bearer_token(credentials))
+    try:
+        token = bearer_token(credentials)
+    except Unauthorized:
+        take_rate(request, None)  # refused writes count too: without a valid token, by the caller's address
+        raise
+    principal = tokens.verify(token)
+    take_rate(request, principal)
     if principal is None:
         raise Unauthorized("invalid token", "Authorization")
     if not principal.can_write:
         raise Forbidden(f"token {principal.name} may only read", "Authorization")
-    take_rate(request, principal)
     return principal
 
 

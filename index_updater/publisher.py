@@ -140,8 +140,9 @@ class Publisher:
                 if not appended:
                     raise
                 raise Refused(f"{refused.message}; {appended} event(s) of the batch, on other shards, were appended "
-                              "before it was claimed: re-send the batch without this event (re-sent events are "
-                              "harmless: they apply by version)", refused.field) from None
+                              "before this ad changed (another write to it since the batch was checked): re-send the "
+                              "batch without this event (re-sent events are harmless: they apply by version)",
+                              refused.field) from None
             appended += len(positions)
             if on_appended is not None:
                 on_appended(len(positions))

@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from andromeda_core.config import install_log_redaction, redact
-from andromeda_core.errors import InvalidInput
+from andromeda_core.errors import AndromedaError, InvalidInput, RateLimited
 from andromeda_core.types import parse_request
-from deployments.auth import ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
+from deployments.auth import ENV_ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
 from deployments.config import Limits
 from deployments.api import ECHOED_CHARS, GuardSettings, create_app, error_response
 from deployments import api, limits
@@ -27,7 +27,7 @@ def test_tokens_verify_by_role_and_the_file_holds_no_token(tmp_path):
     viewer = add_token(path, "viewer", "reader")
     assert acme not in path.read_text() and acme.split(".")[1] not in path.read_text()
     store = TokenStore("the-admin-token", str(path))
-    assert store.verify("the-admin-token") == ADMIN
+    assert store.verify("the-admin-token") is ENV_ADMIN
     assert store.verify(acme).advertiser_id == 7 and store.verify(acme).can_write
     assert store.verify(viewer).role == "reader" and not store.verify(viewer).can_write
     for wrong in ("", "the-admin-token ", acme[:-1], acme + "A", "viewer." + acme.split(".")[1], "nobody.x", "."):
@@ -340,3 +340,33 @@ def test_a_utf8_body_with_or_without_a_byte_order_mark_is_read(strict_app):
     for body in (b'{"k": 7, "user": {"a": "\\u00e9"}}', b'\xef\xbb\xbf{"k": 7, "user": {"a": "\xc3\xa9"}}'):
         got = strict_app.post("/v1/echo", content=body, headers={"Content-Type": "application/json"})
         assert got.status_code == 200 and got.json()["k"] == 7, got.text
+
+
+def write_attempt(store: TokenStore, buckets: TokenBuckets, token: str | None, host: str = "10.0.0.9"):
+    """The write endpoints' dependency for one call -> its principal, or the AndromedaError it raised."""
+    from fastapi.security import HTTPAuthorizationCredentials
+
+    from deployments.router import writer
+
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(tokens=store, buckets=buckets)),
+                              client=SimpleNamespace(host=host))
+    try:
+        return writer(request, HTTPAuthorizationCredentials(scheme="Bearer", credentials=token) if token else None)
+    except AndromedaError as exc:
+        return exc
+
+
+def test_refused_writes_are_held_to_the_callers_rate_and_admin_has_a_bucket_of_its_own(tmp_path):
+    """A caller without a valid token, or with a reader's, was never held to a rate: it could flood the write endpoint
+    with no 429. A token file's token named "admin" shared ANDROMEDA_WRITE_TOKEN's bucket (keyed by name): an
+    advertiser could spend the operators' writes."""
+    path = tmp_path / "tokens.json"
+    named_admin, viewer = add_token(path, "admin", "advertiser", 9), add_token(path, "viewer", "reader")
+    store, buckets = TokenStore("the-admin-token", str(path)), TokenBuckets(rate=0.001, burst=2, callers=16)
+    assert [type(write_attempt(store, buckets, t)).__name__ for t in (None, "wrong", None)] == \
+        ["Unauthorized", "Unauthorized", "RateLimited"]  # by address: 2, then 429
+    assert [type(write_attempt(store, buckets, viewer)).__name__ for _ in range(3)] == \
+        ["Forbidden", "Forbidden", "RateLimited"]
+    assert [write_attempt(store, buckets, named_admin).advertiser_id for _ in range(2)] == [9, 9]
+    assert isinstance(write_attempt(store, buckets, named_admin), RateLimited)
+    assert write_attempt(store, buckets, "the-admin-token") is ENV_ADMIN  # its own bucket, still full
