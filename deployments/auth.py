@@ -4,8 +4,8 @@ Tokens look like `<name>.<secret>` (the secret is 32 random bytes, URL-safe base
 stores, per name, a random salt and HMAC-SHA256(salt, token), never the token: a leaked file gives no
 usable token. The secrets are random 256-bit values, so a fast keyed hash is enough (a slow password
 hash would only cost CPU on every request). Verification looks the name up and compares the hash in
-constant time (an unknown name costs the same hash). ANDROMEDA_WRITE_TOKEN (any string) is always an
-admin token. The file is re-read, without a restart, when its modification time or size changes
+constant time (an unknown name costs the same hash). ANDROMEDA_WRITE_TOKEN (any string; a final line ending, as a
+Secret made from a file has, is dropped: no header carries one) is always an admin token. The file is re-read, without a restart, when its modification time or size changes
 (checked at most every `reload_s`); a file that fails to parse keeps the previous tokens (logged).
 
 File format (JSON):
@@ -22,6 +22,7 @@ Nothing here logs a token, a hash or an Authorization header.
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import hmac
 import json
@@ -133,15 +134,17 @@ def add_token(path: str | Path, name: str, role: Role, advertiser_id: int | None
     """Add (or replace) `name` in the token file at `path` (created if missing), written atomically so a
     router never reads half a file; returns the new token."""
     path = Path(path)
-    text = path.read_text() if path.exists() else '{"tokens": []}'
-    parse_token_file(text)
-    tokens = json.loads(text)["tokens"]
-    token, entry = new_token(name, role, advertiser_id)
-    tokens = [t for t in tokens if t["name"] != name] + [entry]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"tokens": tokens}, indent=1) + "\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:  # two runs at once: one waits (else one's entry
+        fcntl.flock(lock, fcntl.LOCK_EX)  # was lost: each read the file before the other wrote it)
+        text = path.read_text() if path.exists() else '{"tokens": []}'
+        parse_token_file(text)
+        tokens = json.loads(text)["tokens"]
+        token, entry = new_token(name, role, advertiser_id)
+        tokens = [t for t in tokens if t["name"] != name] + [entry]
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"tokens": tokens}, indent=1) + "\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
     return token
 
 
@@ -153,7 +156,8 @@ class TokenStore:
     changes). Thread-safe."""
 
     def __init__(self, admin_token: str | None, token_file: str | None, reload_s: float = 2.0):
-        self.admin_token = admin_token.encode("utf-8", "surrogatepass") if admin_token else None
+        admin_token = (admin_token or "").rstrip("\r\n")  # a Secret made from a file ends in a line ending
+        self.admin_digest = hashlib.sha256(admin_token.encode("utf-8", "surrogatepass")).digest() if admin_token else None
         self.path = Path(token_file) if token_file else None
         self.reload_s = reload_s
         self.entries: dict[str, TokenEntry] = {}
@@ -166,7 +170,7 @@ class TokenStore:
 
     @property
     def writes_enabled(self) -> bool:
-        return self.admin_token is not None or self.path is not None
+        return self.admin_digest is not None or self.path is not None
 
     def _load(self, strict: bool) -> None:
         try:
@@ -200,8 +204,8 @@ class TokenStore:
     def verify(self, token: str) -> Principal | None:
         """The principal of `token`, or None. Constant time in the token's content."""
         self.refresh()
-        raw = token.encode("utf-8", "surrogatepass")
-        is_admin = self.admin_token is not None and hmac.compare_digest(raw, self.admin_token)
+        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()  # digests, of one length: the time
+        is_admin = self.admin_digest is not None and hmac.compare_digest(digest, self.admin_digest)  # tells no length
         name, dot, _ = token.partition(".")
         entry = self.entries.get(name) if dot else None
         matched = hmac.compare_digest(token_hash((entry or _DUMMY).salt, token), (entry or _DUMMY).digest)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import time
@@ -370,3 +371,15 @@ def test_refused_writes_are_held_to_the_callers_rate_and_admin_has_a_bucket_of_i
     assert [write_attempt(store, buckets, named_admin).advertiser_id for _ in range(2)] == [9, 9]
     assert isinstance(write_attempt(store, buckets, named_admin), RateLimited)
     assert write_attempt(store, buckets, "the-admin-token") is ENV_ADMIN  # its own bucket, still full
+
+
+def test_the_admin_token_may_end_in_a_line_ending_and_token_runs_at_once_keep_every_entry(tmp_path):
+    """A Secret made from a file ends in a newline, which no Authorization header carries: ANDROMEDA_WRITE_TOKEN never
+    matched. Two `andromeda token` runs at once each read the file before the other wrote it: one entry was lost."""
+    assert TokenStore("the-admin-token\n", None).verify("the-admin-token") is ENV_ADMIN
+    path = tmp_path / "tokens.json"
+    names = [f"adv-{i}" for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        tokens = list(pool.map(lambda name: add_token(path, name, "advertiser", 7), names))
+    store = TokenStore(None, str(path))
+    assert all(store.verify(token).name == name for token, name in zip(tokens, names))
