@@ -43,7 +43,7 @@ MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
 REPLY_TIMEOUT_S = 10.0  # consumer_client's bound on a connection or a reply (a read's is milliseconds; XREAD blocks
 # for block_ms only)
 LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every second) by this much
-SWEEP_GRACE_S = 3600  # the loop frees the slots of ads that ended this long before the replica's clock: a request as of
+SWEEP_GRACE_S = 3600  # the loop frees the slots of ads that ended this long before Redis's clock: a request as of
 # an earlier time (context.ts) up to this much before it is matched exactly, whether or not its replica swept yet
 DEAD_LETTERS_KEPT = 100_000  # the dead-letter stream keeps about this many of the newest (XADD MAXLEN ~)
 # Dead-letter an entry once, whichever replicas of the shard meet it and however often. KEYS: the dead-letter stream,
@@ -487,15 +487,18 @@ class ShardConsumer:
                 # read's clock (Redis ids entries by its clock, assumed not to step back): up to 1 ms before it, every
                 # entry was in the read
                 self.stats.caught_up_to = f"{self._read_clock - 1}-0"
-        else:  # more may wait, published no earlier than this read's newest
+        else:  # more may wait, published no earlier than this read's newest (None: read again, not lag)
             self.stats.behind_since = newest
         return len(entries)
 
-    def _apply_read(self, entries: list[Entry]) -> float:
-        """Decode, dead-letter and apply one read; returns the newest publish time (s) among its entries."""
+    def _apply_read(self, entries: list[Entry]) -> float | None:
+        """Decode, dead-letter and apply one read; returns the newest publish time (s) among its entries, None for a
+        read of a stream gone back that ends at or before the last id applied before (read again: not lag)."""
         read = self._decoder.decode(entries)
         now_ms = time.time() * 1000
-        self.stats.behind_since = min(read.published_ms, default=now_ms) / 1000  # these wait until applied
+        again = stream_id_key(text(entries[-1][0])) <= stream_id_key(self._reset_from)  # (every replica re-reads at
+        # once after a failover: counted as lag, it made them all unhealthy, and Serve replaced them all)
+        self.stats.behind_since = None if again else min(read.published_ms, default=now_ms) / 1000  # these wait
         results, rejected = self._apply(read)
         for position, exc in sorted([*read.dead, *rejected], key=lambda dead: dead[0]):  # in stream order
             self._dead_letter(entries[position], exc)
@@ -512,7 +515,7 @@ class ShardConsumer:
             self.stats.apply_latency_ms.extend(servable_ms - p for p in read.published_ms)
         if self.on_applied:
             self.on_applied(self.stats.last_id)
-        return max(read.published_ms, default=now_ms) / 1000
+        return None if again else max(read.published_ms, default=now_ms) / 1000
 
     def _apply(self, read: DecodedRead) -> tuple[list[bool], list[tuple[int, InvalidRecord]]]:
         """Apply the read as one atomic batch; should the index reject it, apply its entries one by one. Returns
@@ -778,7 +781,9 @@ class ShardConsumer:
         now = time.monotonic()
         if now >= due["sweep"]:
             due["sweep"] = now + self.sweep_every_s  # first: a sweep that fails waits for its next turn
-            self.index.sweep_expired(int(time.time() - self.sweep_grace_s))
+            if self._read_clock is not None:  # by Redis's clock, one for every replica: a replica's own, an hour
+                # fast, freed live ads, and its snapshots spread the loss to every replica that loaded them
+                self.index.sweep_expired(int(self._read_clock // 1000 - self.sweep_grace_s))
         try:
             self.settle_reset()
         except Exception as exc:  # an unwritable snapshot directory, say: the rest of the turn goes on

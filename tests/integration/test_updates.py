@@ -79,6 +79,43 @@ def test_the_loop_sweeps_only_ads_that_ended_its_grace_before_its_clock(setup):
     assert eligible(c.index, now=now) == [3]
 
 
+def test_the_sweep_goes_by_redis_clock_not_the_replicas(setup, monkeypatch):
+    """A replica whose clock ran an hour fast freed ads still live, and its snapshots spread the loss to every
+    replica that loaded one (replaying the upsert is a no-op at its version)."""
+    _, publisher, make = setup
+    c = make(sweep_grace_s=600)
+    now = int(time.time())
+    publisher.publish([upsert(1, end_time=now + 1800), upsert(2, end_time=now - 700)])
+    c.catch_up()
+    fast = time.time() + 7200
+    monkeypatch.setattr(time, "time", lambda: fast)  # this replica's clock two hours ahead
+    c._turn({"sweep": 0.0, "snapshot": float("inf"), "report": float("inf"), "trim": float("inf")})
+    assert sorted(c.index.ad_ids()) == [1]
+
+
+def test_a_stream_read_again_after_it_went_back_is_not_lag(setup):
+    """After a failover that lost the newest entry every replica reads its stream again from the start: the entries
+    it had applied, read again, set the lag from their publish times, and every replica turned unhealthy at once
+    (Serve replaced them all). Entries past the last one applied before still count."""
+    client, publisher, make = setup
+    publisher.publish([upsert(i) for i in range(1, 11)])
+    c = make(count=3)
+    c.catch_up()
+    time.sleep(0.3)
+    entries = client.xrange(SHARD0)
+    client.delete(SHARD0)  # a failover that lost the newest entry
+    for entry_id, fields in entries[:-1]:
+        client.xadd(SHARD0, fields, id=entry_id)
+    reads = [c.poll(block_ms=0)]
+    assert c.stats.stream_resets == 1 and reads == [3] and c.stats.lag_seconds() == 0  # read again, full: no lag
+    while reads[-1] == 3:
+        reads.append(c.poll(block_ms=0))
+    assert sorted(c.index.ad_ids()) == list(range(1, 11)) and c.stats.lag_seconds() == 0
+    publisher.publish([upsert(i) for i in range(11, 15)])
+    c.poll(block_ms=0)  # new entries, a full read: more wait
+    assert c.stats.lag_seconds() > 0
+
+
 def test_duplicate_and_out_of_order_delivery_is_idempotent(setup):
     _, publisher, make = setup
     events = [upsert(1, 3, {"age": {"min": 18}}), upsert(2, 1), {"op": "pause", "ad_id": 2, "version": 2}]
