@@ -309,6 +309,12 @@ class ShardConsumer:
 
     # -- recovery --------------------------------------------------------------------------------
 
+    def foreign(self, meta: dict) -> dict:
+        """What in a snapshot's metadata is not this replica's (model, shard, shard count, stream): such a snapshot is
+        neither loaded nor kept nor trimmed to."""
+        wanted = {"model": self.model, "shard": self.shard, "shards": self.shards, "stream": self.source}
+        return {key: meta.get(key) for key, value in wanted.items() if meta.get(key) != value}
+
     def recover(self) -> bool:
         """Adopt the newest valid snapshot of this replica's model, shards and stream (others are skipped, and so
         are those of another storage that cannot be converted exactly) and continue from the stream id it covers.
@@ -316,12 +322,7 @@ class ShardConsumer:
         snapshot behind a gap would drop what the index applied and still miss the gap."""
         if self.snapshots is None:
             return False
-        wanted = {"model": self.model, "shard": self.shard, "shards": self.shards, "stream": self.source}
-
-        def foreign(meta: dict) -> dict:
-            return {key: meta.get(key) for key, value in wanted.items() if meta.get(key) != value}
-
-        for restored, meta in self.snapshots.valid(self.schema, self.index.device, foreign):
+        for restored, meta in self.snapshots.valid(self.schema, self.index.device, self.foreign):
             # one the stream went back from is adopted too: the first read then finds it gone back and reads the
             # whole stream over it
             converted = restored.in_storage_of(self.index)
@@ -595,7 +596,7 @@ class ShardConsumer:
     def _write_snapshot(self, state: tuple, stream_id: str, metadata: dict) -> None:
         """Write it, then trim with `trim`; a failure gives the round back (another replica may write it) and raises."""
         try:
-            self.snapshots.write_state(state, stream_id, metadata)
+            self.snapshots.write_state(state, stream_id, metadata, self.foreign)
         except Exception:
             self._give_back_round()
             raise
@@ -644,7 +645,7 @@ class ShardConsumer:
             copy.copy_bulk()
             taken.wait()
             if self._taken_state is not None:
-                self._written = self.snapshots.write_state(*self._taken_state)
+                self._written = self.snapshots.write_state(*self._taken_state, self.foreign)
         except Exception as exc:
             self._write_failure = exc
 
@@ -712,7 +713,7 @@ class ShardConsumer:
         newest `trim_keep_entries`; None when nothing may be trimmed: no snapshot yet, or the stream went back
         and not every live replica has read it again (its applied id is of the stream as it was) or this one has
         not yet written the snapshot that asks."""
-        oldest = self.snapshots.oldest_stream_id() if self.snapshots is not None else None
+        oldest = self.snapshots.oldest_stream_id(self.foreign) if self.snapshots is not None else None
         if oldest is None or self.stats.last_id == "0-0" or self._reset_pending or self._snapshot_now:
             return None
         points = [oldest, self.stats.last_id]

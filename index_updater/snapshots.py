@@ -39,14 +39,26 @@ class SnapshotStore:
         return self.write_state(index.export_state(), stream_id, metadata)
 
     def write_state(self, state: tuple[dict[str, torch.Tensor], dict[str, str]], stream_id: str,
-                    metadata: dict | None = None) -> Path:
-        """Write an index's exported state (AdIndex.export_state) covering `stream_id`; keep the newest `keep`."""
+                    metadata: dict | None = None, foreign: Callable[[dict], dict] = lambda meta: {}) -> Path:
+        """Write an index's exported state (AdIndex.export_state) covering `stream_id`; keep the newest `keep` of the
+        writer's own (foreign: as in valid; another's, say of another model sharing the folder by mistake, neither
+        counts nor is deleted: counted, they pruned the writer's own as soon as it was written)."""
         ms, seq = stream_id_key(stream_id)
         path = save_state(*state, self.directory / f"snapshot-{ms:015d}-{seq:010d}.safetensors",
                           {**(metadata or {}), "stream_id": stream_id})
-        for old in self.paths()[self.keep:]:
+        for old in self.own(foreign)[self.keep:]:
             old.unlink(missing_ok=True)
         return path
+
+    def own(self, foreign: Callable[[dict], dict]) -> list[Path]:
+        """paths() of the snapshots whose header `foreign` finds nothing in (one whose header cannot be read counts:
+        valid() reports it corrupt)."""
+        def mine(path: Path) -> bool:
+            try:
+                return not foreign(json.loads(header(path)["user"]))
+            except Exception:
+                return True
+        return [path for path in self.paths() if mine(path)]
 
     def valid(self, schema: Schema, device: str | torch.device = "cpu",
               foreign: Callable[[dict], dict] = lambda meta: {}) -> Iterator[tuple[AdIndex, dict]]:
@@ -90,9 +102,10 @@ class SnapshotStore:
             return False
         return True
 
-    def oldest_stream_id(self) -> str | None:
-        """Stream id covered by the oldest kept snapshot: the stream may be trimmed up to it."""
-        paths = self.paths()
+    def oldest_stream_id(self, foreign: Callable[[dict], dict] = lambda meta: {}) -> str | None:
+        """Stream id covered by the oldest kept snapshot of the caller's own (foreign: as in valid): the stream may be
+        trimmed up to it."""
+        paths = self.own(foreign)
         if not paths:
             return None
         ms, seq = NAME.match(paths[-1].name).groups()

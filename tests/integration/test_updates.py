@@ -24,7 +24,7 @@ from andromeda_core.types import parse_event
 from index_updater.consumer import LAYOUT_TTL_S, ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
 from index_updater.records import encode, layout_key, schema_tag, shard_stream
-from index_updater.snapshots import SnapshotStore
+from index_updater.snapshots import SnapshotStore, stream_id_key
 from tests.conftest import upsert, wait_until
 
 NOW = 1_000_000
@@ -984,3 +984,25 @@ def test_a_replica_dead_letters_what_another_training_of_its_kind_embedded(redis
     assert 1 not in c.index and 2 in c.index and c.stats.applied == 1 and c.stats.dead_letters == 1
     (_, dead), = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
     assert dead[b"field"] == b"model" and theirs.name.encode() in dead[b"reason"]
+
+
+def test_snapshots_of_another_model_in_the_folder_neither_prune_a_replicas_own_nor_set_its_trim(setup, small_schema,
+                                                                                                scorer, tmp_path):
+    """Two deployments pointed at one snapshot folder (a rollout, by mistake): the other's newer snapshots counted
+    for `keep`, so a replica's own was deleted as soon as it was written, and the stream was trimmed to snapshots
+    no replica of it can load: the next replica could not start."""
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")  # keeps 3
+    publisher.publish([upsert(i) for i in range(1, 11)])
+    running = make(snapshots=store, replica_id="running", trim=True)
+    running.catch_up()
+    ms = stream_id_key(client.xrevrange(SHARD0, count=1)[0][0].decode())[0]
+    for later in range(1, 4):
+        store.write(AdIndex(small_schema, scorer.dim), f"{ms + later}-0",
+                    {"model": "moe-v9-another", "shard": 0, "shards": 1, "stream": "another:0"})
+    running.snapshot()
+    assert len(store.paths()) == 4 and len(store.own(running.foreign)) == 1
+    started = make(snapshots=store, replica_id="started")
+    assert started.recover()
+    started.catch_up()
+    assert sorted(started.index.ad_ids()) == list(range(1, 11))
