@@ -100,14 +100,15 @@ class ShardReplica:
                                       trim=cfg.trim is not None, replica_id=uuid.uuid4().hex[:12],
                                       **({"trim_keep_entries": cfg.trim.keep_entries, "trim_every_s": cfg.trim.every_s,
                                           "replica_ttl_s": cfg.trim.replica_ttl_s} if cfg.trim else {}))
-        self.consumer.recover()
-        # Readiness only after catch-up: Serve routes nothing here before __init__ returns. A stream
-        # trimmed past every snapshot raises StreamGap: the replica fails to start (Serve retries)
-        # rather than serve an index missing updates.
-        self.consumer.catch_up()
-        warming = time.perf_counter()
-        self.retriever.warm_up()  # the kernel's build (CPU, seconds) or JIT (GPU, 83 s on an H100), before any request
-        log.info("shard %d: kernels warmed up in %.1f s", shard, time.perf_counter() - warming)
+        with self.consumer.starting():  # reports its position each second: nothing it needs is trimmed meanwhile
+            self.consumer.recover()
+            # Readiness only after catch-up: Serve routes nothing here before __init__ returns. A stream
+            # trimmed past every snapshot raises StreamGap: the replica fails to start (Serve retries)
+            # rather than serve an index missing updates.
+            self.consumer.catch_up()
+            warming = time.perf_counter()
+            self.retriever.warm_up()  # the kernel's build (CPU, seconds) or JIT (GPU, 83 s on an H100), before any request
+            log.info("shard %d: kernels warmed up in %.1f s", shard, time.perf_counter() - warming)
         self.consumer.start()
         self.search.set_max_batch_size(cfg.max_batch_size)
         self.search.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)

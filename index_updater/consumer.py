@@ -269,6 +269,7 @@ class ShardConsumer:
         self._gap_snapshot: str | None = None  # newest snapshot when a gap was last found uncovered
         self._entries_added: int | None = None  # the stream's XINFO entries-added at the last read
         self._last_digest: str | None = None  # entry_digest of the entry at stats.last_id, as read; None: unknown
+        self._held: tuple | None = None  # (stream id, entries added, digest) of the snapshot being loaded (recover)
         self._from_start = False  # reading the stream again from its start (went_back)
         self._reset_from = "0-0"  # the last id applied before the stream went back (while _from_start): what was
         # trimmed from it up to there this replica applied; what was trimmed past it, it may never have read
@@ -322,28 +323,31 @@ class ShardConsumer:
         snapshot behind a gap would drop what the index applied and still miss the gap."""
         if self.snapshots is None:
             return False
-        for restored, meta in self.snapshots.valid(self.schema, self.index.device, self.foreign):
-            # one the stream went back from is adopted too: the first read then finds it gone back and reads the
-            # whole stream over it
-            converted = restored.in_storage_of(self.index)
-            if converted is None:
-                log.error("snapshot at %s has storage %s, this replica stores %s; skipping it", meta.get("stream_id"),
-                          restored.storage, self.index.storage)
-                continue
-            if self.stats.last_id != "0-0" and (gap := self.gap_after(meta["stream_id"])):
-                log.error("the newest snapshot covers %s, but the stream lost entries up to %s after it; keeping the "
-                          "index", meta["stream_id"], gap)
-                return False
-            if stream_id_key(meta["stream_id"]) < stream_id_key(self.stats.last_id):  # searches read last_id as the
-                self.stats.last_id = meta["stream_id"]  # state they saw: never newer than it, before adopt or after
-            self.stats.caught_up_to = ""  # nor this: the entries after the snapshot are not applied yet
-            self.index.adopt(converted)
-            self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
-            self._entries_added, self._from_start = meta.get("entries_added"), False  # as the stream was then
-            self._last_digest = meta.get("entry_digest")
-            self.stats.recoveries += 1
-            return True
-        return False
+        try:
+            for restored, meta in self.snapshots.valid(self.schema, self.index.device, self.foreign, self._hold):
+                # one the stream went back from is adopted too: the first read then finds it gone back and reads the
+                # whole stream over it
+                converted = restored.in_storage_of(self.index)
+                if converted is None:
+                    log.error("snapshot at %s has storage %s, this replica stores %s; skipping it",
+                              meta.get("stream_id"), restored.storage, self.index.storage)
+                    continue
+                if self.stats.last_id != "0-0" and (gap := self.gap_after(meta["stream_id"])):
+                    log.error("the newest snapshot covers %s, but the stream lost entries up to %s after it; keeping "
+                              "the index", meta["stream_id"], gap)
+                    return False
+                if stream_id_key(meta["stream_id"]) < stream_id_key(self.stats.last_id):  # searches read last_id as
+                    self.stats.last_id = meta["stream_id"]  # the state they saw: never newer than it, before adopt or after
+                self.stats.caught_up_to = ""  # nor this: the entries after the snapshot are not applied yet
+                self.index.adopt(converted)
+                self.stats.last_id, self.stats.index_size = meta["stream_id"], len(self.index)
+                self._entries_added, self._from_start = meta.get("entries_added"), False  # as the stream was then
+                self._last_digest = meta.get("entry_digest")
+                self.stats.recoveries += 1
+                return True
+            return False
+        finally:
+            self._held = None
 
     def gap_after(self, last_id: str) -> str | None:
         """trimmed_past of the shard's stream now; None when there is no stream yet."""
@@ -694,10 +698,43 @@ class ShardConsumer:
         self._snapshot_written()
 
     def report_applied(self) -> None:
-        """Tell the shard's other replicas (and their trimming) how far this one has applied."""
+        """Tell the shard's other replicas (and their trimming) how far this one has applied (while it loads a
+        snapshot, the position that snapshot covers: what it will go on from)."""
         if self.replica_id is not None:
-            self.client.hset(self.applied_key, self.replica_id, f"{self.stats.last_id} {time.time():.3f} "
-                                                                f"{self._entries_added or ''} {self._last_digest or ''}")
+            position, entries_added, digest = self._held or (self.stats.last_id, self._entries_added, self._last_digest)
+            self.client.hset(self.applied_key, self.replica_id,
+                             f"{position} {time.time():.3f} {entries_added or ''} {digest or ''}")
+
+    def _hold(self, meta: dict) -> None:
+        """Before a snapshot (its caller metadata) is loaded: report its position, so that no running replica trims
+        what this one will replay after it; until the load ends (recover)."""
+        self._held = (meta["stream_id"], meta.get("entries_added"), meta.get("entry_digest"))
+        try:
+            self.report_applied()
+        except redis.RedisError as exc:  # the load goes on; the start's heartbeat (starting) reports again
+            self._count_error(exc, "reporting the snapshot loaded again within a second")
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around a replica's start (recover, catch_up and whatever precedes its loop, which then reports): report
+        every second how far it has come, so that the running replicas trim nothing it still needs. A start longer
+        than their snapshot rounds (a large snapshot on a slow volume) was trimmed past, failed, and failed again."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(1.0):
+                try:
+                    self.report_applied()
+                except Exception as exc:  # Redis down: the start itself will meet it
+                    log.warning("shard %d: reporting the start's position failed: %s", self.shard, describe(exc))
+
+        beating = threading.Thread(target=beat, name=f"start-report-{self.shard}", daemon=True)
+        beating.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beating.join()
 
     def record_layout(self) -> None:
         """Tell publishers what this replica applies (stream_layout), for LAYOUT_TTL_S: a service that stopped

@@ -61,18 +61,23 @@ class SnapshotStore:
         return [path for path in self.paths() if mine(path)]
 
     def valid(self, schema: Schema, device: str | torch.device = "cpu",
-              foreign: Callable[[dict], dict] = lambda meta: {}) -> Iterator[tuple[AdIndex, dict]]:
+              foreign: Callable[[dict], dict] = lambda meta: {},
+              before_load: Callable[[dict], None] = lambda meta: None) -> Iterator[tuple[AdIndex, dict]]:
         """(index, metadata) of each snapshot that passes its checksum (corrupt ones are skipped), newest first,
         each loaded only when asked for. foreign: what in a snapshot's caller metadata differs from what the caller
-        wants; one it finds anything in is skipped, logged, from its header alone (never loaded)."""
+        wants; one it finds anything in is skipped, logged, from its header alone (never loaded). before_load: called
+        with a snapshot's caller metadata just before it is loaded."""
         for path in self.paths():
             try:
-                differs = foreign(json.loads(header(path)["user"]))
+                meta = json.loads(header(path)["user"])
+                differs = foreign(meta)
             except Exception:  # an unreadable header: load_snapshot below reports the file as corrupt
-                differs = {}
+                meta, differs = {}, {}
             if differs:
                 log.error("snapshot %s has %s; skipping it", path.name, differs)
                 continue
+            if "stream_id" in meta:
+                before_load(meta)
             try:
                 yield load_snapshot(path, schema, device)
             except SnapshotCorrupt as exc:  # logged: a schema changed under its version passes over every one

@@ -24,6 +24,7 @@ from andromeda_core.types import parse_event
 from index_updater.consumer import LAYOUT_TTL_S, ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
 from index_updater.records import encode, layout_key, schema_tag, shard_stream
+from index_updater import snapshots as snapshots_module
 from index_updater.snapshots import SnapshotStore, stream_id_key
 from tests.conftest import upsert, wait_until
 
@@ -954,7 +955,8 @@ def test_a_full_redis_still_lets_replicas_read_start_and_trim(setup, tmp_path):
         started = make(snapshots=store, replica_id="new")
         assert started.recover()
         started.catch_up()  # reads past the poison, though it can neither record it nor register its position yet
-        assert sorted(started.index.ad_ids()) == list(range(1, 9)) and started.stats.errors == 2
+        assert sorted(started.index.ad_ids()) == list(range(1, 9)) and started.stats.errors == 3  # reports: of the
+        # snapshot it loads, of its position once caught up; the dead letter's record
         assert started.stats.dead_letters == 1 and client.xlen(f"{DEFAULT_STREAM}:dead-letters") == 0
         assert started.stats.caught_up_to and started.stats.watermark() == started.stats.caught_up_to  # READ's clock
         running._turn({"sweep": 0.0, "snapshot": 0.0, "trim": 0.0, "report": float("inf")})
@@ -1006,3 +1008,43 @@ def test_snapshots_of_another_model_in_the_folder_neither_prune_a_replicas_own_n
     assert started.recover()
     started.catch_up()
     assert sorted(started.index.ad_ids()) == list(range(1, 11))
+
+
+def test_a_replica_loading_a_snapshot_holds_the_trim_back_until_it_has_caught_up(setup, tmp_path, monkeypatch):
+    """A starting replica registered only once caught up: while it loaded a large snapshot (longer than the running
+    replicas' snapshot rounds) they wrote newer ones and trimmed past the one it loaded, so its catch-up met a gap,
+    its start failed, and the next start the same. It now reports the snapshot's position before loading it, and
+    every second until its loop runs."""
+    client, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    running = make(snapshots=store, replica_id="running", trim=True, trim_keep_entries=2)
+    ads = iter(range(1, 100))
+    publisher.publish([upsert(next(ads)) for _ in range(5)])
+    running.catch_up()
+    running.snapshot()
+    load = snapshots_module.load_snapshot
+
+    def slow_load(*args):  # meanwhile the running replica applies, writes snapshots and trims, three rounds
+        loaded = load(*args)
+        for _ in range(3):
+            publisher.publish([upsert(next(ads)) for _ in range(5)])
+            running.catch_up()
+            running.snapshot()
+        return loaded
+
+    monkeypatch.setattr(snapshots_module, "load_snapshot", slow_load)
+    starting = make(snapshots=store, replica_id="starting", trim=True, trim_keep_entries=2)
+    with starting.starting():
+        assert starting.recover()
+        starting.catch_up()
+    assert sorted(starting.index.ad_ids()) == list(range(1, 21))
+    reported = client.hget(running.applied_key, "starting").decode().split(" ")
+    assert reported[0] == starting.stats.last_id and time.time() - float(reported[1]) < 5
+
+
+def test_a_starting_replica_reports_its_position_every_second(setup):
+    client, _, make = setup
+    starting = make(replica_id="starting")
+    with starting.starting():
+        time.sleep(1.5)
+        assert client.hget(starting.applied_key, "starting").decode().startswith("0-0 ")  # it needs every entry
