@@ -4,8 +4,8 @@ Tokens look like `<name>.<secret>` (the secret is 32 random bytes, URL-safe base
 stores, per name, a random salt and HMAC-SHA256(salt, token), never the token: a leaked file gives no
 usable token. The secrets are random 256-bit values, so a fast keyed hash is enough (a slow password
 hash would only cost CPU on every request). Verification looks the name up and compares the hash in
-constant time (an unknown name costs the same hash). ANDROMEDA_WRITE_TOKEN (any string; a final line ending, as a
-Secret made from a file has, is dropped: no header carries one) is always an admin token. The file is re-read, without a restart, when its modification time or size changes
+constant time (an unknown name costs the same hash). ANDROMEDA_WRITE_TOKEN (any string; final line endings, as a
+Secret made from a file has, are dropped: no header carries one) is always an admin token. The file is re-read, without a restart, when its modification time or size changes
 (checked at most every `reload_s`); a file that fails to parse keeps the previous tokens (logged).
 
 File format (JSON):

@@ -87,15 +87,7 @@ def writer(request: Request, credentials: HTTPAuthorizationCredentials | None = 
     if not tokens.writes_enabled:
         raise Unauthorized("writes are disabled: the service has neither ANDROMEDA_WRITE_TOKEN nor auth.token_file",
                            "Authorization")
-    try:
-        token = bearer_token(credentials)
-    except Unauthorized:
-        take_rate(request, None)  # refused writes count too: without a valid token, by the caller's address
-        raise
-    principal = tokens.verify(token)
-    take_rate(request, principal)
-    if principal is None:
-        raise Unauthorized("invalid token", "Authorization")
+    principal = authenticated(request, credentials)
     if not principal.can_write:
         raise Forbidden(f"token {principal.name} may only read", "Authorization")
     return principal
@@ -104,12 +96,24 @@ def writer(request: Request, credentials: HTTPAuthorizationCredentials | None = 
 def reader(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal | None:
     """Dependency of the read endpoints: with auth.read_auth a valid token of any role is needed (401);
     every caller is held to its rate (429)."""
-    principal = None
     if credentials is not None or request.app.state.read_auth:
+        return authenticated(request, credentials)
+    take_rate(request, None)
+    return None
+
+
+def authenticated(request: Request, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+    """The principal of the request's bearer token, the call counted against its rate (429); 401 without a valid
+    one, the call counted against the caller's address: refused calls are held to a rate too (until 2026-12-06 they
+    were not, and could flood the service)."""
+    try:
         principal = request.app.state.tokens.verify(bearer_token(credentials))
-        if principal is None:
-            raise Unauthorized("invalid token", "Authorization")
+    except Unauthorized:  # no bearer token
+        take_rate(request, None)
+        raise
     take_rate(request, principal)
+    if principal is None:
+        raise Unauthorized("invalid token", "Authorization")
     return principal
 
 
@@ -311,16 +315,19 @@ class Router:
     async def call(self, shard: int, method: str, *args: Any, attempts: int = 2, timeout_s: float | None = None,
                    share: float = ANSWER_SHARE) -> Any:
         """Call a shard with a deadline; a call that times out or whose replica died is made again
-        (attempts in all), then ShardUnavailable names the shard. The tries left share `share` of what the request's
-        deadline leaves (by default all but a tenth kept for the answer), so that the last one gives up in time for
-        a 503 or a partial answer (the default 2 x shard_timeout_s is the whole default deadline). An error raised by the shard's own
-        code is not retried: an AndromedaError passes through, anything else is a 500 (logged)."""
+        (attempts in all), then ShardUnavailable names the shard. The tries share `share` of what the request's
+        deadline leaves as the call begins (by default all but a tenth kept for the answer), so that the last one gives
+        up in time for a 503 or a partial answer (the default 2 x shard_timeout_s is the whole default deadline). An
+        error raised by the shard's own code is not retried: an AndromedaError passes through, anything else is a 500
+        (logged)."""
         error: BaseException | None = None
+        left = remaining_s()
+        budget_end = None if left is None else time.monotonic() + share * left  # all tries within it
         for attempt in range(attempts):
-            left = remaining_s()  # DeadlineExceeded rather than another try once the request's deadline passed
+            remaining_s()  # DeadlineExceeded rather than another try once the request's deadline passed
             timeout = timeout_s or self.config.shard_timeout_s
-            if left is not None:
-                timeout = min(timeout, share * left / (attempts - attempt))
+            if budget_end is not None:
+                timeout = min(timeout, max(0.0, budget_end - time.monotonic()) / (attempts - attempt))
             response = getattr(self.shards[shard], method).remote(*args)
             try:
                 answer = await asyncio.wait_for(response, timeout)
@@ -476,8 +483,9 @@ class Router:
         """200 once every shard answers, has caught up with its stream and serves the router's model and schema."""
         status = await self.shard_status()
         shards = [{"shard": i, "ready": False, "reason": "unreachable"} if s is None
-                  else {**s, "ready": False, "reason": f"serves {s.get('identity')}; the router {self.identity}"}
-                  if s.get("identity") != self.identity else s for i, s in enumerate(status)]
+                  else {**s, "ready": False, "reason": f"serves {s['identity']}; the router {self.identity}"}
+                  if s.get("identity", self.identity) != self.identity else s  # (none: a shard of before 2026-12-06)
+                  for i, s in enumerate(status)]
         ready = all(s["ready"] for s in shards)
         body = Health(status="ready" if ready else "not ready", shards=shards)
         return body if ready else json_response(503, body)

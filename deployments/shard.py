@@ -70,7 +70,7 @@ class Mismatch:
 @dataclass(frozen=True)
 class ShardQuery:
     """What the router sends a shard: the compact query, the request's deadline (time.time(); None: none) and the
-    router's serving_identity."""
+    router's serving_identity ("" from a router of before 2026-12-06: not checked)."""
 
     query: UserQuery
     deadline: float | None = None
@@ -128,8 +128,8 @@ class ShardReplica:
     async def _pass(self, queries: list[ShardQuery]) -> list[ShardAnswer | Mismatch | str]:
         started, now = time.perf_counter(), time.time()
         out: list[ShardAnswer | Mismatch | str] = [EXPIRED] * len(queries)
-        for i, q in enumerate(queries):  # a router of another model or schema: its query alone is answered so
-            if q.identity != self.identity:
+        for i, q in enumerate(queries):  # a router of another model or schema: its query alone is answered so (one
+            if q.identity and q.identity != self.identity:  # from before identities, 2026-12-06, sends none)
                 out[i] = Mismatch(self.identity)
         live = [i for i, q in enumerate(queries) if out[i] == EXPIRED and (q.deadline is None or q.deadline > now)]
         self.expired += sum(1 for a in out if a == EXPIRED) - len(live)
@@ -154,10 +154,11 @@ class ShardReplica:
         (AdIndex.owners_of): what the owner registry takes where newer than its entry (index_updater/owners.py)."""
         return self.retriever.index.owners_of(ad_ids)
 
-    def vectors(self, ad_ids: Sequence[int], identity: str) -> HistoryVectors | Mismatch:
+    def vectors(self, ad_ids: Sequence[int], identity: str = "") -> HistoryVectors | Mismatch:
         """The stored vectors of ad_ids: the router's user towers read the history ads that live on this shard (a
-        router of another serving identity gets Mismatch: they are another model's)."""
-        if identity != self.identity:
+        router of another serving identity gets Mismatch: they are another model's; one from before identities sends
+        none)."""
+        if identity and identity != self.identity:
             return Mismatch(self.identity)
         with self.retriever.index.reading():
             return HistoryVectors(*self.retriever.index.embeddings_of(ad_ids))

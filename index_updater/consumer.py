@@ -167,7 +167,9 @@ class ConsumerStats:
 
     def watermark(self) -> str | None:
         """The stream id up to which this replica has applied every entry of its stream: the last applied id, or,
-        where newer, caught_up_to; None when it knows neither."""
+        where newer, caught_up_to; None when it knows neither, or misses entries (gap_unrecovered)."""
+        if self.gap_unrecovered:
+            return None
         marks = [m for m in (self.last_id, self.caught_up_to) if m and m != "0-0"]
         return max(marks, key=stream_id_key) if marks else None
 
@@ -386,9 +388,9 @@ class ShardConsumer:
                         and not no_stream(exc):
                     raise
                 state = self._read(keys=[self.source], args=[last_id, self.count])  # Redis is full, or no stream:
-                if len(state) == 1:  # READ, which also tells the clock of a stream that does not exist
-                    self._read_clock = self._clock(state[0]) if last_id == "0-0" else None  # (an empty one: nothing
-                    return []  # before it is unapplied; else it was deleted, and what it held is not known)
+                if len(state) == 1:  # READ, which also tells the clock of a stream that does not exist (holding
+                    self._read_clock = self._clock(state[0])  # nothing unapplied; one created again later is a reset,
+                    return []  # by its entries-added)
                 info = {text(key): value for key, value in zip(state[0][::2], state[0][1::2])}  # as redis-py parses it
                 at_last, reply = entries_of(state[1]), [(name, entries_of(read)) for name, read in state[2] or []]
                 clock = state[3]
@@ -465,8 +467,8 @@ class ShardConsumer:
         if self.snapshots is not None:
             info = self.stream_info()
             if stale := self.snapshots.set_aside(
-                    lambda meta: self.went_back_from(info, meta["stream_id"], meta.get("entries_added"),
-                                                     meta.get("entry_digest"))):
+                    lambda meta: not self.foreign(meta) and self.went_back_from(  # (another deployment's: not ours
+                        info, meta["stream_id"], meta.get("entries_added"), meta.get("entry_digest"))):  # to judge)
                 log.error("shard %d: set aside the snapshots the stream went back from: %s", self.shard, stale)
             self._snapshot_now = True
         self._reset_pending = False
@@ -501,9 +503,12 @@ class ShardConsumer:
         read of a stream gone back that ends at or before the last id applied before (read again: not lag)."""
         read = self._decoder.decode(entries)
         now_ms = time.time() * 1000
-        again = stream_id_key(text(entries[-1][0])) <= stream_id_key(self._reset_from)  # (every replica re-reads at
-        # once after a failover: counted as lag, it made them all unhealthy, and Serve replaced them all)
-        self.stats.behind_since = None if again else min(read.published_ms, default=now_ms) / 1000  # these wait
+        reset = stream_id_key(self._reset_from)  # entries up to it, read again after the stream went back, are not
+        # lag (every replica re-reads at once after a failover: counted, it made them all unhealthy, and Serve
+        # replaced them all)
+        again = stream_id_key(text(entries[-1][0])) <= reset
+        fresh = [ms for i, ms in zip(read.positions, read.published_ms) if stream_id_key(text(entries[i][0])) > reset]
+        self.stats.behind_since = None if again else min(fresh, default=now_ms) / 1000  # these wait until applied
         results, rejected = self._apply(read)
         for position, exc in sorted([*read.dead, *rejected], key=lambda dead: dead[0]):  # in stream order
             self._dead_letter(entries[position], exc)
@@ -520,7 +525,7 @@ class ShardConsumer:
             self.stats.apply_latency_ms.extend(servable_ms - p for p in read.published_ms)
         if self.on_applied:
             self.on_applied(self.stats.last_id)
-        return None if again else max(read.published_ms, default=now_ms) / 1000
+        return None if again else max(fresh, default=now_ms) / 1000
 
     def _apply(self, read: DecodedRead) -> tuple[list[bool], list[tuple[int, InvalidRecord]]]:
         """Apply the read as one atomic batch; should the index reject it, apply its entries one by one. Returns
@@ -703,7 +708,12 @@ class ShardConsumer:
         if self.replica_id is not None:
             position, entries_added, digest = self._held or (self.stats.last_id, self._entries_added, self._last_digest)
             self.client.hset(self.applied_key, self.replica_id,
-                             f"{position} {time.time():.3f} {entries_added or ''} {digest or ''}")
+                             f"{position} {self._redis_now():.3f} {entries_added or ''} {digest or ''}")
+
+    def _redis_now(self) -> float:
+        """Redis's clock (s): reports are stamped and judged by it, one clock for every replica (by their own, a
+        replica a minute slow counted as gone, and the stream was trimmed past what it still needed)."""
+        return self._clock(self.client.time()) / 1000
 
     def _hold(self, meta: dict) -> None:
         """Before a snapshot (its caller metadata) is loaded: report its position, so that no running replica trims
@@ -754,7 +764,7 @@ class ShardConsumer:
         if oldest is None or self.stats.last_id == "0-0" or self._reset_pending or self._snapshot_now:
             return None
         points = [oldest, self.stats.last_id]
-        now, info = time.time(), self.stream_info()
+        now, info = self._redis_now(), self.stream_info()
         for replica, value in self.client.hgetall(self.applied_key).items():
             last_id, at, entries_added, digest = (value.decode().split(" ") + ["", "", ""])[:4]
             if now - float(at or 0) > self.replica_ttl_s:  # gone: a replica that comes back loads a snapshot
@@ -857,7 +867,8 @@ class ShardConsumer:
         log.error("shard %d: no snapshot covers the gap; the index misses those updates until one does", self.shard)
 
     def _newest_snapshot(self) -> str | None:
-        paths = self.snapshots.paths() if self.snapshots is not None else []
+        """The name of the newest of this replica's own snapshots (another deployment's do not count); None: none."""
+        paths = self.snapshots.own(self.foreign) if self.snapshots is not None else []
         return paths[0].name if paths else None
 
     def start(self) -> "ShardConsumer":

@@ -126,9 +126,9 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     cpu_fused.cpp; default: library())."""
     n, B, threads = status.shape[0], now.shape[0], torch.get_num_threads()
     require_top(m, top_n)  # an empty heap would be written through
-    require_rows(n, vectors, scales, experts.shape[2], keys.shape[2], bias_col)  # else read past them
     require_match_inputs(status, start, end, refs, truth, now)  # passed as raw pointers: dtypes and rows
     require_head(B, experts, keys, mask)
+    require_rows(n, vectors, scales, experts.shape[2], keys.shape[2], bias_col)  # else read past them
     if B == 0:
         return torch.zeros((0, m), dtype=torch.int64), torch.zeros((0, m)), torch.zeros(0, dtype=torch.int64)
     if vectors.stride(1) != 1:

@@ -94,10 +94,11 @@ def test_the_sweep_goes_by_redis_clock_not_the_replicas(setup, monkeypatch):
     assert sorted(c.index.ad_ids()) == [1]
 
 
-def test_a_stream_read_again_after_it_went_back_is_not_lag(setup):
+def test_a_stream_read_again_after_it_went_back_is_not_lag(setup, monkeypatch):
     """After a failover that lost the newest entry every replica reads its stream again from the start: the entries
     it had applied, read again, set the lag from their publish times, and every replica turned unhealthy at once
-    (Serve replaced them all). Entries past the last one applied before still count."""
+    (Serve replaced them all). Entries past the last one applied before still count, also in a read that holds
+    both."""
     client, publisher, make = setup
     publisher.publish([upsert(i) for i in range(1, 11)])
     c = make(count=3)
@@ -105,13 +106,18 @@ def test_a_stream_read_again_after_it_went_back_is_not_lag(setup):
     time.sleep(0.3)
     entries = client.xrange(SHARD0)
     client.delete(SHARD0)  # a failover that lost the newest entry
-    for entry_id, fields in entries[:-1]:
+    for entry_id, fields in entries[:-2]:
         client.xadd(SHARD0, fields, id=entry_id)
+    client.xadd(SHARD0, entries[-2][1] | {b"published_ms": str(int(time.time() * 1000)).encode()})  # one new
+    # entry, published now, past the last applied before: read with the last old ones
+    lags, apply = [], c._apply
+    monkeypatch.setattr(c, "_apply", lambda read: (lags.append(c.stats.lag_seconds()), apply(read))[1])
     reads = [c.poll(block_ms=0)]
     assert c.stats.stream_resets == 1 and reads == [3] and c.stats.lag_seconds() == 0  # read again, full: no lag
     while reads[-1] == 3:
         reads.append(c.poll(block_ms=0))
-    assert sorted(c.index.ad_ids()) == list(range(1, 11)) and c.stats.lag_seconds() == 0
+    assert reads == [3, 3, 3, 0] and max(lags) < 0.2, lags  # the third read holds old entries and the new one
+    assert sorted(c.index.ad_ids()) == list(range(1, 11)) and c.stats.lag_seconds() == 0  # lost ad 10 stays applied
     publisher.publish([upsert(i) for i in range(11, 15)])
     c.poll(block_ms=0)  # new entries, a full read: more wait
     assert c.stats.lag_seconds() > 0
@@ -1048,3 +1054,20 @@ def test_a_starting_replica_reports_its_position_every_second(setup):
     with starting.starting():
         time.sleep(1.5)
         assert client.hget(starting.applied_key, "starting").decode().startswith("0-0 ")  # it needs every entry
+
+
+def test_replicas_reports_are_stamped_and_judged_by_redis_clock(setup, tmp_path, monkeypatch):
+    """Reports were stamped and judged by each replica's own clock: a trimming replica a couple of minutes fast took a
+    live replica's fresh report for a gone one (replica_ttl_s) and trimmed past what it still needed."""
+    _, publisher, make = setup
+    store = SnapshotStore(tmp_path / "snapshots")
+    publisher.publish([upsert(i) for i in range(1, 6)])
+    behind = make(snapshots=store, replica_id="behind")
+    behind.catch_up()  # reports its position
+    publisher.publish([upsert(i) for i in range(6, 11)])
+    leader = make(snapshots=store, replica_id="leader")
+    leader.catch_up()
+    leader.snapshot()
+    fast = time.time() + 120
+    monkeypatch.setattr(time, "time", lambda: fast)  # the leader's clock two minutes ahead (replica_ttl_s: 60)
+    assert leader.trim_point() == behind.stats.last_id

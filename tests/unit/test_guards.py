@@ -383,3 +383,21 @@ def test_the_admin_token_may_end_in_a_line_ending_and_token_runs_at_once_keep_ev
         tokens = list(pool.map(lambda name: add_token(path, name, "advertiser", 7), names))
     store = TokenStore(None, str(path))
     assert all(store.verify(token).name == name for token, name in zip(tokens, names))
+
+
+def test_reads_refused_for_want_of_a_token_are_held_to_the_callers_rate(tmp_path):
+    """With read_auth, a caller without a valid token got 401 before its rate was taken: it could flood the reads."""
+    from fastapi.security import HTTPAuthorizationCredentials
+
+    from deployments.router import reader
+
+    store, buckets = TokenStore("the-admin-token", None), TokenBuckets(rate=0.001, burst=2, callers=16)
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(tokens=store, buckets=buckets, read_auth=True)),
+                              client=SimpleNamespace(host="10.0.0.9"))
+    outcomes = []
+    for token in (None, "wrong", "wrong"):
+        try:
+            reader(request, HTTPAuthorizationCredentials(scheme="Bearer", credentials=token) if token else None)
+        except AndromedaError as exc:
+            outcomes.append(type(exc).__name__)
+    assert outcomes == ["Unauthorized", "Unauthorized", "RateLimited"]

@@ -113,7 +113,7 @@ def test_the_tries_give_up_in_time_for_a_503_or_a_partial_answer():
             return exc, time.time() - started
 
     (unavailable, took), (left_out, _) = asyncio.run(ask(False)), asyncio.run(ask(True))
-    assert isinstance(unavailable, ShardUnavailable) and 0.8 <= took < 0.97, took
+    assert isinstance(unavailable, ShardUnavailable) and 0.85 <= took < 0.93, took  # ANSWER_SHARE of the deadline
     assert isinstance(left_out, Missing) and type(left_out.error) is ShardUnavailable
     assert shard.calls == 4  # two tries each
 
@@ -242,7 +242,7 @@ def test_a_dead_shard_owning_history_ads_leaves_the_search_time_for_a_partial_an
     started = time.time()
     response = asyncio.run(Router.func_or_class.answer(router, [request], "retrieve", ""))[0]
     assert [a.ad_id for a in response.ads] == [4] and response.missing_shards == [1]
-    assert time.time() - started < 0.5 and dead.calls == 2 and healthy.calls == ["search"]  # 2 tries: the lookup
+    assert time.time() - started < 0.36 and dead.calls == 2 and healthy.calls == ["search"]  # 2 tries: the lookup
 
 
 class Serving:
@@ -283,6 +283,8 @@ def test_readiness_needs_every_shard_to_serve_the_routers_model_and_schema():
     body = json.loads(answer.body)
     assert answer.status_code == 503 and body["shards"][0] == ours
     assert body["shards"][1]["ready"] is False and body["shards"][1]["reason"] == "serves model b, schema s; the router model a, schema s"
+    theirs.pop("identity")  # a shard of before identities reports none: not a mismatch
+    assert asyncio.run(Router.func_or_class.readyz(router)).status == "ready"
 
 
 def test_a_shard_answers_a_query_of_another_identity_with_mismatch_and_the_rest_of_its_batch_as_usual(small_schema):
@@ -304,3 +306,5 @@ def test_a_shard_answers_a_query_of_another_identity_with_mismatch_and_the_rest_
     assert isinstance(answers[1], ShardAnswer) and answers[1].topk.ids.shape == (1, 2)
     assert cls.vectors(replica, [1], "model other, schema s") == Mismatch(replica.identity)
     assert cls.vectors(replica, [1], replica.identity).found.tolist() == [True]
+    older = asyncio.run(cls._pass(replica, [ShardQuery(query, None)]))[0]  # a router of before identities: unchecked
+    assert isinstance(older, ShardAnswer) and cls.vectors(replica, [1]).found.tolist() == [True]
