@@ -103,7 +103,7 @@ def test_a_stream_read_again_after_it_went_back_is_not_lag(setup, monkeypatch):
     publisher.publish([upsert(i) for i in range(1, 11)])
     c = make(count=3)
     c.catch_up()
-    time.sleep(0.3)
+    time.sleep(1.0)
     entries = client.xrange(SHARD0)
     client.delete(SHARD0)  # a failover that lost the newest entry
     for entry_id, fields in entries[:-2]:
@@ -116,7 +116,7 @@ def test_a_stream_read_again_after_it_went_back_is_not_lag(setup, monkeypatch):
     assert c.stats.stream_resets == 1 and reads == [3] and c.stats.lag_seconds() == 0  # read again, full: no lag
     while reads[-1] == 3:
         reads.append(c.poll(block_ms=0))
-    assert reads == [3, 3, 3, 0] and max(lags) < 0.2, lags  # the third read holds old entries and the new one
+    assert reads == [3, 3, 3, 0] and max(lags) < 0.8, lags  # the third read holds old entries and the new one
     assert sorted(c.index.ad_ids()) == list(range(1, 11)) and c.stats.lag_seconds() == 0  # lost ad 10 stays applied
     publisher.publish([upsert(i) for i in range(11, 15)])
     c.poll(block_ms=0)  # new entries, a full read: more wait
@@ -1052,7 +1052,7 @@ def test_a_starting_replica_reports_its_position_every_second(setup):
     client, _, make = setup
     starting = make(replica_id="starting")
     with starting.starting():
-        time.sleep(1.5)
+        assert wait_until(lambda: client.hget(starting.applied_key, "starting") is not None)
         assert client.hget(starting.applied_key, "starting").decode().startswith("0-0 ")  # it needs every entry
 
 
