@@ -160,8 +160,8 @@ class ShardReplica:
         none)."""
         if identity and identity != self.identity:
             return Mismatch(self.identity)
-        with self.retriever.index.reading():
-            return HistoryVectors(*self.retriever.index.embeddings_of(ad_ids))
+        with self.retriever.index.reading():  # an ad past its end by Redis's clock is not read (ShardConsumer.clock_s)
+            return HistoryVectors(*self.retriever.index.embeddings_of(ad_ids, self.consumer.clock_s()))
 
     def get_ad(self, ad_id: int, now: int) -> dict | None:
         """Indexed state of one ad and whether a request at `now` could be served it; None when not indexed."""

@@ -710,6 +710,11 @@ class ShardConsumer:
             self.client.hset(self.applied_key, self.replica_id,
                              f"{position} {self._redis_now():.3f} {entries_added or ''} {digest or ''}")
 
+    def clock_s(self) -> int:
+        """Redis's clock (s) as this replica last read its stream (its own where it has not read yet): what a shard
+        judges ads' ends by, one clock for every replica."""
+        return self._read_clock // 1000 if self._read_clock is not None else int(time.time())
+
     def _redis_now(self) -> float:
         """Redis's clock (s): reports are stamped and judged by it, one clock for every replica (by their own, a
         replica a minute slow counted as gone, and the stream was trimmed past what it still needed)."""

@@ -295,7 +295,7 @@ def test_a_shard_answers_a_query_of_another_identity_with_mismatch_and_the_rest_
     cls = ShardReplica.func_or_class
     replica = cls.__new__(cls)  # what ShardReplica.__init__ sets (no Ray, no stream)
     replica.retriever, replica.expired = Retriever(index, scorer), 0
-    replica.consumer = SimpleNamespace(stats=ConsumerStats())
+    replica.consumer = SimpleNamespace(stats=ConsumerStats(), clock_s=lambda: 100)
     replica.identity = serving_identity(scorer.name, small_schema)
     request = parse_request({"user": {"user_id": 1}, "context": {"ts": 100}, "k": 2})
     users = scorer.encode_users([request], index.embeddings_of, [100])
@@ -308,3 +308,7 @@ def test_a_shard_answers_a_query_of_another_identity_with_mismatch_and_the_rest_
     assert cls.vectors(replica, [1], replica.identity).found.tolist() == [True]
     older = asyncio.run(cls._pass(replica, [ShardQuery(query, None)]))[0]  # a router of before identities: unchecked
     assert isinstance(older, ShardAnswer) and cls.vectors(replica, [1]).found.tolist() == [True]
+    apply_events(index, scorer, [upsert(4, start_time=0, end_time=150)])  # ends by Redis's clock, not the host's
+    assert cls.vectors(replica, [4]).found.tolist() == [True]  # Redis's clock (as last read) at 100
+    replica.consumer.clock_s = lambda: 150
+    assert cls.vectors(replica, [4]).found.tolist() == [False]
