@@ -427,8 +427,10 @@ def test_a_silent_deep_part_is_skipped_only_where_it_adds_exactly_0():
         del model.head.deep
     model.score(state, stored, text, cross).sum().backward()
     assert model.head.mlp[-1].weight.grad.abs().sum() > 0
+    moe = RetrievalModel("moe", DIMS).head.flops_per_pair()
+    assert model.head.flops_per_pair() < 100 * moe  # as scored: the deep part skipped
     torch.nn.init.normal_(model.head.mlp[-1].weight)
-    assert not model.head.silent
+    assert not model.head.silent and model.head.flops_per_pair() >= 100 * moe
     with torch.no_grad():
         assert not torch.equal(model.score(state, stored, text, cross),
                                model.head.wide.score(state, stored) + cross @ model.head.cross)
