@@ -68,7 +68,7 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
                  "moe", "ranker"):
         assert re.search(rf"^\| {re.escape(name)} \| \d\.\d{{4}} \[", expected, re.M), name
     assert len(re.findall(rf"^\| {others} \| [-+]", expected, re.M)) == 6
-    assert "ranker beats the MoE (expected over the world's engagements): higher on" in text
+    assert "ranker beats the MoE (expected over the world's engagements): significantly higher on" in text
     assert "ranker beats every retrieval model before distillation (sasrec, two_tower, moe" in text
     went_on = "; chosen: start (" not in text
     assert bool(re.search(rf"^\| {re.escape(quality.UNDISTILLED)} \| fp32 \|", text, re.M)) == went_on
@@ -256,3 +256,29 @@ def test_the_report_names_the_scale_the_rankers_deep_part_was_kept_at():
     ranker.dims = dataclasses.replace(ranker.dims, deep_scale=0.5)
     said = quality.deep_scale(trained)
     assert said.startswith("0.5 (the best-scoring") and "keeps 95% inside" in said
+
+
+def test_beating_needs_significance_on_every_metric_and_matching_a_margin():
+    """"Beats" was a higher mean on all four metrics and "matches" no significant loss, which the same model against
+    itself plus noise passes often: now beating is significantly better on every metric (Holm over the target's
+    comparisons) and matching is shown not worse by MATCH_MARGIN of the other's mean on every one."""
+    from andromeda_core.models.quality import METRICS, Row, ordering
+
+    rng = np.random.default_rng(7)
+    base = {m: (rng.random(3000) < 0.3).astype(float) for m in METRICS}
+
+    def row(name: str, storage: str, shift: float, noise: float = 0.0) -> Row:
+        return Row(name, storage, {m: v + shift + noise * rng.standard_normal(len(v)) for m, v in base.items()})
+
+    def verdicts(moe_shift: float, baseline_shift: float, sasrec_shift: float) -> dict[str, bool]:
+        by = {("moe", "fp32"): row("moe", "fp32", moe_shift), ("ranker", "fp32"): row("ranker", "fp32", 0.2),
+              ("most popular", "-"): row("most popular", "-", baseline_shift, 0.05),
+              ("sasrec", "fp32"): row("sasrec", "fp32", sasrec_shift), ("two_tower", "fp32"): row("two_tower", "fp32", -0.2)}
+        return {text.split(":")[0]: met for met, text in ordering(by, lambda ranking: ranking, "")}
+
+    clear = verdicts(0.0, -0.05, 0.0)
+    assert clear["MoE beats most popular"] and clear["MoE matches or beats the SASRec-style two-tower"]
+    noise = verdicts(0.0, -0.001, -0.001)  # a hair below the MoE's means: higher on all four, not significantly
+    assert not noise["MoE beats most popular"]
+    worse = verdicts(0.0, -0.05, 0.1)  # the MoE 0.1 below SASRec's 0.4: worse than a 10% margin
+    assert not worse["MoE matches or beats the SASRec-style two-tower"]

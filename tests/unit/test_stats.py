@@ -6,7 +6,7 @@ import pytest
 
 from andromeda_core.models.pareto import plot_quality_vs_flops
 from andromeda_core.models.evaluate import per_user_metrics
-from andromeda_core.models.stats import bootstrap_ci, format_ci, paired_difference, significant
+from andromeda_core.models.stats import bootstrap_ci, format_ci, holm, paired_difference, paired_p_value
 
 
 def test_per_user_metrics_follow_the_rank():
@@ -32,7 +32,6 @@ def test_bootstrap_interval_holds_the_mean_and_shrinks_with_more_users():
 def test_paired_difference_of_identical_arrays_is_exactly_zero():
     a = (np.random.default_rng(2).random(300) < 0.3).astype(float)
     assert paired_difference(a, a.copy()) == (0.0, 0.0, 0.0)
-    assert not significant(0.0, 0.0)
 
 
 def test_paired_difference_sees_a_clear_gain_the_unpaired_intervals_overlap_on():
@@ -40,11 +39,12 @@ def test_paired_difference_sees_a_clear_gain_the_unpaired_intervals_overlap_on()
     b = rng.random(400)
     a = b + 0.02 + 0.01 * rng.standard_normal(400)  # the same users, a little better each
     mean, low, high = paired_difference(a, b)
-    assert mean == pytest.approx(0.02, abs=0.002) and significant(low, high) and low > 0
+    assert mean == pytest.approx(0.02, abs=0.002) and low > 0
     _, low_a, _ = bootstrap_ci(a)
     _, _, high_b = bootstrap_ci(b)
     assert low_a < high_b  # separately the two intervals overlap
-    assert not significant(*paired_difference(b[:200], b[200:])[1:])  # two halves of one population
+    _, low, high = paired_difference(b[:200], b[200:])
+    assert low < 0 < high  # two halves of one population
 
 
 def test_format_ci():
@@ -58,3 +58,17 @@ def test_pareto_plot_writes_a_png(tmp_path):
     path = plot_quality_vs_flops(points, tmp_path / "pareto.png", "MovieLens test")
     assert path == tmp_path / "pareto.png" and path.stat().st_size > 5000
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_paired_p_values_and_holm():
+    """A clear gain is significant, two halves of one population are not, identical arrays give 1; Holm multiplies the
+    smallest p by the family's size and keeps the order; the non-inferiority p is small only where a cannot be worse
+    by the margin."""
+    rng = np.random.default_rng(5)
+    b = rng.random(400)
+    gain = b + 0.02 + 0.01 * rng.standard_normal(400)
+    assert paired_p_value(gain, b) < 0.001 and paired_p_value(b[:200], b[200:]) > 0.05
+    assert paired_p_value(b, b.copy()) == 1.0
+    assert holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert paired_p_value(b, b + 0.001, margin=0.05) < 0.01  # a hair below, far within a 0.05 margin
+    assert paired_p_value(b, b + 0.1, margin=0.05) > 0.99  # 0.1 below: worse than the margin
