@@ -481,14 +481,19 @@ class Router:
     @app.get("/readyz", response_model=Health, responses={503: {"model": Health}})
     async def readyz(self):
         """200 once every shard answers, has caught up with its stream and serves the router's model and schema."""
-        status = await self.shard_status()
-        shards = [{"shard": i, "ready": False, "reason": "unreachable"} if s is None
-                  else {**s, "ready": False, "reason": f"serves {s['identity']}; the router {self.identity}"}
-                  if s.get("identity", self.identity) != self.identity else s  # (none: a shard of before 2026-12-06)
-                  for i, s in enumerate(status)]
+        shards = [self.readiness(i, s) for i, s in enumerate(await self.shard_status())]
         ready = all(s["ready"] for s in shards)
         body = Health(status="ready" if ready else "not ready", shards=shards)
         return body if ready else json_response(503, body)
+
+    def readiness(self, shard: int, status: dict | None) -> dict:
+        """A shard's status as /readyz shows it: not ready where it did not answer, or serves another model or schema
+        than the router (a shard of before 2026-12-06 reports no identity: not checked)."""
+        if status is None:
+            return {"shard": shard, "ready": False, "reason": "unreachable"}
+        if status.get("identity", self.identity) != self.identity:
+            return {**status, "ready": False, "reason": f"serves {status['identity']}; the router {self.identity}"}
+        return status
 
     @app.head("/metrics", include_in_schema=False)
     @app.get("/metrics", response_class=Response)

@@ -127,12 +127,9 @@ class ShardReplica:
 
     async def _pass(self, queries: list[ShardQuery]) -> list[ShardAnswer | Mismatch | str]:
         started, now = time.perf_counter(), time.time()
-        out: list[ShardAnswer | Mismatch | str] = [EXPIRED] * len(queries)
-        for i, q in enumerate(queries):  # a router of another model or schema: its query alone is answered so (one
-            if q.identity and q.identity != self.identity:  # from before identities, 2026-12-06, sends none)
-                out[i] = Mismatch(self.identity)
+        out: list[ShardAnswer | Mismatch | str] = [self.mismatch(q.identity) or EXPIRED for q in queries]
         live = [i for i, q in enumerate(queries) if out[i] == EXPIRED and (q.deadline is None or q.deadline > now)]
-        self.expired += sum(1 for a in out if a == EXPIRED) - len(live)
+        self.expired += out.count(EXPIRED) - len(live)
         if not live:
             return out
         result, watermark, scanned = await asyncio.to_thread(self._search, concat_queries([queries[i].query for i in live]))
@@ -149,6 +146,11 @@ class ShardReplica:
             watermark, scanned = self.consumer.stats.watermark(), self.retriever.index.high_water
             return self.retriever.search(query), watermark, scanned
 
+    def mismatch(self, identity: str) -> Mismatch | None:
+        """Mismatch for a router of another serving identity (its user state or targeting values are of another model
+        or schema), None for one of this replica's, or one from before identities (2026-12-06), which sends none."""
+        return Mismatch(self.identity) if identity and identity != self.identity else None
+
     def owners(self, ad_ids: Sequence[int]) -> list[tuple[int | None, int | None, int | None]]:
         """(advertiser, content version, status version) of each ad as this replica's index has them
         (AdIndex.owners_of): what the owner registry takes where newer than its entry (index_updater/owners.py)."""
@@ -158,8 +160,8 @@ class ShardReplica:
         """The stored vectors of ad_ids: the router's user towers read the history ads that live on this shard (a
         router of another serving identity gets Mismatch: they are another model's; one from before identities sends
         none)."""
-        if identity and identity != self.identity:
-            return Mismatch(self.identity)
+        if mismatch := self.mismatch(identity):
+            return mismatch
         with self.retriever.index.reading():  # an ad past its end by Redis's clock is not read (ShardConsumer.clock_s)
             return HistoryVectors(*self.retriever.index.embeddings_of(ad_ids, self.consumer.clock_s()))
 

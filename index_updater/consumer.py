@@ -425,7 +425,6 @@ class ShardConsumer:
         (a recreated stream's, say) may have been trimmed unread here. The index misses them until a snapshot newer
         than the newest now covers them (the newest may be one the stream went back from, set aside only after this
         read); meanwhile it applies what the stream holds and writes no snapshot."""
-        self.stats.caught_up_to = ""
         self.stats.gap_unrecovered = (f"the stream went back, and was trimmed up to {gap}, past the last id applied "
                                       f"before ({self._reset_from})")
         self._gap_snapshot = self._newest_snapshot()
@@ -868,7 +867,7 @@ class ShardConsumer:
                 self.stats.gap_unrecovered = ""
                 return
             gap = self.gap_error(still)
-        self.stats.gap_unrecovered, self.stats.caught_up_to = str(gap), ""
+        self.stats.gap_unrecovered = str(gap)  # (no watermark meanwhile: ConsumerStats.watermark)
         log.error("shard %d: no snapshot covers the gap; the index misses those updates until one does", self.shard)
 
     def _newest_snapshot(self) -> str | None:

@@ -40,14 +40,14 @@ def require_match_inputs(status: torch.Tensor, start: torch.Tensor, end: torch.T
     naming the first that is not (another dtype or fewer rows would be read wrongly or past its end). The refs'
     values are the caller's to keep below 32 W clauses (AdIndex does): they are not read here."""
     n, B = status.shape[0], now.shape[0]
-    for name, t, dtype, rows in (("status", status, torch.int8, n), ("start", start, torch.int64, n),
-                                 ("end", end, torch.int64, n), ("refs", refs, torch.int32, n),
-                                 ("truth", truth, torch.int32, B), ("now", now, torch.int64, B)):
-        dims = 2 if name in ("refs", "truth") else 1
-        if t.dtype != dtype or t.dim() != dims or t.shape[0] < rows or (name == "truth" and (t.shape[0] != B or t.shape[1] < 1)):
-            raise ValueError(f"{name}: {t.dtype} of shape {tuple(t.shape)}, where the kernels read {dtype} of "
-                             f"{rows} rows{' (and at least one column)' if name == 'truth' else ''}"
-                             f"{'' if dims == 1 else ' of columns'}")
+    for name, t, dtype, dims, rows in (("status", status, torch.int8, 1, n), ("start", start, torch.int64, 1, n),
+                                       ("end", end, torch.int64, 1, n), ("refs", refs, torch.int32, 2, n),
+                                       ("truth", truth, torch.int32, 2, B), ("now", now, torch.int64, 1, B)):
+        if t.dtype != dtype or t.dim() != dims or t.shape[0] < rows:
+            raise ValueError(f"{name}: {t.dtype} of shape {tuple(t.shape)}, where the kernels read {dtype} of {dims} "
+                             f"dims and at least {rows} rows")
+    if truth.shape[0] != B or truth.shape[1] < 1:
+        raise ValueError(f"truth: shape {tuple(truth.shape)}, where the kernels read {B} rows of at least one column")
 
 
 def require_head(B: int, experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> None:

@@ -398,11 +398,14 @@ def significance(pairs: list[tuple[Row, Row]], measure: Measure = held_out) -> l
     """For each (a, b) pair and metric: a's mean minus b's and "better", "worse" or "" (within noise), significant
     where the two-sided paired bootstrap p-value, Holm-adjusted over every pair and metric given (one family), is
     below 0.05 (until 2026-12-06 each 95% interval alone decided, over about 100 comparisons per world)."""
-    cells = [(ours[m], theirs[m]) for a, b in pairs for ours, theirs in [(measure(a.ranking), measure(b.ranking))]
-             for m in METRICS]
-    adjusted = holm([paired_p_value(x, y) for x, y in cells])
-    labels = [(float(np.mean(x) - np.mean(y)), ("better" if np.mean(x) > np.mean(y) else "worse") if p < 0.05 else "")
-              for (x, y), p in zip(cells, adjusted)]
+    cells = []
+    for a, b in pairs:
+        ours, theirs = measure(a.ranking), measure(b.ranking)
+        cells += [(ours[m], theirs[m]) for m in METRICS]
+    labels = []
+    for (x, y), p in zip(cells, holm([paired_p_value(x, y) for x, y in cells])):
+        diff = float(np.mean(x) - np.mean(y))
+        labels.append((diff, ("better" if diff > 0 else "worse") if p < 0.05 else ""))
     return [labels[i:i + len(METRICS)] for i in range(0, len(labels), len(METRICS))]
 
 

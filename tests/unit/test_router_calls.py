@@ -283,6 +283,7 @@ def test_readiness_needs_every_shard_to_serve_the_routers_model_and_schema():
         return [ours, theirs]
 
     router = SimpleNamespace(shard_status=statuses, identity="model a, schema s")
+    router.readiness = functools.partial(Router.func_or_class.readiness, router)
     answer = asyncio.run(Router.func_or_class.readyz(router))
     body = json.loads(answer.body)
     assert answer.status_code == 503 and body["shards"][0] == ours
