@@ -9,14 +9,15 @@ included), the rest the eligible ads of highest click prior (clicks per impressi
 """
 from __future__ import annotations
 
-import sys
+import argparse
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from andromeda_core.models import evaluate
 from andromeda_core.models.quality import engagement_distribution, load_data
-from andromeda_core.models.retrieval import RetrievalModel
+from andromeda_core.models.retrieval import UNLOADABLE, RetrievalModel
 from andromeda_core.synth import truth_scores
 
 USERS, TOP, RHOS = 600, 1000, (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
@@ -58,11 +59,10 @@ def with_fallback(scores: torch.Tensor, prior: torch.Tensor, rho: float) -> torc
     return torch.stack(rows)
 
 
-def main(name: str, checkpoint: str) -> None:
+def main(name: str, model: RetrievalModel) -> None:
     data = load_data(name)
     t, ads = data.truth, data.truth["item_ad"]
     users = data.eval_users()[:USERS]
-    model, _ = RetrievalModel.load(checkpoint)
     model.eval()
     served = model.item_vectors(data.items).detach()
     with model.without_click_prior():
@@ -100,4 +100,12 @@ def main(name: str, checkpoint: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("world", choices=("synthetic", "synthetic-b"), help="a synthetic world (it knows its truth)")
+    parser.add_argument("checkpoint", type=Path, help="a MoE checkpoint `andromeda eval` kept for that world")
+    args = parser.parse_args()
+    try:
+        loaded, _ = RetrievalModel.load(args.checkpoint)
+    except UNLOADABLE as exc:
+        parser.error(f"checkpoint: {args.checkpoint} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]})")
+    main(args.world, loaded)
