@@ -6,7 +6,8 @@ engagements and serving context, and (synthetic worlds, which log them) the impr
 clicked or not.
 Protocol: per user the last engagement is the test target, the one before it the validation
 target; every earlier position (with its prefix as history) is a training example. Cross-surface
-engagements never include a user's two held-out items (they would hand them to the co-engagement expert).
+engagements never include an item of the user's sequence: the held-out two would be handed to the co-engagement
+expert, and training targets alone there would teach it a link that the held-out ones never show.
 """
 from __future__ import annotations
 
@@ -140,9 +141,9 @@ def _synthetic_users(world: Path, schema: Schema, row: dict[int, int]) -> tuple[
             segments.append(segment_ids(r["user"]["cohorts"], r["user"]["attributes"], schema))
             declared = r["user"]["attributes"].get("interests", [])
             interests.append(attribute_values(declared))
-            held_out = set(seqs[-1][-2:].tolist())  # the world draws them from the same pool as the clicks
+            clicked = set(seqs[-1].tolist())  # the world draws them from the same pool as the clicks
             co.append([row[c["ad_id"]] for c in r["user"]["co_engagement"]
-                       if c["ad_id"] in row and row[c["ad_id"]] not in held_out])
+                       if c["ad_id"] in row and row[c["ad_id"]] not in clicked])
             ctx = r["context"]
             context.append([surfaces.value_index(ctx["surface"]) + 1, placements.value_index(ctx["placement"]) + 1,
                             ctx["ts"] // 3600 % 24])

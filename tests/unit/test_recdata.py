@@ -60,6 +60,22 @@ def test_synthetic_loader_keeps_latest_versions_and_clicks(tmp_path, default_sch
     assert data.items.texts[0] == f"{ad['creative']['title']}. {ad['creative']['body']}" and len(data.items.texts) == 600
 
 
+def test_cross_surface_engagements_hold_no_item_of_the_users_sequence(tmp_path, default_schema):
+    """Neither held-out item nor a training target: a list holding only the training ones would teach the
+    co-engagement expert that a listed ad is the next click, which the held-out one never is."""
+    world = synthesize(WorldConfig(ads=300, users=40, seed=3), tmp_path, default_schema, workers=1, progress=False)
+    data = load_synthetic(world)
+    row = {int(ad): r for r, ad in enumerate(data.items.ids)}
+    requests = [json.loads(line) for line in (world / "requests.jsonl").read_text().splitlines()]
+    dropped = 0
+    for u, r in enumerate(requests):
+        listed = [row[c["ad_id"]] for c in r["user"]["co_engagement"]]
+        kept = [c for c in listed if c not in set(data.users.items[u].tolist())]
+        assert data.users.co_items[u] == kept
+        dropped += len(listed) - len(kept)
+    assert dropped > 0 and sum(map(len, data.users.co_items)) > 0  # the world lists clicked ads, and others
+
+
 @pytest.mark.parametrize("name, text", [("engagements.jsonl", "garbage\n"), ("requests.jsonl", '{"user": 1}\n')])
 def test_a_damaged_world_file_names_the_world(tmp_path, default_schema, name, text):
     world = synthesize(WorldConfig(ads=40, users=3, seed=2), tmp_path, default_schema, workers=1, progress=False)
