@@ -75,12 +75,16 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def non_empty(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty")
+def stream_name(text: str) -> str:
+    """The update streams' base name, as the service takes it (andromeda_core.config.stream_problem)."""
+    from andromeda_core.config import stream_problem
+
+    if problem := stream_problem(text):
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
+WORLD_MAX = 100_000_000  # ads or users of a synthetic world at most (its arrays hold about 100 bytes per ad)
 POSITIVE = int_in(1)
 NON_NEGATIVE = int_in(0)
 

@@ -17,8 +17,8 @@ import torch
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from andromeda_cli.args import (NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in, non_empty, non_negative_float,
-                                output_dir, output_file)
+from andromeda_cli.args import (NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in, non_negative_float,
+                                output_dir, output_file, stream_name, WORLD_MAX)
 from andromeda_cli.k8s import add_commands as add_k8s_commands
 from andromeda_cli.request_file import read_requests
 from andromeda_cli.service import add_commands as add_service_commands, cli_command
@@ -36,7 +36,6 @@ from andromeda_core.synth import WorldConfig, synthesize, world_config
 from andromeda_core.types import K_MAX, TIME_LIMIT
 
 REQUEST_BATCH = 16  # requests sharing one pass over the table
-WORLD_MAX = 100_000_000  # ads or users of a synthetic world at most (its arrays hold about 100 bytes per ad)
 DEMO_ADS, DEMO_USERS = 50000, 100
 
 
@@ -195,7 +194,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
     from index_updater.publisher import TRANSIENT, Publisher
 
     settings = load_settings()
-    url, option = (args.redis, "--redis") if args.redis else (settings.redis_url, "REDIS_URL")
+    url, option = (args.redis, "--redis") if args.redis is not None else (settings.redis_url, "REDIS_URL")
     if not url:
         raise InvalidInput("no Redis to publish to: pass --redis or set REDIS_URL", "--redis")
     if why := unsupported_options(url):
@@ -277,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--users", type=int_in(1, WORLD_MAX), required=True, help="number of users (one request each)")
     s.add_argument("--seed", type=NON_NEGATIVE, default=0, help="random seed; a seed gives the same world")
     s.add_argument("--out", type=output_dir, required=True, help="directory to write the world into")
-    s.add_argument("--workers", type=POSITIVE, default=2, help="processes generating ad chunks")
+    s.add_argument("--workers", type=int_in(1, 256), default=2, help="processes generating ad chunks")
     s.set_defaults(func=cmd_synth)
 
     s = sub.add_parser("retrieve", help="build an index from events in process and answer requests")
@@ -293,10 +292,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("publish", help="validate, compile and append ad events to the Redis updates stream")
     s.add_argument("events", type=input_file, help="ad events JSONL (checked in full before anything is appended)")
     s.add_argument("--redis", default=None, help="Redis URL (default: REDIS_URL)")
-    s.add_argument("--stream", type=non_empty, default=None, help="stream name (default: ANDROMEDA_STREAM)")
-    s.add_argument("--shards", type=POSITIVE, default=None, help="index shards (default: ANDROMEDA_SHARDS)")
+    s.add_argument("--stream", type=stream_name, default=None, help="stream name (default: ANDROMEDA_STREAM)")
+    s.add_argument("--shards", type=int_in(1, 1024), default=None, help="index shards (default: ANDROMEDA_SHARDS)")
     s.add_argument("--model", type=input_file, default=None, help="checkpoint whose ad tower embeds the ads")
-    s.add_argument("--tries", type=POSITIVE, default=5,
+    s.add_argument("--tries", type=int_in(1, 100), default=5,
                    help="tries of each Redis call on connection errors, with backoff from 0.05 s (default 5)")
     s.set_defaults(func=cmd_publish)
 
@@ -335,7 +334,7 @@ def parser() -> argparse.ArgumentParser:
                    help="world directory for the `synthetic` data set (default: in the cache; generated where it holds none; "
                         "a world of an older generator is refused)")
     s.add_argument("--out", type=output_file, default=Path("docs/quality.md"), help="report file to rewrite (default docs/quality.md)")
-    s.add_argument("--workers", type=POSITIVE, default=None,
+    s.add_argument("--workers", type=int_in(1, 256), default=None,
                    help="processes the data sets run in side by side, the cores shared among them as torch threads "
                         "(default: one per data set; one on a single core)")
     s.set_defaults(func=cmd_eval)
@@ -343,8 +342,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="offline demo: synthesise a world, index it, answer a few requests")
     s.add_argument("--out", type=output_dir, default=Path("var/demo"),
                    help="world directory: used if it holds one, else written (default var/demo)")
-    s.add_argument("--ads", type=POSITIVE, default=None, help=f"ads of a new world (default {DEMO_ADS})")
-    s.add_argument("--users", type=POSITIVE, default=None, help=f"users of a new world (default {DEMO_USERS})")
+    s.add_argument("--ads", type=int_in(1, WORLD_MAX), default=None, help=f"ads of a new world (default {DEMO_ADS})")
+    s.add_argument("--users", type=int_in(1, WORLD_MAX), default=None, help=f"users of a new world (default {DEMO_USERS})")
     s.add_argument("--show", type=NON_NEGATIVE, default=3, help="requests to print")
     add_model_flags(s)
     s.set_defaults(func=cmd_demo)
@@ -376,6 +375,7 @@ def message(exc: Exception) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from_env = args.schema is None and "ANDROMEDA_SCHEMA" in os.environ
+    args.schema_source = "--schema" if args.schema is not None else "ANDROMEDA_SCHEMA" if from_env else None
     try:
         if args.schema is None:
             args.schema = load_settings().schema_path

@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from andromeda_cli.args import NON_NEGATIVE, POSITIVE, checkpoint, input_file, int_in
+from andromeda_cli.args import WORLD_MAX, checkpoint, input_file, int_in
 from andromeda_core.config import load_settings, redact, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH, Schema, load_schema, read_yaml
@@ -41,34 +41,44 @@ def read_config_file(path: Path | None) -> dict:
     base = read_yaml(path)
     if not isinstance(base, dict):
         raise InvalidInput(f"expected a mapping of ServiceConfig fields, got {type(base).__name__}", f"--config {path}")
+    for field, value in base.items():
+        if value is None:  # would hide an environment variable's value (REDIS_URL) behind "not set"
+            raise InvalidInput("null is not a value: leave the field out for its default", f"{path}: {field}")
     return base
 
 
-ENV_SOURCES = {"redis_url": "REDIS_URL", "stream": "ANDROMEDA_STREAM", "shards": "ANDROMEDA_SHARDS",
-               "schema_path": "--schema", "rescore": "ANDROMEDA_RESCORE", "initial_capacity": "ANDROMEDA_INITIAL_CAPACITY"}
+ENV_SOURCES = {"stream": "ANDROMEDA_STREAM", "shards": "ANDROMEDA_SHARDS", "rescore": "ANDROMEDA_RESCORE",
+               "initial_capacity": "ANDROMEDA_INITIAL_CAPACITY"}
 
 
-def service_config(args: argparse.Namespace, redis_url: str | None, check_files: bool = True) -> ServiceConfig:
-    """The config: the environment's settings (ANDROMEDA_SCHEMA, _STREAM, _SHARDS, _RESCORE, ...), then
-    the config file (--config), then the command-line flags. With `check_files`, the model and schema
-    files must exist here (the service is about to start)."""
+def service_config(args: argparse.Namespace, redis_url: str | None, check_files: bool = True,
+                   redis_source: str = "REDIS_URL") -> ServiceConfig:
+    """The config: the environment's settings (REDIS_URL, ANDROMEDA_SCHEMA, _STREAM, _SHARDS, _RESCORE, ...),
+    then the config file (--config), then the command-line flags (--schema and, with redis_source "--redis",
+    redis_url among them). With `check_files`, what the replicas read at start is read here first (model, schema,
+    token file, snapshot folder), so that a bad one fails before Ray starts."""
     settings = load_settings()
+    schema_source = getattr(args, "schema_source", None) or "ANDROMEDA_SCHEMA"  # main() sets it: --schema, or not
     env = {"redis_url": redis_url, "stream": settings.stream, "shards": settings.shards,
            "schema_path": None if args.schema == DEFAULT_SCHEMA_PATH else str(args.schema), "rescore": settings.index.rescore,
            "initial_capacity": settings.index.initial_capacity}
     flags = {"host": args.host, "port": args.port, "shards": args.shards, "replicas": args.replicas,
              "model": str(args.model) if args.model else None, "storage": args.storage}  # each field's flag: --<field>
+    sources = {**ENV_SOURCES, "redis_url": redis_source, "schema_path": schema_source}
+    for field in ("redis_url", "schema_path"):
+        if sources[field].startswith("--"):  # a flag: above the config file
+            flags[field] = env.pop(field)
     given = {k: v for k, v in flags.items() if v is not None}
     from_file = read_config_file(args.config)
 
     def source(field: str, path: str = "") -> str:
         """Where the field's value came from, as an error names it: its flag, else the config file and the field's
-        path in it, else the environment variable (or --schema) that set it."""
+        path in it, else the environment variable that set it."""
         if field in given:
-            return f"--{field}"
+            return sources[field] if field in ("redis_url", "schema_path") else f"--{field}"
         if field in from_file:
             return f"{args.config}: {path or field}"
-        return ENV_SOURCES.get(field, f"config {path or field}")
+        return sources.get(field, f"config {path or field}")
 
     try:
         config = ServiceConfig.model_validate({**{k: v for k, v in env.items() if v is not None}, **from_file, **given})
@@ -78,17 +88,37 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
         raise InvalidInput(err["msg"], source(str(err["loc"][0]), loc) if err["loc"] else "config") from None
     if not check_files:
         return config
+    check_start_files(config, source)
+    paths = {"model": config.model, "schema_path": config.schema_path, "snapshot_dir": config.snapshot_dir}
+    auth = config.auth.model_copy(update={"token_file": str(Path(config.auth.token_file).resolve())}) \
+        if config.auth.token_file else config.auth
+    return config.model_copy(update={"auth": auth, **{k: str(Path(v).resolve()) for k, v in paths.items() if v}})  # Ray
+    # workers' cwd may differ
+
+
+def check_start_files(config: ServiceConfig, source) -> None:
+    """Reads what every replica reads at start, as it reads it: a bad one is an InvalidInput naming its source
+    (source(field, path)) here, not a failed deployment after Ray started."""
+    from deployments.auth import TokenStore
+
     for name, path in (("model", config.model), ("schema_path", config.schema_path)):
         if path and not Path(path).is_file():
             raise InvalidInput(f"{path} is not a file", source(name))
+    schema = load_schema(config.schema_path)  # its errors name the file
     if config.model:  # every replica would fail to start on it: loaded as they load it (a ranker's is refused here)
         from andromeda_core.models.serving import ModelScorer
 
-        schema = load_schema(config.schema_path)
         with checkpoint(source("model"), Path(config.model)):
             ModelScorer.load(config.model, schema)
-    paths = {"model": config.model, "schema_path": config.schema_path, "snapshot_dir": config.snapshot_dir}
-    return config.model_copy(update={k: str(Path(v).resolve()) for k, v in paths.items() if v})  # Ray workers' cwd may differ
+    if config.auth.token_file:
+        try:
+            TokenStore(None, config.auth.token_file)
+        except OSError as exc:
+            raise InvalidInput(f"{exc.filename}: {exc.strerror}", source("auth", "auth.token_file")) from None
+        except ValueError as exc:  # TokenFileError: names the entry's field
+            raise InvalidInput(f"{config.auth.token_file}: {exc}", source("auth", "auth.token_file")) from None
+    if Path(config.snapshot_dir).exists() and not Path(config.snapshot_dir).is_dir():
+        raise InvalidInput(f"{config.snapshot_dir} is not a folder", source("snapshot_dir"))
 
 
 def check_port(config: ServiceConfig) -> None:
@@ -435,6 +465,11 @@ def cmd_up(args: argparse.Namespace) -> None:
     from index_updater.records import schema_tag
 
     settings = load_settings()
+    for field in ("redis_url", "snapshot_dir"):  # up empties both when they hold another demo's ads
+        if field in read_config_file(args.config):
+            raise InvalidInput("`andromeda up` keeps its ads in REDIS_URL or a redis-server of its own and its "
+                               "snapshots in var/snapshots, and empties them when they hold another demo's; serve "
+                               "other ones with `andromeda serve`", f"{args.config}: {field}")
     check_port(service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0"))  # bad flags and a taken
     # port fail before any work, and before a second redis-server would open a running one's files
     world = demo_world(args.demo_ads)
@@ -487,7 +522,8 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_config(args: argparse.Namespace) -> None:
-    config = service_config(args, args.redis, check_files=False)  # no --redis: replicas read REDIS_URL
+    config = service_config(args, args.redis, check_files=False, redis_source="--redis")  # no --redis: replicas
+    # read REDIS_URL
     for warning in cluster_warnings(config):
         print(f"warning: {warning}", file=sys.stderr)
     text = yaml.safe_dump(config.to_serve_config(), sort_keys=False)
@@ -504,8 +540,9 @@ def cluster_warnings(config: ServiceConfig) -> list[str]:
     warnings = []
     if config.host in ("127.0.0.1", "localhost", "::1"):
         warnings.append(f"host {config.host}: other machines cannot reach the proxies (--host 0.0.0.0 for a cluster)")
-    for name in ("snapshot_dir", "model", "schema_path"):
-        if (path := getattr(config, name)) and not Path(path).is_absolute():
+    for name, path in (("snapshot_dir", config.snapshot_dir), ("model", config.model),
+                       ("schema_path", config.schema_path), ("auth.token_file", config.auth.token_file)):
+        if path and not Path(path).is_absolute():
             warnings.append(f"{name} {path} is relative: each replica resolves it from its own working directory")
     return warnings
 
@@ -525,13 +562,13 @@ def add_service_flags(s: argparse.ArgumentParser) -> None:
 def add_commands(sub) -> None:
     s = sub.add_parser("serve", help="run the Ray Serve service in the foreground against REDIS_URL")
     add_service_flags(s)
-    s.add_argument("--demo-ads", type=NON_NEGATIVE, default=0,
+    s.add_argument("--demo-ads", type=int_in(0, WORLD_MAX), default=0,
                    help="synthesise and publish N demo ads when the streams are empty (0: none)")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("up", help="everything local: redis-server, a trained demo model, demo ads, the service")
     add_service_flags(s)
-    s.add_argument("--demo-ads", type=POSITIVE, default=10000, help="demo corpus size")
+    s.add_argument("--demo-ads", type=int_in(1, WORLD_MAX), default=10000, help="demo corpus size")
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("serve-config", help="write the Ray Serve config YAML (serve run / serve deploy / KubeRay)")

@@ -81,6 +81,36 @@ def _env_text(name: str, default: str) -> str:
     return raw
 
 
+STREAM_MAX_CHARS = 200  # a stream's base name (shard s reads `<name>:<s>`), wherever it is given
+
+
+def stream_problem(name: str) -> str | None:
+    """Why `name` cannot be the update streams' base name, or None."""
+    if not name.strip():
+        return "must not be empty"
+    return f"at most {STREAM_MAX_CHARS} characters, got {len(name)}" if len(name) > STREAM_MAX_CHARS else None
+
+
+def _env_stream(name: str, default: str) -> str:
+    raw = os.environ.get(name, default)
+    if problem := stream_problem(raw):
+        raise InvalidInput(f"{problem} (unset it for the default)", name)
+    return raw
+
+
+def _env_secret(name: str) -> str | None:
+    """A credential from the environment (None when unset or empty), its final line endings dropped (a Secret made
+    from a file ends in one); one that is blank or starts or ends in other whitespace is refused: an HTTP header
+    or URL would never carry it as set."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    value = raw.rstrip("\r\n")
+    if not value.strip() or value != value.strip():
+        raise InvalidInput("must not be blank, nor start or end with spaces or tabs (a header or URL drops them)", name)
+    return value
+
+
 def _env_device(name: str, default: str) -> str:
     """A torch device name; whether this machine has it is checked where a table is built."""
     import torch
@@ -138,11 +168,11 @@ def load_settings() -> Settings:
         # Serve config names a file of the machines it runs on
         device=_env_device("ANDROMEDA_DEVICE", "cpu"),
         index=index,
-        redis_url=os.environ.get("REDIS_URL") or None,
-        stream=_env_text("ANDROMEDA_STREAM", "andromeda:ad-events"),
+        redis_url=_env_secret("REDIS_URL"),
+        stream=_env_stream("ANDROMEDA_STREAM", "andromeda:ad-events"),
         shards=_env_int("ANDROMEDA_SHARDS", 1, 1, 1024),  # as ServiceConfig.shards: publish no count the service
         # cannot run
-        cache_dir=Path(os.environ.get("ANDROMEDA_CACHE", ".cache")),
-        movielens_dir=Path(os.environ.get("ANDROMEDA_MOVIELENS", Settings.movielens_dir)),
-        write_token=os.environ.get("ANDROMEDA_WRITE_TOKEN") or None,
+        cache_dir=Path(_env_text("ANDROMEDA_CACHE", ".cache")),  # "" would be the working folder
+        movielens_dir=Path(_env_text("ANDROMEDA_MOVIELENS", str(Settings.movielens_dir))),
+        write_token=_env_secret("ANDROMEDA_WRITE_TOKEN"),
     )

@@ -22,6 +22,7 @@ Nothing here logs a token, a hash or an Authorization header.
 from __future__ import annotations
 
 import base64
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -134,6 +135,10 @@ def add_token(path: str | Path, name: str, role: Role, advertiser_id: int | None
     """Add (or replace) `name` in the token file at `path` (created if missing), written atomically so a
     router never reads half a file; returns the new token."""
     path = Path(path)
+    if path.is_dir():  # refused before its lock file is made beside it
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if path.exists():
+        parse_token_file(path.read_text())  # likewise; read again under the lock
     with open(path.with_name(f".{path.name}.lock"), "a") as lock:  # two runs at once: one waits (else one's entry
         fcntl.flock(lock, fcntl.LOCK_EX)  # was lost: each read the file before the other wrote it)
         text = path.read_text() if path.exists() else '{"tokens": []}'

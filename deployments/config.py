@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from andromeda_core.config import STREAM_MAX_CHARS
 from andromeda_core.types import CO_ENGAGEMENT_MAX, COHORTS_MAX, HISTORY_MAX, K_MAX
 from index_updater.clients import unsupported_options
 
@@ -103,7 +104,7 @@ class RateLimit(BaseModel):
     `requests_per_s`. Past it: 429 with Retry-After."""
 
     model_config = STRICT
-    requests_per_s: float = Field(gt=0, le=1e6)
+    requests_per_s: float = Field(ge=1e-3, le=1e6)  # at least one request in 1,000 s: a Retry-After stays short
     burst: int = Field(ge=1, le=1 << 20)
     callers: int = Field(100_000, ge=1, le=10_000_000)
     """Buckets kept per router replica (least recently used dropped first: memory stays bounded)."""
@@ -199,7 +200,7 @@ class ServiceConfig(BaseModel):
     redis_url: str | None = Field(None, pattern=r"^(redis|rediss|unix)://\S+$", repr=False)
     """Redis holding the per-shard update streams; None: each replica reads REDIS_URL from its environment
     (keep credentials there, out of config files)."""
-    stream: str = Field("andromeda:ad-events", min_length=1, max_length=200)
+    stream: str = Field("andromeda:ad-events", max_length=STREAM_MAX_CHARS, pattern=r"\S")  # not blank
     """Base name of the update streams: shard s reads `<stream>:<s>`; dead letters `<stream>:dead-letters`."""
     shards: int = Field(1, ge=1, le=1024)
     """Index shards; an ad belongs to shard hash(ad_id) % shards."""

@@ -230,6 +230,9 @@ class LaneSlot:
         return await asyncio.wrap_future(future)
 
 
+RETRY_AFTER_MAX_S = 86_400  # a day: what a wait longer than that (or not finite) is sent as
+
+
 def retry_after(seconds: float) -> str:
-    """A Retry-After header value: whole seconds, at least 1."""
-    return str(max(1, math.ceil(seconds)))
+    """A Retry-After header value: whole seconds, at least 1 and at most RETRY_AFTER_MAX_S."""
+    return str(max(1, math.ceil(min(seconds, RETRY_AFTER_MAX_S))))

@@ -53,6 +53,11 @@ FILES = {
     "deep.yaml": "{a: " * 500 + "1" + "}" * 500 + "\n",
     "shardz.yaml": "shardz: 2\n",
     "nested_bad.yaml": "overload:\n  router_queue: 0\n",
+    "snapshots_config.yaml": "snapshot_dir: /srv/andromeda/snapshots\n",
+    "null_redis.yaml": "redis_url:\n",
+    "tiny_rate.yaml": "rate_limit:\n  requests_per_s: 1.0e-320\n  burst: 1\n",
+    "missing_tokens.yaml": "auth:\n  token_file: /nonexistent/tokens.json\n",
+    "blank_stream.yaml": "stream: ' '\n",
 }
 
 
@@ -183,15 +188,38 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("synth", "--ads", "5", "--users", "3", "--out", "{d}/a_file"), {}, ("argument --out", "not a directory")),
     (("synth", "--ads", "5", "--users", "3", "--workers", "0", "--out", "{d}/w"), {}, ("argument --workers",)),
     (("demo", "--out", "{d}/w", "--show", "-1"), {}, ("argument --show",)),
-    (("up", "--demo-ads", "0"), {}, ("argument --demo-ads", ">= 1")),
+    (("up", "--demo-ads", "0"), {}, ("argument --demo-ads", "in [1, 100000000]")),
     (("up", "--demo-ads", "-5"), {}, ("argument --demo-ads",)),
-    (("serve", "--demo-ads", "-5"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("argument --demo-ads", ">= 0")),
+    (("serve", "--demo-ads", "-5"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("argument --demo-ads", "in [0, 100000000]")),
     (("serve", "--port", "70000"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("argument --port", "in [1, 65535]")),
     (("serve-config", "--shards", "0"), {}, ("argument --shards", "in [1, 1024]")),
     (("up", "--replicas", "257"), {}, ("argument --replicas", "in [1, 256]")),
     (("serve", "--config", "{d}/redis_config.yaml"), {"REDIS_URL": ""},  # the file's redis_url, as REDIS_URL would be
      ("cannot reach Redis at redis://127.0.0.1:1/0",)),
     (("serve",), {"REDIS_URL": ""}, ("REDIS_URL is not set, nor redis_url in --config",)),
+    (("up", "--config", "{d}/redis_config.yaml"), {}, ("redis_config.yaml: redis_url", "andromeda serve")),
+    (("up", "--config", "{d}/snapshots_config.yaml"), {}, ("snapshots_config.yaml: snapshot_dir", "var/snapshots")),
+    (("serve", "--config", "{d}/null_redis.yaml"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
+     ("null_redis.yaml: redis_url", "null is not a value")),  # not "REDIS_URL is not set"
+    (("serve-config", "--config", "{d}/tiny_rate.yaml"), {}, ("tiny_rate.yaml: rate_limit.requests_per_s",)),
+    (("serve", "--config", "{d}/missing_tokens.yaml"), {"REDIS_URL": "redis://127.0.0.1:1/0"},  # before Ray starts
+     ("missing_tokens.yaml: auth.token_file", "No such file")),
+    (("--schema", "{d}/ok.json", "serve"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("ok.json.categories",)),
+    (("serve",), {"REDIS_URL": "redis://127.0.0.1:1/0", "ANDROMEDA_SCHEMA": "{d}/missing.yaml"},
+     ("ANDROMEDA_SCHEMA", "missing.yaml is not a file")),
+    (("serve-config", "--redis", "http://x"), {}, ("--redis", "pattern")),
+    (("serve-config",), {"ANDROMEDA_WRITE_TOKEN": "s3cret "}, ("ANDROMEDA_WRITE_TOKEN", "spaces")),
+    (("serve-config",), {"ANDROMEDA_WRITE_TOKEN": "\r\n"}, ("ANDROMEDA_WRITE_TOKEN", "blank")),
+    (("serve-config",), {"REDIS_URL": " redis://127.0.0.1:1/0"}, ("REDIS_URL", "spaces")),
+    (("serve-config",), {"ANDROMEDA_CACHE": ""}, ("ANDROMEDA_CACHE", "must not be empty")),
+    (("serve-config",), {"ANDROMEDA_STREAM": "s" * 201}, ("ANDROMEDA_STREAM", "at most 200 characters")),
+    (("serve-config", "--config", "{d}/blank_stream.yaml"), {}, ("blank_stream.yaml: stream",)),
+    (("publish", "{d}/events.jsonl", "--stream", "s" * 201), {}, ("argument --stream", "at most 200 characters")),
+    (("publish", "{d}/events.jsonl", "--redis", "redis://localhost:1", "--shards", "5000"), {},
+     ("argument --shards", "in [1, 1024]")),
+    (("publish", "{d}/events.jsonl", "--redis", ""), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("--redis", "no Redis")),
+    (("demo", "--out", "{d}/w", "--ads", str(10**12)), {}, ("argument --ads", "in [1, 100000000]")),
+    (("up", "--demo-ads", str(10**12)), {}, ("argument --demo-ads", "in [1, 100000000]")),
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "-1"), {}, ("argument --steps",)),
     (("train", "--data", "synthetic", "--model", "moe", "--steps", "0"), {}, ("argument --steps",)),
     (("train", "--data", "synthetic", "--model", "moe", "--teacher", "{d}/not_a_checkpoint.safetensors",
@@ -207,6 +235,29 @@ def test_bad_input_exits_2_with_one_line(d, capsys, monkeypatch, argv, env, word
         monkeypatch.setenv(name, value.format(d=d))
     result = andromeda(capsys, *(a.format(d=d) for a in argv))
     assert_refused(result, *(w.format(d=d) for w in words))
+
+
+def test_the_schema_flag_wins_over_the_config_files_schema(d, capsys, tmp_path):
+    config = tmp_path / "schema_config.yaml"
+    config.write_text(f"schema_path: {d / 'bad.yaml'}\n")
+    code, out, err = andromeda(capsys, "--schema", d / "ok.json", "serve-config", "--config", config)
+    assert code == 0 and f"schema_path: {d / 'ok.json'}" in out, err
+
+
+def test_serve_refuses_a_snapshot_folder_that_is_a_file_before_ray_starts(d, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    config = tmp_path / "snapshot_file.yaml"
+    config.write_text(f"snapshot_dir: {d / 'a_file'}\n")
+    assert_refused(andromeda(capsys, "serve", "--config", config), "snapshot_file.yaml: snapshot_dir", "is not a folder")
+
+
+def test_a_refused_token_file_leaves_no_lock_file_beside_it(d, capsys, tmp_path):
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    assert_refused(andromeda(capsys, "token", "--file", folder, "--name", "x", "--role", "admin"), "Is a directory")
+    (tmp_path / "list.json").write_text("[1]")
+    assert_refused(andromeda(capsys, "token", "--file", tmp_path / "list.json", "--name", "x", "--role", "admin"), "tokens")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["list.json", "tokens"]
 
 
 def test_a_huge_attribute_value_is_echoed_short(d, capsys):

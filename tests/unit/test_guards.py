@@ -90,6 +90,7 @@ def test_token_bucket_allows_a_burst_then_refills_and_stays_bounded():
     assert buckets.take("b", now=0.5) == 0 and buckets.take("c", now=0.5) == 0
     assert len(buckets._buckets) == 2  # "a", the least recently seen, was dropped
     assert retry_after(0.01) == "1" and retry_after(2.2) == "3"
+    assert retry_after(1e300) == retry_after(float("inf")) == "86400"  # a day at most, never a 300-digit header
 
 
 REFUSED, PROBE = Admission.REFUSED, Admission.PROBE

@@ -132,3 +132,21 @@ def test_redis_url_options_that_change_the_replies_are_refused_wherever_the_url_
         redis_client(url, 1.0)
     for fine in ("redis://r/0?protocol=2", "redis://r/0?decode_responses=false", "unix:///run/redis.sock?db=2"):
         assert ServiceConfig(redis_url=fine).redis_url == fine and redis_client(fine, 1.0) is not None
+
+
+def test_credentials_from_a_file_lose_their_final_line_ending(monkeypatch):
+    """A Kubernetes Secret made from a file ends in a line ending: dropped, where other outer whitespace is refused
+    (an HTTP header or URL could never carry it)."""
+    from andromeda_core.config import load_settings
+
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6379/0\n")
+    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", "s3cret\r\n")
+    settings = load_settings()
+    assert settings.redis_url == "redis://127.0.0.1:6379/0" and settings.write_token == "s3cret"
+    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", "")
+    assert load_settings().write_token is None  # empty: unset, writes refused
+
+
+def test_a_rate_too_small_for_a_retry_after_is_refused():
+    with pytest.raises(ValidationError, match="requests_per_s"):
+        ServiceConfig.model_validate({"rate_limit": {"requests_per_s": 1e-320, "burst": 1}})
