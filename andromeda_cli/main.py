@@ -152,8 +152,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     start = other_start(args.model, init)
     going_on = init is not None and init.kind == args.model == "moe"  # the steps distillation takes, taught or not
     out = args.out or checkpoint_path(args.data, args.model, distill, start, going_on)
-    if args.init is not None and out.resolve() == args.init.resolve():
-        raise InvalidInput(f"the new checkpoint would overwrite --init {args.init}: name another with --out", "--out")
+    for flag, path in (("--init", args.init), ("--teacher", args.teacher)):
+        if path is not None and out.resolve() == path.resolve():
+            raise InvalidInput(f"the new checkpoint would overwrite {flag} {path}: name another with --out", "--out")
     if args.data == "movielens" and args.world is not None:
         raise InvalidInput("--world is a synthetic world's folder; --data movielens reads ANDROMEDA_MOVIELENS", "--world")
     if args.data == "movielens" and args.click_weight is not None:  # before loading it (its texts embed for minutes)

@@ -200,8 +200,9 @@ def demo_identity(world: Path, model: str, schema: str) -> str:
 
 
 def stale_demo_state(config: ServiceConfig, identity: str) -> bool:
-    """Whether up's private Redis holds ads published for another demo world, model or schema than `identity` (or by
-    a version of up that recorded none): the shards would dead-letter them, or serve those of another world."""
+    """Whether up's Redis holds ads published for another demo world, model or schema than `identity` (or by a
+    version of up that recorded none, or by anyone else): the shards would dead-letter them, or serve those of
+    another world."""
     import redis
 
     client = redis.Redis.from_url(config.redis_url)
@@ -297,7 +298,7 @@ class RedisKeeper:
                                      f"restart; see {self.server.directory / 'redis.log'}")
             try:
                 self.server.restart()
-            except (RuntimeError, OSError) as exc:
+            except (AndromedaError, OSError) as exc:  # LocalRedis's: did not start
                 return self._give_up(f"{where} died ({how}) and did not start again: {exc}")
             restarted_at, self.restarts = time.monotonic(), self.restarts + 1
             print(f"{where} died ({how}); started it again on its data (AOF: nothing it acknowledged is lost)",
@@ -467,9 +468,9 @@ def cmd_up(args: argparse.Namespace) -> None:
     settings = load_settings()
     for field in ("redis_url", "snapshot_dir"):  # up empties both when they hold another demo's ads
         if field in read_config_file(args.config):
-            raise InvalidInput("`andromeda up` keeps its ads in REDIS_URL or a redis-server of its own and its "
-                               "snapshots in var/snapshots, and empties them when they hold another demo's; serve "
-                               "other ones with `andromeda serve`", f"{args.config}: {field}")
+            raise InvalidInput("`andromeda up` keeps its ads in REDIS_URL or a redis-server of its own (which it "
+                               "empties, with var/snapshots, when they hold another demo's); serve other ones with "
+                               "`andromeda serve`", f"{args.config}: {field}")
     check_port(service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0"))  # bad flags and a taken
     # port fail before any work, and before a second redis-server would open a running one's files
     world = demo_world(args.demo_ads)
@@ -489,17 +490,22 @@ def cmd_up(args: argparse.Namespace) -> None:
         check_reachable(config)
         schema, scorer = served_model(config)
         identity = demo_identity(world, scorer.name, schema_tag(schema))
-        if server is not None and stale_demo_state(config, identity):
-            clear_demo_state(redis.Redis.from_url(redis_url), Path(config.snapshot_dir))
-            print(f"cleared var/redis and {config.snapshot_dir}: their ads were published for another demo world, "
-                  "model or schema", file=sys.stderr)
+        if stale_demo_state(config, identity):
+            if server is not None:
+                clear_demo_state(redis.Redis.from_url(redis_url), Path(config.snapshot_dir))
+                print(f"cleared var/redis and {config.snapshot_dir}: their ads were published for another demo world, "
+                      "model or schema", file=sys.stderr)
+            else:  # a Redis of the user's: never emptied by up
+                print(f"warning: the streams at REDIS_URL hold ads that this demo (world, model, schema) did not "
+                      f"publish: up serves them as they are and publishes no demo ads (ads embedded by another model "
+                      f"or compiled under another schema are dead-lettered); for the demo's, empty the streams "
+                      f"{config.stream}:* or set ANDROMEDA_STREAM to a new name", file=sys.stderr)
         if refusal := other_shard_count(config, f"start over from no ads: delete var/redis and {config.snapshot_dir}"
                                         if server is not None else "republish them to empty streams"):
             raise InvalidInput(refusal, "--shards")
         if streams_empty(config):
             publish_demo(config, world, schema, scorer)
-            if server is not None:
-                redis.Redis.from_url(redis_url).set(DEMO_MARK, identity)
+            redis.Redis.from_url(redis_url).set(DEMO_MARK, identity)
         if keeper is not None and keeper.stopped.is_set():  # died for good (or shut down) while the demo was published
             raise keeper_error(keeper)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "

@@ -187,7 +187,7 @@ class Trim(BaseModel):
     model_config = STRICT
     every_s: float = Field(60.0, gt=0)
     """How often a replica considers trimming (after a snapshot at the latest)."""
-    keep_entries: int = Field(10000, ge=0)
+    keep_entries: int = Field(10000, ge=0, le=1 << 40)  # an XREVRANGE COUNT Redis takes
     """Newest entries of each shard stream that are never trimmed (MAXLEN as a floor, not a ceiling)."""
     replica_ttl_s: float = Field(60.0, gt=0)
     """A replica that has not reported its applied id for this long no longer holds trimming back (a

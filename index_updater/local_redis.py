@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
+from andromeda_core.errors import AndromedaError
+
 import redis
 
 
@@ -39,7 +41,7 @@ class LocalRedis:
         certificates asked), and `url` is a rediss:// URL that trusts `tls.ca`."""
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server), or set REDIS_URL")
+            raise AndromedaError("redis-server is not installed (apt-get install redis-server), or set REDIS_URL")
         self.directory, self.port, self.aof, self.binary = Path(directory), port or free_port(), aof, binary
         self.extra_args, self.username, self.password, self.tls = list(extra_args), username, password, tls
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,7 @@ class LocalRedis:
                     return self
                 except (redis.ConnectionError, redis.BusyLoadingError):
                     if time.monotonic() > deadline or self.process.poll() is not None:
-                        raise RuntimeError(f"redis-server did not start; see {self.directory / 'redis.log'}") from None
+                        raise AndromedaError(f"redis-server did not start; see {self.directory / 'redis.log'}") from None
                     time.sleep(0.05)
         except BaseException:  # not started (or interrupted): no server left behind, and the directory free
             self.kill()

@@ -21,7 +21,14 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements-cpu.tx
   echo ">> installing Python packages into .venv (first run: a few minutes)"
   .venv/bin/python -m pip install --upgrade --progress-bar on pip
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/python -m pip install --progress-bar on -r requirements-cpu.txt
+    # PyPI's Linux torch is the CUDA build (GBs of nvidia-* packages): take the CPU build from PyTorch's index where
+    # it answers (its 2.13.0+cpu ranks above PyPI's 2.13.0); else whatever pip's own index or wheel folder holds
+    TORCH_INDEX=https://download.pytorch.org/whl/cpu
+    if .venv/bin/python -c "import urllib.request; urllib.request.urlopen('$TORCH_INDEX/torch/', timeout=5)" 2>/dev/null; then
+      .venv/bin/python -m pip install --progress-bar on --extra-index-url "$TORCH_INDEX" -r requirements-cpu.txt
+    else
+      .venv/bin/python -m pip install --progress-bar on -r requirements-cpu.txt
+    fi
   fi
   .venv/bin/python -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,bench]'
   touch "$STAMP"

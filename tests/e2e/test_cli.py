@@ -86,6 +86,8 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
     for args, words in ((["--model", "sasrec", "--init", str(ranker)], "is a ranker model: a sasrec goes on only"),
                         (["--model", "moe", "--init", str(ranker)], "a moe goes on only from a moe or a sasrec"),
                         (["--model", "moe", "--init", str(base), "--out", str(base)], "would overwrite --init"),
+                        (["--model", "moe", "--init", str(base), "--teacher", str(ranker), "--out", str(ranker)],
+                         "would overwrite --teacher"),
                         (["--model", "moe", "--init", str(base), "--teacher", str(base), "--out", str(tmp_path / "y")],
                          "is a moe model: the teacher must be a ranker"),
                         (["--model", "moe", "--init", str(base), "--world", str(other), "--out", str(tmp_path / "x")],

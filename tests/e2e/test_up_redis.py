@@ -135,3 +135,27 @@ def test_a_redis_lost_for_good_while_publishing_stops_up_with_the_keepers_messag
     last = err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("error: redis-server at redis://127.0.0.1:"), err
     assert "died" in last and "`up` stopped" in last and "Traceback" not in err, err  # again, or during its restart
+
+
+def test_up_never_empties_a_redis_it_did_not_start_and_says_what_it_serves(up, monkeypatch, tmp_path):
+    """With REDIS_URL, streams holding ads another run published are served as they are, with a warning (until
+    2026-12-06 up said nothing, and the printed curl returned no ads)."""
+    server = LocalRedis(tmp_path / "theirs").start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.xadd("andromeda:ad-events:0", {"note": "not this demo's"})
+        monkeypatch.setenv("REDIS_URL", server.url)
+        code, err = up(lambda config, stop, stderr: None)
+        assert code == 0 and "hold ads that this demo" in err and "ANDROMEDA_STREAM" in err, err
+        assert client.xlen("andromeda:ad-events:0") == 1 and not (tmp_path / "var" / "redis").exists()
+    finally:
+        server.stop()
+
+
+def test_up_without_redis_server_says_so_in_one_line(up, monkeypatch, tmp_path):
+    with monkeypatch.context() as m:
+        m.setenv("PATH", str(tmp_path / "no-such-bin"))  # no redis-server to find
+        code, err = up(lambda config, stop, stderr: None)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("error: redis-server is not installed (apt-get install redis-server), "
+                                            "or set REDIS_URL")
