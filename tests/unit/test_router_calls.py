@@ -300,7 +300,7 @@ def test_a_shard_answers_a_query_of_another_identity_with_mismatch_and_the_rest_
     cls = ShardReplica.func_or_class
     replica = cls.__new__(cls)  # what ShardReplica.__init__ sets (no Ray, no stream)
     replica.retriever, replica.expired = Retriever(index, scorer), 0
-    replica.consumer = SimpleNamespace(stats=ConsumerStats(), clock_s=lambda: 100)
+    replica.consumer = SimpleNamespace(stats=ConsumerStats(), clock_s=lambda: 100, stop=lambda: None)
     replica.identity = serving_identity(scorer.name, small_schema)
     request = parse_request({"user": {"user_id": 1}, "context": {"ts": 100}, "k": 2})
     users = scorer.encode_users([request], index.embeddings_of, [100])
