@@ -23,7 +23,7 @@ from andromeda_cli.k8s import add_commands as add_k8s_commands
 from andromeda_cli.request_file import read_requests
 from andromeda_cli.service import add_commands as add_service_commands, cli_command
 
-from andromeda_core.config import Settings, load_settings, redact, tls_hint
+from andromeda_core.config import Settings, load_settings, redact, stream_problem, tls_hint
 from andromeda_core.errors import AndromedaError, InvalidInput
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import load_events, read_events
@@ -197,7 +197,10 @@ def cmd_publish(args: argparse.Namespace) -> None:
     settings = load_settings()
     url, option = (args.redis, "--redis") if args.redis is not None else (settings.redis_url, "REDIS_URL")
     if not url:
-        raise InvalidInput("no Redis to publish to: pass --redis or set REDIS_URL", "--redis")
+        raise InvalidInput("is empty" if args.redis is not None else "no Redis to publish to: pass --redis or set "
+                           "REDIS_URL", "--redis")
+    if args.stream is None and (problem := stream_problem(settings.stream)):  # the service would refuse it
+        raise InvalidInput(problem, "ANDROMEDA_STREAM")
     if why := unsupported_options(url):
         raise InvalidInput(why, option)
     try:

@@ -31,7 +31,7 @@ REDIS_CHECK_S = 1.0  # how often `up` checks that the redis-server it started ru
 CRASH_LOOP_S = 30.0  # a redis-server that dies again this soon after `up` restarted it is not restarted again
 DEMO_USERS = 1000
 DEMO_TRAIN_STEPS = 150
-DEMO_MARK = "andromeda:demo"  # in up's private Redis: the demo_identity its streams were published for
+DEMO_MARK = "andromeda:demo"  # and ":<stream>": in up's Redis, the demo_identity those streams were published for
 
 
 def read_config_file(path: Path | None) -> dict:
@@ -41,9 +41,6 @@ def read_config_file(path: Path | None) -> dict:
     base = read_yaml(path)
     if not isinstance(base, dict):
         raise InvalidInput(f"expected a mapping of ServiceConfig fields, got {type(base).__name__}", f"--config {path}")
-    for field, value in base.items():
-        if value is None:  # would hide an environment variable's value (REDIS_URL) behind "not set"
-            raise InvalidInput("null is not a value: leave the field out for its default", f"{path}: {field}")
     return base
 
 
@@ -65,11 +62,15 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
     flags = {"host": args.host, "port": args.port, "shards": args.shards, "replicas": args.replicas,
              "model": str(args.model) if args.model else None, "storage": args.storage}  # each field's flag: --<field>
     sources = {**ENV_SOURCES, "redis_url": redis_source, "schema_path": schema_source}
-    for field in ("redis_url", "schema_path"):
-        if sources[field].startswith("--"):  # a flag: above the config file
-            flags[field] = env.pop(field)
+    if redis_source == "--redis":  # flags: above the config file
+        flags["redis_url"] = env.pop("redis_url")
+    if schema_source == "--schema":
+        flags["schema_path"], _ = str(args.schema), env.pop("schema_path")
     given = {k: v for k, v in flags.items() if v is not None}
     from_file = read_config_file(args.config)
+    for field in env:
+        if field in from_file and from_file[field] is None:  # would hide the environment's value behind "not set"
+            raise InvalidInput("null is not a value: leave the field out for its default", f"{args.config}: {field}")
 
     def source(field: str, path: str = "") -> str:
         """Where the field's value came from, as an error names it: its flag, else the config file and the field's
@@ -206,7 +207,12 @@ def stale_demo_state(config: ServiceConfig, identity: str) -> bool:
     import redis
 
     client = redis.Redis.from_url(config.redis_url)
-    return not streams_empty(config) and client.get(DEMO_MARK) != identity.encode()
+    return not streams_empty(config) and client.get(demo_mark(config)) != identity.encode()
+
+
+def demo_mark(config: ServiceConfig) -> str:
+    """The key that records which demo `up` published to config.stream's streams (demo_identity)."""
+    return f"{DEMO_MARK}:{config.stream}"
 
 
 def demo_world(ads: int) -> Path:
@@ -466,8 +472,9 @@ def cmd_up(args: argparse.Namespace) -> None:
     from index_updater.records import schema_tag
 
     settings = load_settings()
-    for field in ("redis_url", "snapshot_dir"):  # up empties both when they hold another demo's ads
-        if field in read_config_file(args.config):
+    from_file = read_config_file(args.config)
+    for field in ("redis_url", "snapshot_dir") if not settings.redis_url else ():  # up empties its own redis-server
+        if field in from_file:  # and snapshot_dir when they hold another demo's ads
             raise InvalidInput("`andromeda up` keeps its ads in REDIS_URL or a redis-server of its own (which it "
                                "empties, with var/snapshots, when they hold another demo's); serve other ones with "
                                "`andromeda serve`", f"{args.config}: {field}")
@@ -505,7 +512,7 @@ def cmd_up(args: argparse.Namespace) -> None:
             raise InvalidInput(refusal, "--shards")
         if streams_empty(config):
             publish_demo(config, world, schema, scorer)
-            redis.Redis.from_url(redis_url).set(DEMO_MARK, identity)
+            redis.Redis.from_url(config.redis_url).set(demo_mark(config), identity)
         if keeper is not None and keeper.stopped.is_set():  # died for good (or shut down) while the demo was published
             raise keeper_error(keeper)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "

@@ -91,24 +91,10 @@ def stream_problem(name: str) -> str | None:
     return f"at most {STREAM_MAX_CHARS} characters, got {len(name)}" if len(name) > STREAM_MAX_CHARS else None
 
 
-def _env_stream(name: str, default: str) -> str:
-    raw = os.environ.get(name, default)
-    if problem := stream_problem(raw):
-        raise InvalidInput(f"{problem} (unset it for the default)", name)
-    return raw
-
-
 def _env_secret(name: str) -> str | None:
-    """A credential from the environment (None when unset or empty), its final line endings dropped (a Secret made
-    from a file ends in one); one that is blank or starts or ends in other whitespace is refused: an HTTP header
-    or URL would never carry it as set."""
-    raw = os.environ.get(name)
-    if not raw:
-        return None
-    value = raw.rstrip("\r\n")
-    if not value.strip() or value != value.strip():
-        raise InvalidInput("must not be blank, nor start or end with spaces or tabs (a header or URL drops them)", name)
-    return value
+    """A credential from the environment without outer whitespace (a Secret made from a file ends in a line ending,
+    and no HTTP header or URL carries any); None when unset or blank."""
+    return os.environ.get(name, "").strip() or None
 
 
 def _env_device(name: str, default: str) -> str:
@@ -169,10 +155,10 @@ def load_settings() -> Settings:
         device=_env_device("ANDROMEDA_DEVICE", "cpu"),
         index=index,
         redis_url=_env_secret("REDIS_URL"),
-        stream=_env_stream("ANDROMEDA_STREAM", "andromeda:ad-events"),
+        stream=_env_text("ANDROMEDA_STREAM", "andromeda:ad-events"),
         shards=_env_int("ANDROMEDA_SHARDS", 1, 1, 1024),  # as ServiceConfig.shards: publish no count the service
         # cannot run
-        cache_dir=Path(_env_text("ANDROMEDA_CACHE", ".cache")),  # "" would be the working folder
-        movielens_dir=Path(_env_text("ANDROMEDA_MOVIELENS", str(Settings.movielens_dir))),
+        cache_dir=Path(os.environ.get("ANDROMEDA_CACHE") or ".cache"),  # empty: the default, not the working folder
+        movielens_dir=Path(os.environ.get("ANDROMEDA_MOVIELENS") or Settings.movielens_dir),
         write_token=_env_secret("ANDROMEDA_WRITE_TOKEN"),
     )

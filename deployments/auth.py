@@ -161,7 +161,6 @@ class TokenStore:
     changes). Thread-safe."""
 
     def __init__(self, admin_token: str | None, token_file: str | None, reload_s: float = 2.0):
-        admin_token = (admin_token or "").rstrip("\r\n")  # a Secret made from a file ends in a line ending
         self.admin_digest = hashlib.sha256(admin_token.encode("utf-8", "surrogatepass")).digest() if admin_token else None
         self.path = Path(token_file) if token_file else None
         self.reload_s = reload_s

@@ -7,7 +7,7 @@ import os
 
 import redis
 
-from andromeda_cli.service import (DEMO_MARK, clear_demo_state, demo_identity, other_shard_count, published_for_other_shards,
+from andromeda_cli.service import (clear_demo_state, demo_identity, demo_mark, other_shard_count, published_for_other_shards,
                                    stale_demo_state)
 from andromeda_core.sharding import shard_of
 from deployments.config import ServiceConfig
@@ -25,14 +25,17 @@ def test_ads_published_for_another_demo_world_model_or_schema_are_stale(redis_se
     assert not stale_demo_state(config, published)  # empty streams: nothing stale
     Publisher(client, small_schema, scorer, shards=2, stream="up-demo").publish([parse_event(upsert(i)) for i in (1, 2, 3)])
     assert stale_demo_state(config, published)  # ads, but no record of what published them (an older up)
-    client.set(DEMO_MARK, published)
+    client.set(demo_mark(config), published)
     assert not stale_demo_state(config, published)
+    assert stale_demo_state(config.model_copy(update={"stream": "up-demo-b"}), published) is False  # empty
+    Publisher(client, small_schema, scorer, shards=2, stream="up-demo-b").publish([parse_event(upsert(4))])
+    assert stale_demo_state(config.model_copy(update={"stream": "up-demo-b"}), published)  # a mark per stream name
     assert stale_demo_state(config, demo_identity(tmp_path / "demo-200", model, schema))  # --demo-ads 200
     # retrained, or --model naming another checkpoint
     assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", "moe-v7-ba9876543210", schema))
     edited = "andromeda-default:1:fedcba9876543210"  # the schema's vocabularies edited under the same version
     assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", model, edited))
-    client.delete(DEMO_MARK)
+    client.delete(demo_mark(config))
 
 
 def test_a_replaced_demo_model_clears_redis_and_the_shards_snapshots(redis_server, tmp_path):

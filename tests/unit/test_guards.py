@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from andromeda_core.config import install_log_redaction, redact
+from andromeda_core.config import install_log_redaction, load_settings, redact
 from andromeda_core.errors import AndromedaError, InvalidInput, RateLimited
 from andromeda_core.types import parse_request
 from deployments.auth import ENV_ADMIN, TokenFileError, TokenStore, add_token, new_token, parse_token_file
@@ -374,10 +374,11 @@ def test_refused_writes_are_held_to_the_callers_rate_and_admin_has_a_bucket_of_i
     assert write_attempt(store, buckets, "the-admin-token") is ENV_ADMIN  # its own bucket, still full
 
 
-def test_the_admin_token_may_end_in_a_line_ending_and_token_runs_at_once_keep_every_entry(tmp_path):
+def test_the_admin_token_may_end_in_a_line_ending_and_token_runs_at_once_keep_every_entry(tmp_path, monkeypatch):
     """A Secret made from a file ends in a newline, which no Authorization header carries: ANDROMEDA_WRITE_TOKEN never
     matched. Two `andromeda token` runs at once each read the file before the other wrote it: one entry was lost."""
-    assert TokenStore("the-admin-token\n", None).verify("the-admin-token") is ENV_ADMIN
+    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", "the-admin-token\n")
+    assert TokenStore(load_settings().write_token, None).verify("the-admin-token") is ENV_ADMIN  # as the router reads it
     path = tmp_path / "tokens.json"
     names = [f"adv-{i}" for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:

@@ -134,17 +134,22 @@ def test_redis_url_options_that_change_the_replies_are_refused_wherever_the_url_
         assert ServiceConfig(redis_url=fine).redis_url == fine and redis_client(fine, 1.0) is not None
 
 
-def test_credentials_from_a_file_lose_their_final_line_ending(monkeypatch):
-    """A Kubernetes Secret made from a file ends in a line ending: dropped, where other outer whitespace is refused
-    (an HTTP header or URL could never carry it)."""
+def test_credentials_lose_outer_whitespace_and_empty_paths_mean_the_default(monkeypatch):
+    """A Kubernetes Secret made from a file ends in a line ending, and no HTTP header or URL carries outer whitespace:
+    dropped (never refused: routers and shards read these at start). An empty ANDROMEDA_CACHE meant the working
+    folder, whose models/ the quality run's stale-checkpoint cleanup deletes from."""
+    from pathlib import Path
+
     from andromeda_core.config import load_settings
 
-    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6379/0\n")
-    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", "s3cret\r\n")
+    monkeypatch.setenv("REDIS_URL", " redis://127.0.0.1:6379/0\n")
+    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", "s3cret \r\n")
+    monkeypatch.setenv("ANDROMEDA_CACHE", "")
     settings = load_settings()
     assert settings.redis_url == "redis://127.0.0.1:6379/0" and settings.write_token == "s3cret"
-    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", "")
-    assert load_settings().write_token is None  # empty: unset, writes refused
+    assert settings.cache_dir == Path(".cache")
+    monkeypatch.setenv("ANDROMEDA_WRITE_TOKEN", " \n")
+    assert load_settings().write_token is None  # blank: unset, writes refused
 
 
 def test_a_rate_too_small_for_a_retry_after_is_refused():
