@@ -399,9 +399,11 @@ def run_service(config: ServiceConfig, world: Path | None, token_note: str,
                 signal.signal(sig, lambda *_: stop.set())
             stop.wait()
     finally:
-        print("stopping ...", file=sys.stderr)
+        print("stopping ... (Ray may log that its Serve controller's shutdown task failed: it was stopped)",
+              file=sys.stderr)
         serve.shutdown()
         ray.shutdown()
+        print("stopped Ray Serve", file=sys.stderr)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
