@@ -49,7 +49,7 @@ class Ad(_Strict):
         if 0 < bid < FLOAT32_TINY:
             raise PydanticCustomError("bid_too_small", "must be 0 or at least {tiny} (bids are stored as float32)",
                                       {"tiny": FLOAT32_TINY})
-        return bid
+        return bid + 0.0  # -0.0 as 0.0: one stored form for a zero bid
 
     @field_validator("end_time")
     @classmethod

@@ -235,6 +235,8 @@ class Guard:
                 raise Overloaded(f"this router has {self.inflight} requests in flight (overload.router_inflight = "
                                  f"{g.inflight}); retry after Retry-After", "request", g.retry_after_s)
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+            if sum(k.lower() == TIMEOUT_HEADER.lower().encode() for k, _ in scope.get("headers", ())) > 1:
+                raise InvalidInput("sent more than once: send it once", TIMEOUT_HEADER)  # which would count?
             budget_s = self.budget_s(g, headers.get(TIMEOUT_HEADER.lower()))
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > g.body_bytes):
@@ -280,10 +282,7 @@ class Guard:
     def budget_s(g: GuardSettings, header: str | None) -> float:
         if header is None:
             return g.request_timeout_s
-        try:
-            ms = int(header)
-        except ValueError:
-            ms = 0
+        ms = int(header) if header.isascii() and header.isdigit() else 0  # digits only: not "+100", " 100", "1_000"
         if not 1 <= ms <= g.max_request_timeout_s * 1000:
             raise InvalidInput(f"must be an integer number of milliseconds in [1, {int(g.max_request_timeout_s * 1000)}] "
                           f"(overload.max_request_timeout_s)", TIMEOUT_HEADER)

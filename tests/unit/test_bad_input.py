@@ -145,3 +145,9 @@ def test_bad_schema_names_the_field(mutate, field):
     with pytest.raises(InvalidInput) as err:
         schema_from_dict(raw)
     assert err.value.field == field
+
+
+def test_a_bid_of_minus_zero_is_stored_as_zero():
+    """ge=0 lets -0.0 through: the one bid whose stored form was not '0 or positive'."""
+    bid = parse_event({"op": "upsert", "ad": {**make_ad(1), "bid": -0.0}}).ad.bid
+    assert bid == 0.0 and str(bid) == "0.0"

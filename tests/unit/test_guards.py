@@ -323,6 +323,19 @@ def test_a_body_parsers_could_read_differently_is_refused_naming_why(strict_app,
     assert message in got.json()["error"]["message"]
 
 
+def test_the_timeout_header_is_plain_digits_sent_once(strict_app):
+    """int() read "+100", " 100" and "1_000" (1000 ms); of two headers the last won, a bad first one unseen."""
+    def post(headers):
+        return strict_app.post("/v1/echo", content=b'{"k": 1}', headers=[("Content-Type", "application/json"), *headers])
+
+    assert post([("X-Request-Timeout-Ms", "5000")]).status_code == 200
+    for value in ("+100", " 100", "1_000", "1e3"):
+        got = post([("X-Request-Timeout-Ms", value)])
+        assert got.status_code == 422 and got.json()["error"]["field"] == "X-Request-Timeout-Ms", (value, got.text)
+    twice = post([("X-Request-Timeout-Ms", "0"), ("X-Request-Timeout-Ms", "5000")])
+    assert twice.status_code == 422 and "more than once" in twice.json()["error"]["message"], twice.text
+
+
 def test_a_body_sent_with_a_content_encoding_is_refused_whatever_its_bytes(strict_app):
     for encoding in ("gzip", "deflate", "identity, br"):
         got = strict_app.post("/v1/echo", content=b'{"k": 1}',
