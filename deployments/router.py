@@ -314,7 +314,8 @@ class Router:
 
     async def call(self, shard: int, method: str, *args: Any, attempts: int = 2, timeout_s: float | None = None,
                    share: float = ANSWER_SHARE) -> Any:
-        """Call a shard with a deadline; a call that times out or whose replica died is made again
+        """Call a shard with a deadline (shard_timeout_s, times the request's deadline over the default one where
+        that is longer); a call that times out or whose replica died is made again
         (attempts in all), then ShardUnavailable names the shard. The tries share `share` of what the request's
         deadline leaves as the call begins (by default all but a tenth kept for the answer), so that the last one gives
         up in time for a 503 or a partial answer (the default 2 x shard_timeout_s is the whole default deadline). An
@@ -323,9 +324,12 @@ class Router:
         error: BaseException | None = None
         left = remaining_s()
         budget_end = None if left is None else time.monotonic() + share * left  # all tries within it
+        # a caller's deadline past the default stretches every try alike: a large batch may take longer than
+        # shard_timeout_s, and a retry would pile a second pass onto the first (cancelling does not stop a pass)
+        stretch = 1.0 if left is None else max(1.0, left / self.config.overload.request_timeout_s)
         for attempt in range(attempts):
             remaining_s()  # DeadlineExceeded rather than another try once the request's deadline passed
-            timeout = timeout_s or self.config.shard_timeout_s
+            timeout = timeout_s or self.config.shard_timeout_s * stretch
             if budget_end is not None:
                 timeout = min(timeout, max(0.0, budget_end - time.monotonic()) / (attempts - attempt))
             response = getattr(self.shards[shard], method).remote(*args)

@@ -26,8 +26,10 @@ from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_request
 from deployments.api import DEADLINE
 from deployments.metrics import ServiceMetrics
-from deployments.config import Limits
+from deployments.config import Limits, Overload
 from index_updater.consumer import ConsumerStats
+
+DEFAULTS = Overload()  # request_timeout_s 10 s
 from tests.conftest import apply_events, upsert
 from deployments.router import Missing, Router, ShardMismatch, ShardUnavailable
 from deployments.shard import HistoryVectors, Mismatch, ShardAnswer, ShardQuery, ShardReplica, serving_identity
@@ -64,7 +66,7 @@ class Shard:
 
 def call(error: BaseException) -> tuple[Shard, BaseException]:
     shard = Shard(error)
-    router = SimpleNamespace(shards=[shard], config=SimpleNamespace(shard_timeout_s=5.0))
+    router = SimpleNamespace(shards=[shard], config=SimpleNamespace(shard_timeout_s=5.0, overload=DEFAULTS))
     with pytest.raises(Exception) as raised:
         asyncio.run(Router.func_or_class.call(router, 0, "search", "query", attempts=2))
     return shard, raised.value
@@ -101,7 +103,7 @@ def test_the_tries_give_up_in_time_for_a_503_or_a_partial_answer():
     10 s), and the request would be a 504: the tries share what the deadline leaves, so the shard is named unavailable
     (or, with allow_partial, left out) with time to answer."""
     shard = Silent()
-    router = SimpleNamespace(shards=[shard], config=SimpleNamespace(shard_timeout_s=0.5))
+    router = SimpleNamespace(shards=[shard], config=SimpleNamespace(shard_timeout_s=0.5, overload=DEFAULTS))
     router.call = lambda *args, **kwargs: Router.func_or_class.call(router, *args, **kwargs)
 
     async def ask(allow_partial: bool):
@@ -116,6 +118,43 @@ def test_the_tries_give_up_in_time_for_a_503_or_a_partial_answer():
     assert isinstance(unavailable, ShardUnavailable) and 0.85 <= took < 0.97, took  # ANSWER_SHARE of the deadline
     assert isinstance(left_out, Missing) and type(left_out.error) is ShardUnavailable
     assert shard.calls == 4  # two tries each
+
+
+class Slow:
+    """A shard handle whose calls answer after `seconds` (a large batch's pass); counts the calls."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.calls = seconds, 0
+
+    @property
+    def search(self):
+        return SimpleNamespace(remote=self.remote)
+
+    def remote(self, *args):
+        self.calls += 1
+        return asyncio.ensure_future(asyncio.sleep(self.seconds, result="answer"))
+
+
+def test_a_longer_deadline_than_the_default_stretches_each_try():
+    """A 256 x 10,000 batch takes longer than shard_timeout_s: its caller's 60 s deadline bought two tries of 5 s
+    each, the second piling another pass onto the first, and a 503 half the time. A try now lasts shard_timeout_s
+    times the request's deadline over the default one; with the default deadline it is as before."""
+    def ask(deadline_s: float):
+        shard = Slow(0.3)
+        router = SimpleNamespace(shards=[shard], config=SimpleNamespace(
+            shard_timeout_s=0.2, overload=SimpleNamespace(request_timeout_s=1.0)))
+
+        async def run():
+            DEADLINE.set(time.time() + deadline_s)
+            try:
+                return await Router.func_or_class.call(router, 0, "search", "query")
+            except ShardUnavailable as exc:
+                return exc
+        return asyncio.run(run()), shard.calls
+
+    assert ask(3.0) == ("answer", 1)  # tries of 0.2 x 3 = 0.6 s
+    unavailable, calls = ask(1.0)  # the default deadline: tries of 0.2 s, as before
+    assert isinstance(unavailable, ShardUnavailable) and calls == 2
 
 
 def test_the_shards_own_error_passes_through_once():
@@ -180,7 +219,7 @@ def test_allow_partial_leaves_out_a_shard_that_does_not_answer_or_is_full(error)
 
 def test_allow_partial_does_not_hide_a_shards_own_error():
     router = SimpleNamespace(shards=[Shard(NotFound("ad 7 is not indexed", "ad_id"))],
-                             config=SimpleNamespace(shard_timeout_s=5.0))
+                             config=SimpleNamespace(shard_timeout_s=5.0, overload=DEFAULTS))
     router.call = lambda *args, **kwargs: Router.func_or_class.call(router, *args, **kwargs)
     with pytest.raises(NotFound):
         asyncio.run(Router.func_or_class.ask(router, 0, True, "search", "query"))
@@ -231,7 +270,7 @@ def test_a_dead_shard_owning_history_ads_leaves_the_search_time_for_a_partial_an
     dead.vectors = dead.search  # never answers either call
     scorer = HashedTwoTower(dim=16, buckets=64)
     router = SimpleNamespace(shards=[healthy, dead], scorer=scorer, schema=load_schema(), metrics=ServiceMetrics(),
-                             config=SimpleNamespace(shard_timeout_s=5.0, max_batch_size=16, limits=Limits()),
+                             config=SimpleNamespace(shard_timeout_s=5.0, max_batch_size=16, limits=Limits(), overload=DEFAULTS),
                              identity="model m, schema s")
     for name in ("compiled", "history_lookup", "ask", "call", "merge", "answered"):
         setattr(router, name, functools.partial(getattr(Router.func_or_class, name), router))
@@ -265,7 +304,7 @@ def test_a_shard_of_another_model_or_schema_is_refused_not_read():
     """Router and shards embed and compile under their own model and schema: a shard serving others (a rollout half
     done) answered as if they were the router's, and its scores or matches were wrong without a word. Its Mismatch
     answer is a 503 naming both, and allow_partial leaves the shard out."""
-    router = SimpleNamespace(shards=[Serving(Mismatch("model b, schema s"))], config=SimpleNamespace(shard_timeout_s=5.0),
+    router = SimpleNamespace(shards=[Serving(Mismatch("model b, schema s"))], config=SimpleNamespace(shard_timeout_s=5.0, overload=DEFAULTS),
                              identity="model a, schema s")
     router.call = functools.partial(Router.func_or_class.call, router)
     with pytest.raises(ShardMismatch, match="shard 0 serves model b, schema s; this router serves model a") as raised:
