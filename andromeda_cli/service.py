@@ -64,8 +64,9 @@ def service_config(args: argparse.Namespace, redis_url: str | None, check_files:
     sources = {**ENV_SOURCES, "redis_url": redis_source, "schema_path": schema_source}
     if redis_source == "--redis":  # flags: above the config file
         flags["redis_url"] = env.pop("redis_url")
-    if schema_source == "--schema":
-        flags["schema_path"], _ = str(args.schema), env.pop("schema_path")
+    if schema_source == "--schema":  # str(args.schema) even for the shipped schema, which env leaves out
+        env.pop("schema_path")
+        flags["schema_path"] = str(args.schema)
     given = {k: v for k, v in flags.items() if v is not None}
     from_file = read_config_file(args.config)
     for field in env:

@@ -234,9 +234,10 @@ class Guard:
             if self.inflight >= g.inflight:
                 raise Overloaded(f"this router has {self.inflight} requests in flight (overload.router_inflight = "
                                  f"{g.inflight}); retry after Retry-After", "request", g.retry_after_s)
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
-            if sum(k.lower() == TIMEOUT_HEADER.lower().encode() for k, _ in scope.get("headers", ())) > 1:
-                raise InvalidInput("sent more than once: send it once", TIMEOUT_HEADER)  # which would count?
+            pairs = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ())]
+            headers, timeouts = dict(pairs), [v for k, v in pairs if k == TIMEOUT_HEADER.lower()]
+            if len(timeouts) > 1:  # which would count?
+                raise InvalidInput("sent more than once: send it once", TIMEOUT_HEADER)
             budget_s = self.budget_s(g, headers.get(TIMEOUT_HEADER.lower()))
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > g.body_bytes):

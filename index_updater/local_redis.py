@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from andromeda_core.errors import AndromedaError
-
 import redis
+
+from andromeda_core.errors import AndromedaError
 
 
 def free_port() -> int:

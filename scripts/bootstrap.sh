@@ -24,11 +24,11 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements-cpu.tx
     # PyPI's Linux torch is the CUDA build (GBs of nvidia-* packages): take the CPU build from PyTorch's index where
     # it answers (its 2.13.0+cpu ranks above PyPI's 2.13.0); else whatever pip's own index or wheel folder holds
     TORCH_INDEX=https://download.pytorch.org/whl/cpu
+    INDEX=()
     if .venv/bin/python -c "import urllib.request; urllib.request.urlopen('$TORCH_INDEX/torch/', timeout=5)" 2>/dev/null; then
-      .venv/bin/python -m pip install --progress-bar on --extra-index-url "$TORCH_INDEX" -r requirements-cpu.txt
-    else
-      .venv/bin/python -m pip install --progress-bar on -r requirements-cpu.txt
+      INDEX=(--extra-index-url "$TORCH_INDEX")
     fi
+    .venv/bin/python -m pip install --progress-bar on "${INDEX[@]}" -r requirements-cpu.txt
   fi
   .venv/bin/python -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,bench]'
   touch "$STAMP"

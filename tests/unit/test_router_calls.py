@@ -28,11 +28,11 @@ from deployments.api import DEADLINE
 from deployments.metrics import ServiceMetrics
 from deployments.config import Limits, Overload
 from index_updater.consumer import ConsumerStats
-
-DEFAULTS = Overload()  # request_timeout_s 10 s
 from tests.conftest import apply_events, upsert
 from deployments.router import Missing, Router, ShardMismatch, ShardUnavailable
 from deployments.shard import HistoryVectors, Mismatch, ShardAnswer, ShardQuery, ShardReplica, serving_identity
+
+DEFAULTS = Overload()  # request_timeout_s 10 s
 
 
 class Reply:
@@ -49,15 +49,19 @@ class Reply:
         self.cancelled = True
 
 
-class Shard:
-    """A shard handle whose every call fails with `error`; counts the calls."""
-
-    def __init__(self, error: BaseException):
-        self.error, self.replies = error, []
+class Handle:
+    """A shard handle: handle.search.remote(...) is its remote(...)."""
 
     @property
     def search(self):
         return SimpleNamespace(remote=self.remote)
+
+
+class Shard(Handle):
+    """A shard handle whose every call fails with `error`; counts the calls."""
+
+    def __init__(self, error: BaseException):
+        self.error, self.replies = error, []
 
     def remote(self, *args) -> Reply:
         self.replies.append(Reply(self.error))
@@ -83,15 +87,11 @@ def test_no_answer_or_a_dead_replica_is_asked_again_then_named_unavailable(error
     assert isinstance(raised, ShardUnavailable) and raised.field == "shard 0" and type(error).__name__ in raised.message
 
 
-class Silent:
+class Silent(Handle):
     """A shard handle whose calls never answer (a shard with no live replica); counts the calls."""
 
     def __init__(self):
         self.calls = 0
-
-    @property
-    def search(self):
-        return SimpleNamespace(remote=self.remote)
 
     def remote(self, *args):
         self.calls += 1
@@ -120,15 +120,11 @@ def test_the_tries_give_up_in_time_for_a_503_or_a_partial_answer():
     assert shard.calls == 4  # two tries each
 
 
-class Slow:
+class Slow(Handle):
     """A shard handle whose calls answer after `seconds` (a large batch's pass); counts the calls."""
 
     def __init__(self, seconds: float):
         self.seconds, self.calls = seconds, 0
-
-    @property
-    def search(self):
-        return SimpleNamespace(remote=self.remote)
 
     def remote(self, *args):
         self.calls += 1
