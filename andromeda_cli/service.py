@@ -239,16 +239,20 @@ def served_model(config: ServiceConfig) -> tuple[Schema, object]:
 
 
 def publish_demo(config: ServiceConfig, world: Path, schema: Schema, scorer) -> None:
-    """The demo world's ad events, compiled under `schema` and embedded by `scorer` (the config's), to its streams."""
+    """The demo world's ad events, compiled under `schema` and embedded by `scorer` (the config's), to its streams, and
+    the record of what published them (demo_mark), which `up` reads (until 2026-12-07 `serve --demo-ads` wrote none,
+    and every later `up` warned of, or cleared, the same demo's ads)."""
     import redis
 
     from index_updater.publisher import Publisher
+    from index_updater.records import schema_tag
 
-    publisher = Publisher(redis.Redis.from_url(config.redis_url), schema, scorer, shards=config.shards,
-                          stream=config.stream)
+    client = redis.Redis.from_url(config.redis_url)
+    publisher = Publisher(client, schema, scorer, shards=config.shards, stream=config.stream)
     events = world / "events.jsonl"
     with tqdm(total=sum(1 for _ in events.open("rb")), unit="event", desc="publish demo ads", file=sys.stderr) as bar:
         publisher.publish_file(events, on_batch=bar.update)
+    client.set(demo_mark(config), demo_identity(world, scorer.name, schema_tag(schema)))
 
 
 class RedisKeeper:
@@ -515,7 +519,6 @@ def cmd_up(args: argparse.Namespace) -> None:
             raise InvalidInput(refusal, "--shards")
         if streams_empty(config):
             publish_demo(config, world, schema, scorer)
-            redis.Redis.from_url(config.redis_url).set(demo_mark(config), identity)
         if keeper is not None and keeper.stopped.is_set():  # died for good (or shut down) while the demo was published
             raise keeper_error(keeper)
         run_service(config, world, f"write token (for POST /v1/ad-events; a new one each run unless ANDROMEDA_WRITE_TOKEN "

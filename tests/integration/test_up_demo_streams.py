@@ -3,16 +3,17 @@
 another shard, and serve without them)."""
 from __future__ import annotations
 
+import json
 import os
 
 import redis
 
-from andromeda_cli.service import (clear_demo_state, demo_identity, demo_mark, other_shard_count, published_for_other_shards,
-                                   stale_demo_state)
+from andromeda_cli.service import (clear_demo_state, demo_identity, demo_mark, other_shard_count, publish_demo,
+                                   published_for_other_shards, stale_demo_state)
 from andromeda_core.sharding import shard_of
 from deployments.config import ServiceConfig
 from index_updater.publisher import Publisher
-from index_updater.records import shard_stream
+from index_updater.records import schema_tag, shard_stream
 from tests.conftest import upsert
 from andromeda_core.types import parse_event
 
@@ -36,6 +37,21 @@ def test_ads_published_for_another_demo_world_model_or_schema_are_stale(redis_se
     edited = "andromeda-default:1:fedcba9876543210"  # the schema's vocabularies edited under the same version
     assert stale_demo_state(config, demo_identity(tmp_path / "demo-100", model, edited))
     client.delete(demo_mark(config))
+
+
+def test_a_published_demo_records_what_published_it(redis_server, small_schema, scorer, tmp_path):
+    """`serve --demo-ads` publishes through publish_demo as `up` does: a later `up` of the same demo finds its ads its
+    own (until 2026-12-07 only up recorded them, and every up after a `serve --demo-ads` warned of them)."""
+    server, client = redis_server
+    config = ServiceConfig(redis_url=server.url if server else os.environ["REDIS_URL"], shards=2, stream="serve-demo")
+    world = tmp_path / "demo-3"
+    world.mkdir()
+    (world / "events.jsonl").write_text("".join(json.dumps(upsert(i)) + "\n" for i in (1, 2, 3)))
+    publish_demo(config, world, small_schema, scorer)
+    assert sum(client.xlen(shard_stream("serve-demo", s)) for s in range(2)) == 3
+    assert not stale_demo_state(config, demo_identity(world, scorer.name, schema_tag(small_schema)))
+    assert stale_demo_state(config, demo_identity(tmp_path / "demo-4", scorer.name, schema_tag(small_schema)))
+    client.delete(demo_mark(config), *(shard_stream("serve-demo", s) for s in range(2)))
 
 
 def test_a_replaced_demo_model_clears_redis_and_the_shards_snapshots(redis_server, tmp_path):
