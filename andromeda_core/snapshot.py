@@ -96,7 +96,9 @@ def load_snapshot(path: str | Path, schema: Schema, device: str | torch.device =
     except Exception as exc:  # any failure to parse the file is corruption
         raise SnapshotCorrupt(f"cannot read snapshot {path}: {exc}") from None
     expected = meta.pop("sha256", None)
-    if meta.get("format") != FORMAT or expected != _checksum(tensors, meta):
+    if meta.get("format") != FORMAT:  # before the checksum: a file of another release is not a damaged one
+        raise SnapshotCorrupt(f"snapshot {path} has format {meta.get('format')!r}; this code reads {FORMAT!r}")
+    if expected != _checksum(tensors, meta):
         raise SnapshotCorrupt(f"snapshot {path} failed its checksum")
     try:
         index = AdIndex.from_state(schema, tensors, meta, device)

@@ -329,6 +329,10 @@ class ShardConsumer:
             for restored, meta in self.snapshots.valid(self.schema, self.index.device, self.foreign, self._hold):
                 # one the stream went back from is adopted too: the first read then finds it gone back and reads the
                 # whole stream over it
+                if restored.dim != self.index.dim:  # its model's name matched: a writer's bug, or a file made by hand
+                    log.error("snapshot at %s holds vectors of %d dims, this replica's model %d; skipping it",
+                              meta["stream_id"], restored.dim, self.index.dim)
+                    continue
                 converted = restored.in_storage_of(self.index)
                 if converted is None:
                     log.error("snapshot at %s has storage %s, this replica stores %s; skipping it",
@@ -574,7 +578,10 @@ class ShardConsumer:
         it needed were trimmed away."""
         while retry(lambda: self.poll(block_ms=0)):
             pass
-        retry(self.settle_reset)
+        try:
+            retry(self.settle_reset)
+        except Exception as exc:  # as in the loop (an unwritable snapshot folder, say): the index is complete, and the
+            self._count_error(exc, "setting the stale snapshots aside again next turn")  # loop tries again each turn
         try:
             retry(self.report_applied)  # registered before it serves: trimming now waits for this replica
         except redis.exceptions.OutOfMemoryError as exc:  # a full Redis refuses the report: serve what was read, and

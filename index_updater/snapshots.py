@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,6 +20,9 @@ from andromeda_core.snapshot import header, load_snapshot, save_state
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^snapshot-(\d{15})-(\d{10})\.safetensors$")
+TEMP = re.compile(r"^\.snapshot-\d{15}-\d{10}\.safetensors\..+\.tmp$")  # save_state's, while it writes
+TEMP_ABANDONED_S = 3600.0  # a temp file untouched this long has no writer (one killed, or stopped, mid-write)
+STREAM_ID = re.compile(r"^\d+-\d+$")
 
 
 def stream_id_key(stream_id: str) -> tuple[int, int]:
@@ -26,10 +30,38 @@ def stream_id_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def covers_stream_id(path: Path, meta: dict) -> bool:
+    """Whether a snapshot's caller metadata names the stream id it covers (logged where not: a file no release of
+    this code writes, passed over rather than failing the start)."""
+    stream_id = meta.get("stream_id")
+    if isinstance(stream_id, str) and STREAM_ID.match(stream_id):
+        return True
+    log.error("snapshot %s names no stream id it covers (%r); passing over it for an older snapshot", path.name,
+              stream_id)
+    return False
+
+
 class SnapshotStore:
     def __init__(self, directory: str | Path, keep: int = 3):
         self.directory, self.keep = Path(directory), max(1, keep)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.remove_abandoned()
+
+    def remove_abandoned(self) -> list[str]:
+        """Remove the temp files of writes that ended without their rename (a replica killed, or stopped, mid-write:
+        each a table's size, until 2026-12-07 kept for good) once untouched for TEMP_ABANDONED_S: a live writer's, of
+        this replica or another sharing the folder, grows as it writes. At start and after each write; their names."""
+        removed, now = [], time.time()
+        for path in self.directory.iterdir():
+            try:
+                if TEMP.match(path.name) and now - path.stat().st_mtime > TEMP_ABANDONED_S:
+                    path.unlink()
+                    removed.append(path.name)
+            except FileNotFoundError:  # another replica removed it first
+                continue
+        if removed:
+            log.warning("removed the temp files of snapshot writes that never finished: %s", removed)
+        return removed
 
     def paths(self) -> list[Path]:
         """Snapshot files, newest stream id first."""
@@ -48,6 +80,7 @@ class SnapshotStore:
                           {**(metadata or {}), "stream_id": stream_id})
         for old in self.own(foreign)[self.keep:]:
             old.unlink(missing_ok=True)
+        self.remove_abandoned()
         return path
 
     def own(self, foreign: Callable[[dict], dict]) -> list[Path]:
@@ -66,8 +99,12 @@ class SnapshotStore:
         """(index, metadata) of each snapshot that passes its checksum (corrupt ones are skipped), newest first,
         each loaded only when asked for. foreign: what in a snapshot's caller metadata differs from what the caller
         wants; one it finds anything in is skipped, logged, from its header alone (never loaded). before_load: called
-        with a snapshot's caller metadata just before it is loaded."""
-        for path in self.paths():
+        with a snapshot's caller metadata just before it is loaded. The folder is listed again before each snapshot:
+        while one loads (minutes, for a large table), the running replicas write newer ones and prune the older ones
+        (until 2026-12-07 one listing was kept, and a start whose newest snapshot failed found the rest pruned)."""
+        tried: set[Path] = set()
+        while path := next((p for p in self.paths() if p not in tried), None):
+            tried.add(path)
             try:
                 meta = json.loads(header(path)["user"])
                 differs = foreign(meta)
@@ -76,13 +113,20 @@ class SnapshotStore:
             if differs:
                 log.error("snapshot %s has %s; skipping it", path.name, differs)
                 continue
-            if "stream_id" in meta:
+            if meta and not covers_stream_id(path, meta):
+                continue
+            if meta:
                 before_load(meta)
             try:
-                yield load_snapshot(path, schema, device)
+                restored, meta = load_snapshot(path, schema, device)
             except SnapshotCorrupt as exc:  # logged: a schema changed under its version passes over every one
-                log.error("%s; passing over it for an older snapshot", exc)
+                if path.exists():
+                    log.error("%s; passing over it for an older snapshot", exc)
+                else:
+                    log.info("snapshot %s was pruned while it loaded; taking the next", path.name)
                 continue
+            if covers_stream_id(path, meta):
+                yield restored, meta
 
     def set_aside(self, stale: Callable[[dict], bool]) -> list[str]:
         """Rename each snapshot whose caller metadata (with its stream_id) is `stale` to stale-<name>: kept for

@@ -150,3 +150,71 @@ def test_a_store_says_which_snapshot_it_passes_over_and_why(tmp_path, populated,
     with caplog.at_level(logging.ERROR, logger="index_updater.snapshots"):
         assert list(store.valid(schema_from_dict({**SMALL_SCHEMA, "categories": reordered}))) == []
     assert "another content of schema small-test v1" in caplog.text and "passing over it" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["andromeda-index/1", "andromeda-index/3"])
+def test_a_snapshot_of_another_format_says_so_not_that_its_checksum_failed(tmp_path, populated, small_schema, fmt):
+    """An upgrade from an older release, or a rollback from a newer one: the log must point at the format, not at the
+    disk."""
+    tensors, layout = populated.export_state()
+    path = snapshot.save_state(tensors, layout, tmp_path / "other.snap")
+    meta = snapshot.header(path)
+    meta.pop("sha256")
+    meta["format"] = fmt
+    meta["sha256"] = snapshot._checksum(tensors, meta)  # as that release writes it: its checksum holds
+    snapshot.save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(SnapshotCorrupt, match=f"has format '{fmt}'; this code reads 'andromeda-index/2'"):
+        load_snapshot(path, small_schema)
+
+
+@pytest.mark.parametrize("stream_id", [None, "abc", 7, "5"])
+def test_a_snapshot_that_names_no_stream_id_is_passed_over_before_it_is_loaded(tmp_path, populated, small_schema,
+                                                                               stream_id, caplog):
+    """Its header passes the checksum, but a replica cannot continue from it: an older snapshot is taken instead, and
+    nothing (the position a replica reports before loading) reads the bad id."""
+    store = SnapshotStore(tmp_path)
+    store.write(populated, "5-0")
+    tensors, layout = populated.export_state()
+    snapshot.save_state(tensors, layout, tmp_path / "snapshot-000000000000009-0000000000.safetensors",
+                        {} if stream_id is None else {"stream_id": stream_id})
+    held = []
+    with caplog.at_level(logging.ERROR, logger="index_updater.snapshots"):
+        found = [meta["stream_id"] for _, meta in store.valid(small_schema, before_load=held.append)]
+    assert found == ["5-0"] and [m["stream_id"] for m in held] == ["5-0"]
+    assert "snapshot-000000000000009-0000000000.safetensors names no stream id" in caplog.text
+
+
+def test_the_folder_is_listed_again_after_each_snapshot(tmp_path, populated, small_schema, caplog):
+    """While a start loads its newest snapshot (minutes, for a large table) the running replicas write newer ones and
+    prune the older: if that one fails, the next tried is the newest there now, and one pruned meanwhile is not
+    reported as damaged."""
+    store = SnapshotStore(tmp_path, keep=2)
+    first, second = store.write(populated, "5-0"), store.write(populated, "6-0")
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0xFF  # bit rot in its tensors: its header reads, its checksum fails
+    second.write_bytes(bytes(data))
+
+    def meanwhile(meta):
+        if meta["stream_id"] == "6-0":  # while it loads, a replica writes two rounds, pruning 5-0
+            store.write(populated, "7-0")
+            store.write(populated, "8-0")
+    with caplog.at_level(logging.INFO, logger="index_updater.snapshots"):
+        found = [meta["stream_id"] for _, meta in store.valid(small_schema, before_load=meanwhile)]
+    assert not first.exists() and found == ["8-0", "7-0"]
+
+
+def test_temp_files_of_writes_that_never_finished_are_removed_once_untouched_an_hour(tmp_path, populated):
+    """A replica killed or stopped mid-write leaves its temp file (a table's size); a live writer's is kept."""
+    abandoned = tmp_path / ".snapshot-000000000000005-0000000000.safetensors.abc123.tmp"
+    live = tmp_path / ".snapshot-000000000000006-0000000000.safetensors.def456.tmp"
+    other = tmp_path / ".notes.tmp"
+    for path in (abandoned, live, other):
+        path.write_bytes(b"partial")
+    hours_ago = os.path.getmtime(live) - 2 * 3600
+    os.utime(abandoned, (hours_ago, hours_ago))
+    os.utime(other, (hours_ago, hours_ago))
+    store = SnapshotStore(tmp_path)  # at start
+    assert not abandoned.exists() and live.exists() and other.exists()
+    os.utime(live, (hours_ago, hours_ago))
+    store.write(populated, "7-0")  # and after each write
+    assert not live.exists() and other.exists()
