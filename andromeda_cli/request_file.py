@@ -15,7 +15,7 @@ from andromeda_core.types import RetrieveRequest, parse_request
 
 def read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte order mark, as HTTP bodies may start with
     except UnicodeDecodeError as exc:
         line = exc.object[:exc.start].count(b"\n") + 1
         raise InvalidInput(f"not UTF-8 text (byte {exc.start})", f"{path}:{line}") from None

@@ -17,6 +17,18 @@ class ErrorCategory(str, Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's deadline passed; its work was abandoned (HTTP 504)
 
 
+ECHOED_CHARS = 512  # the most characters of an error's field or message (either may echo a client's or an entry's input)
+
+
+def sendable(text: str, limit: int | None = ECHOED_CHARS) -> str:
+    """text that encodes as UTF-8 (a lone surrogate from a JSON escape such as "\\ud800" becomes that escape
+    again), cut to `limit` characters (None: whole). A client's text goes back in errors and logs only this way:
+    encoding the raw text raised inside the error handler, which then answered a plain-text 500. A cut text ends in
+    "...", within the limit."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
 class AndromedaError(Exception):
     category = ErrorCategory.UNAVAILABLE
 

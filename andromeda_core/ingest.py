@@ -1,6 +1,7 @@
 """Raw ad events -> validated, compiled, embedded index operations."""
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -23,16 +24,18 @@ class EventBatch(list):
 
 
 def read_events(path: str | Path, batch_size: int = 10000,
-                on_bytes: Callable[[int], None] | None = None) -> Iterator[EventBatch]:
-    """Parse a JSONL file of ad events in batches; an error names the file, line and field.
+                on_bytes: Callable[[int], None] | None = None, name: str | None = None) -> Iterator[EventBatch]:
+    """Parse a JSONL file of ad events in batches; an error names the file (`name`, else `path`), line and field.
     `on_bytes(n)` is told how many bytes each line took (for progress bars)."""
     batch = EventBatch()
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if on_bytes:
                 on_bytes(len(line))
+            if lineno == 1:  # a byte order mark, as HTTP bodies may start with (an editor's UTF-8 "with BOM")
+                line = line.removeprefix(codecs.BOM_UTF8)
             if line.strip():
-                where = f"{path}:{lineno}"
+                where = f"{name or path}:{lineno}"
                 batch.append(parse_event(line, where))
                 batch.where.append(where)
             if len(batch) >= batch_size:

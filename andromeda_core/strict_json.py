@@ -4,13 +4,14 @@ could read different data from the same bytes."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from andromeda_core.errors import InvalidInput
 
 
 class NotJSON(ValueError):
-    """Text json.loads takes that JSON (RFC 8259) does not: a key twice, NaN or Infinity."""
+    """Text json.loads takes that JSON (RFC 8259) does not: a key twice, NaN or Infinity; or a number it reads as
+    another (a nonzero one below float64's range, as 0)."""
 
 
 class DuplicateKey(NotJSON):
@@ -34,10 +35,46 @@ def unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
+class _Underflow(float):
+    """0.0 read from a nonzero number literal below float64's smallest (1e-400): marked, to be refused by loads."""
+
+    def __new__(cls, literal: str) -> "_Underflow":
+        number = super().__new__(cls, 0.0)
+        number.literal = literal
+        return number
+
+
+def path_of(doc: Any, wanted: Callable[[Any], bool], path: str = "") -> tuple[str, Any] | None:
+    """(the field path of the first value in doc that is `wanted`, e.g. `ad.bid` or `events[1]`; "" for doc itself,
+    that value), or None."""
+    if wanted(doc):
+        return path, doc
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, (list, tuple)) else ()
+    for key, value in items:
+        if found := path_of(value, wanted, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else
+                            str(key)):
+            return found
+    return None
+
+
 def loads(text: str | bytes) -> Any:
-    """json.loads refusing a key twice and NaN or Infinity (NotJSON, a ValueError); json.JSONDecodeError as
-    json.loads."""
-    return json.loads(text, object_pairs_hook=unique_keys, parse_constant=no_constant)
+    """json.loads refusing a key twice, NaN or Infinity, and a nonzero number too small for a float64 (NotJSON, a
+    ValueError; until 2026-12-07 a bid of 1e-400 was read, and stored, as 0, where 1e-50 is refused);
+    json.JSONDecodeError as json.loads."""
+    underflows = []
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if value == 0 and any(c in "123456789" for c in literal.lower().partition("e")[0]):
+            underflows.append(_Underflow(literal))
+            return underflows[-1]
+        return value
+
+    doc = json.loads(text, object_pairs_hook=unique_keys, parse_constant=no_constant, parse_float=number)
+    if underflows and (found := path_of(doc, lambda value: isinstance(value, _Underflow))):
+        raise NotJSON(f"the number {found[1].literal[:50]} at {found[0] or 'the top'} is too small for a float64 and "
+                      f"would read as 0: send 0, or a number float64 holds (from about 5e-324)")
+    return doc
 
 
 def read(text: str | bytes, where: str) -> Any:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
@@ -181,11 +182,17 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "", strict:
         if err["type"] == "json_invalid" and (strict or not isinstance(data, (str, bytes))):  # text json.loads
             raise InvalidInput("a string holds a lone surrogate (\\ud800-\\udfff without its pair): not text",
                                where or "body") from None  # read, or wrote: only a lone surrogate is left
-        field = error_field(err["loc"], err["type"])
-        raise InvalidInput(err["msg"], f"{where}{'.' if where and field else ''}{field}") from None
+        field = error_field(err["loc"], err["type"])  # "body": the whole event or request, which `where` names
+        raise InvalidInput(err["msg"], where if where and field == "body" else
+                           f"{where}{'.' if where and field else ''}{field}") from None
     except RecursionError:  # a dict nested too deeply for json.dumps
         raise InvalidInput("JSON nested too deeply", where or "body") from None
     except (TypeError, ValueError) as exc:  # a dict json.dumps cannot write (NaN, Infinity, a value of no JSON type)
+        if isinstance(exc, ValueError) and "Out of range float" in str(exc) and (found := strict_json.path_of(
+                data, lambda value: isinstance(value, float) and not math.isfinite(value))):
+            path = found[0]
+            raise InvalidInput(f"{found[1]} is not a JSON number (send a finite one)",
+                               f"{where}{'.' if where and path else ''}{path}" or "body") from None
         raise InvalidInput(str(exc), where or "body") from None
 
 

@@ -25,6 +25,12 @@ def bits_within(size: int, words: int) -> np.ndarray:
                     dtype=np.int64)
 
 
+def largest_stored(dtype: torch.dtype) -> float:
+    """The largest magnitude of an embedding element that a table of this storage dtype holds finite (int8: float32's,
+    scaled per block)."""
+    return float(torch.finfo(dtype if dtype.is_floating_point else torch.float32).max)
+
+
 class RowWriter:
     """Writes for a table of `specs` (column -> ColumnSpec) holding `dim`-wide embeddings on `device`."""
 
@@ -63,8 +69,9 @@ class RowWriter:
         return staged
 
     def check(self, rows: dict[str, np.ndarray]) -> None:
-        """Raise InvalidInput unless every row column is known, shaped (u, *row shape), of the right kind, finite
-        (embeddings) and within its category (list value indices: a scan would index past the user's table)."""
+        """Raise InvalidInput unless every row column is known, shaped (u, *row shape), of the right kind, finite in
+        the storage format (embeddings: until 2026-12-07 a float32 1e5 became inf in fp16) and within its category
+        (list value indices: a scan would index past the user's table)."""
         u = len(rows["ad_id"])
         for name, values in rows.items():
             spec = self.row_specs.get(name)
@@ -80,8 +87,10 @@ class RowWriter:
                 size, allowed = self.bitset_bits[name]
                 if (values.astype(np.int64) & 0xFFFFFFFF & ~allowed).any():  # any integer width
                     raise InvalidInput(f"bits past the category's {size} values", name)
-        if not np.isfinite(rows["embedding"]).all():
-            raise InvalidInput("embeddings must be finite", "embedding")
+        largest = largest_stored(self.specs["embedding"].dtype)
+        if not (np.abs(rows["embedding"]) <= largest).all():  # NaN fails too
+            raise InvalidInput(f"embeddings must be finite, of magnitude at most {largest:g} (what the table's "
+                               f"{str(self.specs['embedding'].dtype).removeprefix('torch.')} storage holds)", "embedding")
 
     def writes(self, plan: SlotPlan, staged: dict[str, Any],
                 columns: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.Tensor | int]]:

@@ -22,8 +22,8 @@ from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel
 
 from andromeda_core import strict_json
-from andromeda_core.errors import (AndromedaError, DeadlineExceeded, ErrorCategory, InvalidInput, Overloaded,
-                                   TooLarge, Unauthorized, shown)
+from andromeda_core.errors import (ECHOED_CHARS, AndromedaError, DeadlineExceeded, ErrorCategory, InvalidInput,
+                                   Overloaded, TooLarge, Unauthorized, sendable, shown)
 from andromeda_core.types import RetrieveResponse, error_field
 from deployments.limits import Admission, LatencyShedder, past_wire_bound, retry_after
 
@@ -109,18 +109,6 @@ def remaining_s() -> float | None:
 ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 429, 503, 504)}
 BODY_ERRORS = {**ERRORS, 415: {"model": ErrorBody}}  # a POST whose body is not JSON
 WRITE_ERRORS = {**BODY_ERRORS, 401: {"model": ErrorBody}, 403: {"model": ErrorBody}}
-
-
-ECHOED_CHARS = 512  # the most characters of an error's field or message (either may echo the client's input)
-
-
-def sendable(text: str, limit: int | None = ECHOED_CHARS) -> str:
-    """text that encodes as UTF-8 (a lone surrogate from a JSON escape such as "\\ud800" becomes that escape
-    again), cut to `limit` characters (None: whole). A client's text goes back in errors and logs only this way:
-    encoding the raw text raised inside the error handler, which then answered a plain-text 500. A cut text ends in
-    "...", within the limit."""
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def error_response(status: int, category: str, message: str, field: str | None = None,

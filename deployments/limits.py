@@ -41,7 +41,7 @@ def check_requests(limits: Limits, requests: Sequence[RetrieveRequest], where: s
 def check_values(limits: Limits, values: dict, field: str) -> None:
     """Targeting values by category (`user.attributes`, or the request's `context`): string values of at most
     limits.string_chars characters, at most limits.values_per_category values per category. (A category name is
-    checked against the schema, and an error echoes at most api.ECHOED_CHARS of it.)"""
+    checked against the schema, and an error echoes at most errors.ECHOED_CHARS of it.)"""
     for category, value in values.items():
         held = attribute_values(value)
         if len(held) > limits.values_per_category:

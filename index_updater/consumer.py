@@ -32,6 +32,7 @@ from andromeda_core.errors import out_of_memory
 from andromeda_core.export import TableCopy
 from andromeda_core.index import AdIndex
 from andromeda_core.schema import Schema
+from andromeda_core.writer import largest_stored
 from index_updater.clients import redis_client
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
 from index_updater.records import (DecodedRead, Entry, EntryDecoder, InvalidRecord, applied_key, dead_letter_stream,
@@ -259,7 +260,8 @@ class ShardConsumer:
         self._reset_pending = False  # the stream went back: what else that asks (settle_reset) is still to do
         self.trimmed = 0  # entries this consumer trimmed away
         self.stats = ConsumerStats(index_size=len(index))
-        self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards)
+        self._decoder = EntryDecoder(index.schema, model, index.dim, shard, shards,
+                                     largest_stored(index.specs["embedding"].dtype))
         self._dead_letter_once = client.register_script(DEAD_LETTER_ONCE)
         self._release_claim = client.register_script(RELEASE_ROUND)
         self._read = client.register_script(READ)

@@ -11,6 +11,8 @@ owners.SENT_TTL_S). A batch that spans shards is not atomic across them; each sh
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 import uuid
 from functools import partial
@@ -190,12 +192,18 @@ class Publisher:
 
     def publish_file(self, path: str | Path, batch_size: int = 1000,
                      on_batch: Callable[[int], None] | None = None) -> int:
-        """Publish a JSONL file in batches. The whole file is validated first: a bad line writes nothing."""
-        for batch in read_events(path, batch_size):
-            compile_upserts(self.schema, batch, batch.where)
-        total = 0
-        for batch in read_events(path, batch_size):
-            total += len(self.publish_ops(prepare_ops(self.schema, self.scorer, batch, batch.where)))
-            if on_batch:
-                on_batch(len(batch))
+        """Publish a JSONL file in batches. The whole file is validated first: a bad line writes nothing. It is read
+        once, into a private copy that both passes read (until 2026-12-07 each pass read the file: the check drained a
+        pipe, `/dev/stdin` say, and nothing was published; lines a writer appended meanwhile were published unchecked)."""
+        with tempfile.NamedTemporaryFile(prefix="andromeda-publish-", suffix=".jsonl") as copy:
+            with open(path, "rb") as source:
+                shutil.copyfileobj(source, copy)
+            copy.flush()
+            for batch in read_events(copy.name, batch_size, name=str(path)):
+                compile_upserts(self.schema, batch, batch.where)
+            total = 0
+            for batch in read_events(copy.name, batch_size, name=str(path)):
+                total += len(self.publish_ops(prepare_ops(self.schema, self.scorer, batch, batch.where)))
+                if on_batch:
+                    on_batch(len(batch))
         return total

@@ -18,17 +18,24 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
-from andromeda_core.errors import InvalidInput
+from andromeda_core.errors import InvalidInput, sendable
 from andromeda_core.ops import UPSERT, IndexOp, OpBatch, OpRow, PreparedAd
 from andromeda_core.schema import Schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.targeting import targeting_columns
 from andromeda_core.types import UpsertEvent, parse_event
+from andromeda_core.writer import largest_stored
 
 
 class InvalidRecord(InvalidInput):
-    """A stream entry that cannot be applied; it goes to the dead-letter stream."""
+    """A stream entry that cannot be applied; it goes to the dead-letter stream. Its message and field are cut to
+    ECHOED_CHARS (both may echo the entry: until 2026-12-07 a 20 MB `model` field made a 20 MB dead-letter reason, and
+    as much in each replica's log)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(sendable(message), field and sendable(field))
 
 
 DTYPES = {"i4": np.dtype("<i4"), "i2": np.dtype("<i2"), "u1": np.dtype("u1"), "f4": np.dtype("<f4")}
@@ -154,8 +161,10 @@ class EntryDecoder:
 
     MAX_LAYOUTS = 4096  # distinct headers kept; a stream of ever-new ones cannot grow the cache without bound
 
-    def __init__(self, schema: Schema, model: str, dim: int, shard: int = 0, shards: int = 1):
-        self.dim, self.shard, self.shards = dim, shard, shards
+    def __init__(self, schema: Schema, model: str, dim: int, shard: int = 0, shards: int = 1,
+                 largest: float = largest_stored(torch.float32)):
+        self.dim, self.shard, self.shards, self.largest = dim, shard, shards, largest  # largest: what the table's
+        # storage holds finite (writer.largest_stored)
         self.columns = targeting_columns(schema)
         self._tags = {"schema": schema_tag(schema), "model": model, "dim": str(dim)}
         self._tag_bytes = {key.encode(): value.encode() for key, value in self._tags.items()}
@@ -239,8 +248,9 @@ class EntryDecoder:
                         spec = self.columns[name]
                         targeting[name] = np.full((u, *spec.shape), spec.fill, dtype=np.int32)
                     targeting[name][at] = records[name]
-        for k in np.flatnonzero(~np.isfinite(embedding).all(1)).tolist():
-            unreadable[k] = InvalidRecord(f"embedding must be {self.dim} finite floats", "payload.embedding")
+        for k in np.flatnonzero(~(np.abs(embedding) <= self.largest).all(1)).tolist():  # NaN too
+            unreadable[k] = InvalidRecord(f"embedding must be {self.dim} finite floats of magnitude at most "
+                                          f"{self.largest:g} (what this index's storage holds)", "payload.embedding")
         return satisfiable, embedding, targeting, unreadable
 
     def _layout_of(self, payload: bytes) -> tuple[bytes, np.dtype]:
@@ -265,7 +275,7 @@ class EntryDecoder:
         try:
             arrays = [(str(name), DTYPES[code], tuple(shape)) for name, code, shape in json.loads(head)["arrays"]]
         except (ValueError, KeyError, TypeError, RecursionError) as exc:  # any malformed header (nested too deeply:
-            return InvalidRecord(f"unreadable compiled payload: {exc!r}"[:500], "payload")  # RecursionError)
+            return InvalidRecord(f"unreadable compiled payload: {exc!r}", "payload")  # RecursionError)
         expected = {"embedding": ((self.dim,), "f"), "satisfiable": ((1,), "u"),
                     **{name: (spec.shape, "i") for name, spec in self.columns.items()}}
         names = [name for name, _, _ in arrays]

@@ -3,11 +3,13 @@ option, setting or field (and the file and line), never a traceback, never silen
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -316,6 +318,28 @@ def test_publish_checks_the_whole_file_before_appending_any_of_it(d, capsys, red
     events.write_text("\n".join(lines) + "\n")
     assert_refused(andromeda(capsys, "publish", events, "--redis", redis_url, "--stream", "whole"), "big.jsonl:1501.ad.targeting")
     assert redis.Redis.from_url(redis_url).exists(shard_stream("whole", 0)) == 0
+
+
+def test_publish_reads_a_pipe_once(tmp_path, capsys, redis_url):
+    """`... | andromeda publish /dev/stdin`: the file is read once (until 2026-12-07 the check drained the pipe and
+    `published 0 events` came back, exit 0)."""
+    fifo, done = tmp_path / "events.fifo", threading.Event()
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        fifo.write_text("".join(json.dumps(upsert(i)) + "\n" for i in (1, 2, 3)))
+        while not done.wait(0.05):  # a second read of the pipe gets an end of file at once, as /dev/stdin's would
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # fails while no reader has it open
+            except OSError:
+                pass
+    writer = threading.Thread(target=write)
+    writer.start()
+    code, out, err = andromeda(capsys, "publish", fifo, "--redis", redis_url, "--stream", "piped")
+    done.set()
+    writer.join()
+    assert code == 0 and "published 3 events" in out, err
+    assert redis.Redis.from_url(redis_url).xlen(shard_stream("piped", 0)) == 3
 
 
 def test_publish_to_a_key_of_another_type_names_it(d, capsys, redis_url):

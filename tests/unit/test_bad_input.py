@@ -1,11 +1,15 @@
 """Malformed events, targeting and requests: a clear error naming the field, and no change."""
 from __future__ import annotations
 
+import codecs
+import json
+
 import pytest
 
+from andromeda_cli.request_file import read_text
 from andromeda_core.errors import InvalidInput
 from andromeda_core.index import AdIndex
-from andromeda_core.ingest import prepare_ops
+from andromeda_core.ingest import prepare_ops, read_events
 from andromeda_core.schema import schema_from_dict
 from andromeda_core.targeting import compile_targeting, compile_user
 from andromeda_core.types import parse_event, parse_request
@@ -31,6 +35,12 @@ from tests.conftest import SMALL_SCHEMA, apply_events, make_ad, upsert
     ('{"op": "pause", "ad_id": 1, "version": 1, "version": 2}', "", 'key "version" appears twice'),
     ('{"op": "pause", "ad_id": 1, "version": NaN}', "", "NaN is not a JSON number"),
     (b'{"op": "pause", "ad_id": 1, "version": 1, "note": "\xff"}', "", "not UTF-8"),
+    # a positive bid below float64's range read as 0 (until 2026-12-07 it was stored so, where 1e-50 is refused)
+    ('{"op": "upsert", "ad": {"bid": 1e-400}}', "", "the number 1e-400 at ad.bid is too small for a float64"),
+    ("[1]", "", "Input should be an object"),  # the whole event: the line, not a field "body" that is not there
+    ({"op": "upsert", "ad": {**make_ad(1), "bid": float("nan")}}, "ad.bid", "nan is not a JSON number"),  # Python
+    ({"op": "upsert", "ad": {**make_ad(1), "targeting": {"age": {"min": float("inf")}}}}, "ad.targeting.age.min",
+     "inf is not a JSON number"),  # callers' dicts: the field, not the event
 ])
 def test_malformed_events_name_the_field(event, field, words):
     with pytest.raises(InvalidInput) as err:
@@ -151,3 +161,12 @@ def test_a_bid_of_minus_zero_is_stored_as_zero():
     """ge=0 lets -0.0 through: the one bid whose stored form was not '0 or positive'."""
     bid = parse_event({"op": "upsert", "ad": {**make_ad(1), "bid": -0.0}}).ad.bid
     assert bid == 0.0 and str(bid) == "0.0"
+
+
+def test_files_may_start_with_a_byte_order_mark_as_http_bodies_may(tmp_path):
+    """An editor's "UTF-8 with BOM": refused at line 1 until 2026-12-07, while the service ignored it in a body."""
+    events, request = tmp_path / "events.jsonl", tmp_path / "request.json"
+    events.write_bytes(codecs.BOM_UTF8 + "".join(json.dumps(upsert(i)) + "\n" for i in (1, 2)).encode())
+    request.write_bytes(codecs.BOM_UTF8 + b'{"user": {"user_id": 1}}')
+    assert [e.ad.ad_id for batch in read_events(events) for e in batch] == [1, 2]
+    assert json.loads(read_text(request)) == {"user": {"user_id": 1}}
