@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Sequence
@@ -128,6 +129,25 @@ def concat_queries(queries: Sequence[UserQuery]) -> UserQuery:
         return queries[0]
     return UserQuery(concat_users([q.users for q in queries]), [v for q in queries for v in q.values],
                      [t for q in queries for t in q.now], [k for q in queries for k in q.k])
+
+
+def slice_query(query: UserQuery, start: int, stop: int) -> UserQuery:
+    """Requests start..stop-1 of a query (its user state sliced along the batch dimension, as concat_users stacks)."""
+    users = query.users
+    users = users[start:stop] if isinstance(users, torch.Tensor) else type(users)(
+        *(getattr(users, f.name)[start:stop] for f in fields(users)))
+    return UserQuery(users, query.values[start:stop], query.now[start:stop], query.k[start:stop])
+
+
+def concat_topks(parts: Sequence[TopK]) -> TopK:
+    """The results of consecutive parts of one query as one TopK: rows stacked, the narrower parts padded with no
+    ad (-1, -inf) to the widest."""
+    width = max(p.ids.shape[1] for p in parts)
+
+    def padded(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+    return TopK(torch.cat([padded(p.ids, NO_ID) for p in parts]), torch.cat([padded(p.scores, -math.inf) for p in parts]),
+                torch.cat([p.eligible for p in parts]))
 
 
 def split_topk(result: TopK, sizes: Sequence[int]) -> list[TopK]:

@@ -26,7 +26,7 @@ from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_request
 from deployments.api import DEADLINE
 from deployments.metrics import ServiceMetrics
-from deployments.config import Limits, Overload
+from deployments.config import Limits, Overload, ServiceConfig
 from index_updater.consumer import ConsumerStats
 from tests.conftest import apply_events, upsert
 from deployments.router import Missing, Router, ShardMismatch, ShardUnavailable
@@ -334,7 +334,7 @@ def test_a_shard_answers_a_query_of_another_identity_with_mismatch_and_the_rest_
     apply_events(index, scorer, [upsert(i) for i in (1, 2, 3)])
     cls = ShardReplica.func_or_class
     replica = cls.__new__(cls)  # what ShardReplica.__init__ sets (no Ray, no stream)
-    replica.retriever, replica.expired = Retriever(index, scorer), 0
+    replica.retriever, replica.expired, replica.config = Retriever(index, scorer), 0, ServiceConfig()
     replica.consumer = SimpleNamespace(stats=ConsumerStats(), clock_s=lambda: 100, stop=lambda: None)
     replica.identity = serving_identity(scorer.name, small_schema)
     request = parse_request({"user": {"user_id": 1}, "context": {"ts": 100}, "k": 2})
