@@ -107,8 +107,11 @@ class Context(BaseModel):
     """Serving context. Extra keys are context-sourced targeting categories, checked by the schema."""
 
     model_config = ConfigDict(extra="allow", strict=True, frozen=True)
-    surface: str | None = None
-    placement: str | None = None
+    surface: Any = None
+    """Where the ad would be shown: a targeting category where the schema declares one (of whatever kind, one value or
+    several, as it says; until 2026-12-07 only one string), and an input of the models' context tower."""
+    placement: Any = None
+    """As surface."""
     ts: TIME | None = None
 
     def targeting_values(self) -> dict[str, Any]:

@@ -82,8 +82,10 @@ class ModelScorer:
 
     def _context(self, r: RetrieveRequest, now: int) -> list[int]:
         def index(cat, value, rows: int) -> int:
-            """1 + the value's place in cat's vocabulary; 0 for unknown, and for a place past the checkpoint's `rows`
-            (a schema of more values than it was trained with)."""
+            """1 + the value's place in cat's vocabulary (of several values, the first's); 0 for unknown, and for a
+            place past the checkpoint's `rows` (a schema of more values than it was trained with)."""
+            if isinstance(value, list):
+                value = value[0] if value else None
             i = cat.value_index(value) if cat is not None and value is not None else None
             return 0 if i is None or i + 1 >= rows else i + 1
 

@@ -170,3 +170,23 @@ def test_files_may_start_with_a_byte_order_mark_as_http_bodies_may(tmp_path):
     request.write_bytes(codecs.BOM_UTF8 + b'{"user": {"user_id": 1}}')
     assert [e.ad.ad_id for batch in read_events(events) for e in batch] == [1, 2]
     assert json.loads(read_text(request)) == {"user": {"user_id": 1}}
+
+
+def test_context_categories_named_surface_or_placement_take_what_the_schema_says(scorer):
+    """`surface` and `placement` were typed as one string on the wire: a schema declaring them multi-valued or of ids
+    could not be targeted by any request (422), though its ads were indexed."""
+    schema = schema_from_dict({**SMALL_SCHEMA, "categories": [
+        *[c for c in SMALL_SCHEMA["categories"] if c["name"] != "surface"],
+        {"name": "surface", "kind": "enum", "multi": True, "source": "context", "vocabulary": ["feed", "reels"]},
+        {"name": "placement", "kind": "id", "source": "context", "cardinality": 10}]})
+    index = AdIndex(schema, scorer.dim)
+    apply_events(index, scorer, [upsert(1, targeting={"surface": {"any_of": ["reels"]}, "placement": {"any_of": [7]}}),
+                                 upsert(2, targeting={"placement": {"any_of": [3]}})])
+    request = parse_request({"user": {"user_id": 1}, "context": {"surface": ["feed", "reels"], "placement": 7}})
+    values, warnings = compile_user(schema, request.user.attributes, request.context.targeting_values())
+    assert values == {"surface": (0, 1), "placement": (7,)} and not warnings
+    assert index.eligible([values], [1000])[0] == [1]
+    with pytest.raises(InvalidInput, match="surface values are strings") as refused:  # the shipped kind: one string
+        compile_user(schema_from_dict(SMALL_SCHEMA), {}, parse_request(
+            {"user": {"user_id": 1}, "context": {"surface": 5}}).context.targeting_values())
+    assert refused.value.field == "context.surface"
