@@ -23,6 +23,7 @@ NAME = re.compile(r"^snapshot-(\d{15})-(\d{10})\.safetensors$")
 TEMP = re.compile(r"^\.snapshot-\d{15}-\d{10}\.safetensors\..+\.tmp$")  # save_state's, while it writes
 TEMP_ABANDONED_S = 3600.0  # a temp file untouched this long has no writer (one killed, or stopped, mid-write)
 STREAM_ID = re.compile(r"^\d+-\d+$")
+KEEP = 3  # snapshots a store keeps (it writes the next before it prunes: KEEP + 1 for a while)
 
 
 def stream_id_key(stream_id: str) -> tuple[int, int]:
@@ -42,7 +43,7 @@ def covers_stream_id(path: Path, meta: dict) -> bool:
 
 
 class SnapshotStore:
-    def __init__(self, directory: str | Path, keep: int = 3):
+    def __init__(self, directory: str | Path, keep: int = KEEP):
         self.directory, self.keep = Path(directory), max(1, keep)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.remove_abandoned()

@@ -11,6 +11,8 @@ from tests.k8s.kustomize import build
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = ("cpu-dev", "gpu-prod")
+KUBELET_METRICS = {"kubelet_volume_stats_available_bytes", "kubelet_volume_stats_capacity_bytes"}  # the kubelet's, which
+# a Kubernetes Prometheus stack scrapes: the snapshot volume's space
 RAY_SERVE_METRICS = {"ray_serve_num_http_requests_total"}  # Ray Serve's own (Ray's metrics port) that alerts read:
 # test_manifests checks that the installed Ray defines them; the service's /metrics does not show them
 

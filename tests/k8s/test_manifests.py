@@ -26,8 +26,9 @@ from andromeda_cli.main import main
 from andromeda_core.quantization import ROW_ALIGN, aligned_rows
 from deployments.config import SERVE_ENV, ServiceConfig
 from deployments.metrics import ServiceMetrics
+from index_updater import snapshots
 from tests.k8s.kustomize import build
-from tests.k8s.manifests import (K8S, OVERLAYS, RAY_SERVE_METRICS, ROOT, alert_exprs, grafana_exprs, groups, metric_names, one,
+from tests.k8s.manifests import (K8S, KUBELET_METRICS, OVERLAYS, RAY_SERVE_METRICS, ROOT, alert_exprs, grafana_exprs, groups, metric_names, one,
                                   serve_config)
 
 K8S_VERSIONS = ("1.30", "1.37")  # the oldest Kubernetes we support (matchLabelKeys in topology spread) and the newest schema shipped
@@ -249,6 +250,18 @@ def test_credentials_come_only_from_secrets(overlay):
     assert not re.search(r"requirepass\s+\S*[A-Za-z0-9]{6}|redis://[^\s@]*:[^\s@]+@|write[-_]token\s*[:=]\s*\S", text)
 
 
+def test_the_ray_cluster_wants_a_token_and_the_image_installs_the_tested_versions(overlay):
+    """Without token authentication any pod that reaches the head's dashboard could submit a job: code on the cluster,
+    reading REDIS_URL and the write token from a worker's environment. The image installs with constraints-cpu.txt,
+    which the two commands install with (but triton's pin: a CUDA torch requires its own)."""
+    _, resources = overlay
+    assert one(resources, "RayService")["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    dockerfile = (K8S / "image" / "Dockerfile").read_text().replace("\\\n", " ")
+    assert re.search(r"^COPY .*\bconstraints-cpu\.txt\b", dockerfile, re.M)
+    assert re.search(r"grep -v '\^triton==' constraints-cpu\.txt > (\S+) .*pip install --no-cache-dir -c \1 \.",
+                     dockerfile)
+
+
 def image_env() -> dict[str, str]:
     """The ENV instructions of k8s/image/Dockerfile (NAME=value pairs, lines joined at backslashes)."""
     text = (K8S / "image" / "Dockerfile").read_text().replace("\\\n", " ")
@@ -401,7 +414,7 @@ def test_alerts_cover_what_sres_page_on_and_name_only_exported_metrics(overlay):
     exprs = alert_exprs(resources)
     assert {"AndromedaStreamLag", "AndromedaErrorRate", "AndromedaLatencyP99", "AndromedaDeadLetters",
             "AndromedaShardNotReady", "AndromedaIndexMemoryHeadroom"} <= set(exprs)
-    exported = exported_metric_names() | RAY_SERVE_METRICS
+    exported = exported_metric_names() | RAY_SERVE_METRICS | KUBELET_METRICS
     for alert, expr in exprs.items():
         names = metric_names(expr)
         assert names and names <= exported, f"{alert}: {names - exported}"
@@ -498,6 +511,23 @@ def test_gpu_prod_pods_hold_a_restart_at_the_largest_table():
     largest = capacity.largest_table(service.initial_capacity, int(threshold.group(1)))
     assert largest > int(threshold.group(1)) >= largest // 2
     assert capacity.gpu_host_bytes(inputs, service.storage, service.rescore, largest) <= capacity.GPU_POD_MEMORY
+
+
+def test_gpu_prod_snapshot_volume_holds_every_shards_snapshots_at_the_largest_table():
+    """Per shard: the 3 kept, the one being written before they are pruned, and the temp file a killed write leaves
+    (removed after an hour), each of the largest table the headroom alert lets a shard reach; and an alert before it
+    fills (until 2026-12-07 500Gi, full at about 50M ads a shard, and nothing said so)."""
+    capacity = load_capacity_model()
+    inputs = capacity.load_inputs()
+    resources = build(K8S / "overlays" / "gpu-prod")
+    service = overlay_config(K8S / "overlays" / "gpu-prod")
+    threshold = re.search(r"\(andromeda_shard_capacity\) > (\d+)", alert_exprs(resources)["AndromedaIndexMemoryHeadroom"])
+    largest = capacity.largest_table(service.initial_capacity, int(threshold.group(1)))
+    needed = service.shards * (snapshots.KEEP + 2) * largest * capacity.snapshot_bytes(
+        inputs, service.storage, service.rescore)
+    claim = one(resources, "PersistentVolumeClaim", "andromeda-snapshots")["spec"]["resources"]["requests"]["storage"]
+    assert needed <= quantity(claim) < 1.1 * needed
+    assert 'persistentvolumeclaim="andromeda-snapshots"' in alert_exprs(resources)["AndromedaSnapshotVolumeFull"]
 
 
 def test_gpu_prod_is_the_capacity_plan():
