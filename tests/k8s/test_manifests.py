@@ -286,6 +286,9 @@ def test_workers_probe_readyz_and_healthz_and_the_head_keeps_kuberays_probes(ove
             continue
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "serve"}
         assert container["livenessProbe"]["httpGet"] == {"path": "/-/healthz", "port": "serve"}  # no router queue
+        liveness = container["livenessProbe"]  # a pod left with no replica (its proxy drained: 503) goes before it
+        idle = one(resources, "RayService")["spec"]["rayClusterConfig"]["autoscalerOptions"]["idleTimeoutSeconds"]
+        assert idle < liveness["periodSeconds"] * liveness["failureThreshold"] - 30, name  # is restarted (30 s draining)
         assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
         assert {"name": "serve", "containerPort": 8000} in container["ports"]
 
