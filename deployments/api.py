@@ -228,7 +228,8 @@ class Guard:
                 raise InvalidInput("sent more than once: send it once", TIMEOUT_HEADER)
             budget_s = self.budget_s(g, headers.get(TIMEOUT_HEADER.lower()))
             length = headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > g.body_bytes):
+            if length is not None and (not length.isdigit() or len(length) > 18 or int(length) > g.body_bytes):  # int()
+                # refuses more than 4,300 digits: a ValueError, a 500
                 raise TooLarge(f"at most {g.body_bytes} bytes (limits.body_bytes), Content-Length is {length[:20]}",
                                "body")
             if retrieval and not (admission := self.shedder.admit(self.retrievals)):  # after the header checks,
@@ -236,16 +237,14 @@ class Guard:
                 raise Overloaded(f"retrievals on this router have waited over {g.latency_target_s * 1000:.0f} ms for "
                                  f"{g.latency_interval_s * 1000:.0f} ms (overload.latency_target_ms); retry after "
                                  "Retry-After", "request", g.retry_after_s)
-            if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = await self.buffered(receive, g.body_bytes)
         except AndromedaError as exc:
-            if admission is Admission.PROBE:  # refused after all (its body too large): the next one may probe
+            if admission is Admission.PROBE:  # refused after all: the next one may probe
                 self.shedder.probe_unused()
             self.on_error(exc.category.value)
             return await http_error(exc, g.retry_after_s)(scope, receive, send)
-        self.inflight += 1
-        self.retrievals += retrieval
-        started, status = time.monotonic(), 500
+        self.inflight += 1  # from here, while a body sent without Content-Length still arrives too (until 2026-12-07 it
+        self.retrievals += retrieval  # was not counted: any number of them passed the bound while their bodies came)
+        started, status = None, 500
 
         async def sending(message):
             nonlocal status
@@ -253,16 +252,24 @@ class Guard:
                 status = message["status"]
             await send(message)
 
-        token = DEADLINE.set(time.time() + budget_s)
         try:
-            await self.app(scope, receive, sending)
+            if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                try:
+                    receive = await self.buffered(receive, g.body_bytes)
+                except TooLarge as exc:
+                    self.on_error(exc.category.value)
+                    return await http_error(exc, g.retry_after_s)(scope, receive, sending)
+            started, token = time.monotonic(), DEADLINE.set(time.time() + budget_s)  # from the whole body
+            try:
+                await self.app(scope, receive, sending)
+            finally:
+                DEADLINE.reset(token)
         finally:
-            DEADLINE.reset(token)
             self.inflight -= 1
             self.retrievals -= retrieval
-            latency = time.monotonic() - started
+            latency = None if started is None else time.monotonic() - started
             # Retrievals feed the shedder; a refusal or error may show a queue (slow) but not its absence (fast).
-            if retrieval and (status < 400 or latency > g.latency_target_s):
+            if retrieval and latency is not None and (status < 400 or latency > g.latency_target_s):
                 self.shedder.done(latency)
             elif admission is Admission.PROBE:
                 self.shedder.probe_unused()
@@ -271,7 +278,8 @@ class Guard:
     def budget_s(g: GuardSettings, header: str | None) -> float:
         if header is None:
             return g.request_timeout_s
-        ms = int(header) if header.isascii() and header.isdigit() else 0  # digits only: not "+100", " 100", "1_000"
+        ms = int(header) if header.isascii() and header.isdigit() and len(header) <= 18 else 0  # digits only: not
+        # "+100", " 100", "1_000"; and few (int() refuses more than 4,300: a ValueError, a 500)
         if not 1 <= ms <= g.max_request_timeout_s * 1000:
             raise InvalidInput(f"must be an integer number of milliseconds in [1, {int(g.max_request_timeout_s * 1000)}] "
                           f"(overload.max_request_timeout_s)", TIMEOUT_HEADER)

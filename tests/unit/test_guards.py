@@ -329,11 +329,64 @@ def test_the_timeout_header_is_plain_digits_sent_once(strict_app):
         return strict_app.post("/v1/echo", content=b'{"k": 1}', headers=[("Content-Type", "application/json"), *headers])
 
     assert post([("X-Request-Timeout-Ms", "5000")]).status_code == 200
-    for value in ("+100", " 100", "1_000", "1e3"):
+    for value in ("+100", " 100", "1_000", "1e3", "9" * 5000):  # 5,000 digits: int() refused them, a 500
         got = post([("X-Request-Timeout-Ms", value)])
         assert got.status_code == 422 and got.json()["error"]["field"] == "X-Request-Timeout-Ms", (value, got.text)
     twice = post([("X-Request-Timeout-Ms", "0"), ("X-Request-Timeout-Ms", "5000")])
     assert twice.status_code == 422 and "more than once" in twice.json()["error"]["message"], twice.text
+
+
+def test_bodies_still_arriving_count_against_the_bound_on_requests_in_flight():
+    """A body sent without Content-Length is read before the app: until 2026-12-07 a request was counted only once it
+    had all arrived, so any number of them passed overload.router_inflight together."""
+    app = create_app(lambda cause: None)
+    app.state.guard = GuardSettings(inflight=2)
+    released = asyncio.Event()
+
+    @app.post("/v1/echo")
+    async def echo(body: Body) -> Body:
+        await released.wait()
+        return body
+
+    async def call(chunk_arrived: asyncio.Event, last_chunk: asyncio.Event) -> int:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/echo", "raw_path": b"/v1/echo", "root_path": "", "query_string": b"", "server": ("r", 80),
+                 "client": ("caller", 1), "headers": [(b"content-type", b"application/json")]}  # no Content-Length
+        chunks = [(b'{"k": ', True), (b"1}", False)]
+        status = 0
+
+        async def receive():
+            body, more = chunks.pop(0)
+            if not more:
+                await last_chunk.wait()
+            chunk_arrived.set()
+            return {"type": "http.request", "body": body, "more_body": more}
+
+        async def send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+        await app(scope, receive, send)
+        return status
+
+    async def scenario() -> list[int]:
+        last_chunk = asyncio.Event()
+        started = [asyncio.Event() for _ in range(4)]
+        calls = [asyncio.create_task(call(e, last_chunk)) for e in started]
+        for e in started[:2]:
+            await e.wait()
+        await asyncio.sleep(0.01)  # the other two are refused at once, their bodies still on the way
+        last_chunk.set()
+        await asyncio.sleep(0.01)
+        released.set()
+        return await asyncio.gather(*calls)
+    assert sorted(asyncio.run(scenario())) == [200, 200, 503, 503]
+
+
+def test_a_content_length_of_thousands_of_digits_is_too_large_not_a_500(strict_app):
+    got = strict_app.post("/v1/echo", content=b'{"k": 1}', headers=[("Content-Type", "application/json"),
+                                                                    ("Content-Length", "9" * 5000)])
+    assert got.status_code == 413 and got.json()["error"]["field"] == "body", got.text
 
 
 def test_a_body_sent_with_a_content_encoding_is_refused_whatever_its_bytes(strict_app):
