@@ -2,6 +2,7 @@
 (its targeting values too) before any work, an error naming the file, line and field."""
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,13 @@ from andromeda_core.types import RetrieveRequest, parse_request
 
 
 def read_text(path: Path) -> str:
+    data = path.read_bytes()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # as HTTP bodies may start with
     try:
-        return path.read_text(encoding="utf-8-sig")  # a byte order mark, as HTTP bodies may start with
+        return data[bom:].decode("utf-8")
     except UnicodeDecodeError as exc:
         line = exc.object[:exc.start].count(b"\n") + 1
-        raise InvalidInput(f"not UTF-8 text (byte {exc.start})", f"{path}:{line}") from None
+        raise InvalidInput(f"not UTF-8 text (byte {bom + exc.start})", f"{path}:{line}") from None
 
 
 def read_requests(path: Path, schema: Schema, k: int | None = None) -> list[RetrieveRequest]:

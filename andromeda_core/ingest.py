@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import codecs
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterable, Iterator, Sequence
 
 from andromeda_core.errors import InvalidInput
 from andromeda_core.ops import IndexOp, PreparedAd
@@ -24,25 +24,42 @@ class EventBatch(list):
 
 
 def read_events(path: str | Path, batch_size: int = 10000,
-                on_bytes: Callable[[int], None] | None = None, name: str | None = None) -> Iterator[EventBatch]:
-    """Parse a JSONL file of ad events in batches; an error names the file (`name`, else `path`), line and field.
+                on_bytes: Callable[[int], None] | None = None) -> Iterator[EventBatch]:
+    """Parse a JSONL file of ad events in batches; an error names the file, line and field.
     `on_bytes(n)` is told how many bytes each line took (for progress bars)."""
-    batch = EventBatch()
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if on_bytes:
-                on_bytes(len(line))
-            if lineno == 1:  # a byte order mark, as HTTP bodies may start with (an editor's UTF-8 "with BOM")
-                line = line.removeprefix(codecs.BOM_UTF8)
-            if line.strip():
-                where = f"{name or path}:{lineno}"
-                batch.append(parse_event(line, where))
-                batch.where.append(where)
-            if len(batch) >= batch_size:
-                yield batch
-                batch = EventBatch()
+        yield from events_in(f, str(path), batch_size, on_bytes)
+
+
+def events_in(f: BinaryIO, name: str, batch_size: int = 10000, on_bytes: Callable[[int], None] | None = None,
+              limit: int | None = None) -> Iterator[EventBatch]:
+    """read_events of an open binary file from where it stands, up to `limit` bytes (None: to its end); errors name
+    the file as `name`."""
+    batch = EventBatch()
+    lines = f if limit is None else _lines_within(f, limit)
+    for lineno, line in enumerate(lines, 1):
+        if on_bytes:
+            on_bytes(len(line))
+        if lineno == 1:  # a byte order mark, as HTTP bodies may start with (an editor's UTF-8 "with BOM")
+            line = line.removeprefix(codecs.BOM_UTF8)
+        if line.strip():
+            where = f"{name}:{lineno}"
+            batch.append(parse_event(line, where))
+            batch.where.append(where)
+        if len(batch) >= batch_size:
+            yield batch
+            batch = EventBatch()
     if batch:
         yield batch
+
+
+def _lines_within(f: BinaryIO, limit: int) -> Iterator[bytes]:
+    """The lines of f's next `limit` bytes (the last cut there)."""
+    for line in f:
+        if limit <= 0:
+            return
+        yield line[:limit]
+        limit -= len(line)
 
 
 def compile_upserts(schema: Schema, events: Sequence[AdEventModel],

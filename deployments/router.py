@@ -231,7 +231,7 @@ class Router:
     @app.post("/v1/retrieve:batch", response_model=BatchResponse, responses=BODY_ERRORS)
     async def retrieve_batch(self, requests: Annotated[list[RetrieveRequest], Field(min_length=1, max_length=BATCH_MAX)],
                              _: Principal | None = Depends(reader)) -> BatchResponse:
-        """Several requests in one call; they share one pass over each shard."""
+        """Several requests in one call; they share the passes over each shard, one per `max_batch_size` of them."""
         if len(requests) > self.config.limits.batch_requests:
             raise InvalidInput(over_limit(self.config.limits, "batch_requests", " requests", len(requests)), "body")
         return BatchResponse(responses=await self.answer(requests, "retrieve_batch", "[{}]."))

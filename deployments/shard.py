@@ -123,7 +123,8 @@ class ShardReplica:
         return await self._pass(queries)
 
     async def search_alone(self, query: ShardQuery) -> ShardAnswer | Mismatch | str:
-        """One query of more requests than `max_batch_size` (a large retrieve:batch): its own pass."""
+        """One query of more requests than `max_batch_size` (a large retrieve:batch): passes of its own, one per
+        `max_batch_size` of its requests (_search)."""
         return (await self._pass([query]))[0]
 
     async def _pass(self, queries: list[ShardQuery]) -> list[ShardAnswer | Mismatch | str]:

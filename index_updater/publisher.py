@@ -11,7 +11,9 @@ owners.SENT_TTL_S). A batch that spans shards is not atomic across them; each sh
 """
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import tempfile
 import time
 import uuid
@@ -23,7 +25,7 @@ import redis
 
 from andromeda_core.config import Settings
 from andromeda_core.errors import InvalidInput
-from andromeda_core.ingest import compile_upserts, prepare_ops, read_events
+from andromeda_core.ingest import compile_upserts, events_in, prepare_ops
 from andromeda_core.models import Scorer
 from andromeda_core.schema import Schema
 from andromeda_core.sharding import shard_of
@@ -192,18 +194,26 @@ class Publisher:
 
     def publish_file(self, path: str | Path, batch_size: int = 1000,
                      on_batch: Callable[[int], None] | None = None) -> int:
-        """Publish a JSONL file in batches. The whole file is validated first: a bad line writes nothing. It is read
-        once, into a private copy that both passes read (until 2026-12-07 each pass read the file: the check drained a
-        pipe, `/dev/stdin` say, and nothing was published; lines a writer appended meanwhile were published unchecked)."""
-        with tempfile.NamedTemporaryFile(prefix="andromeda-publish-", suffix=".jsonl") as copy:
-            with open(path, "rb") as source:
-                shutil.copyfileobj(source, copy)
-            copy.flush()
-            for batch in read_events(copy.name, batch_size, name=str(path)):
-                compile_upserts(self.schema, batch, batch.where)
-            total = 0
-            for batch in read_events(copy.name, batch_size, name=str(path)):
-                total += len(self.publish_ops(prepare_ops(self.schema, self.scorer, batch, batch.where)))
-                if on_batch:
-                    on_batch(len(batch))
+        """Publish a JSONL file in batches. The whole file is validated first: a bad line writes nothing. Both passes
+        read the same bytes: a regular file through one handle up to its size when opened (lines appended meanwhile are
+        neither checked nor published), anything else (a pipe: `/dev/stdin`) from a private copy (until 2026-12-07
+        each pass opened the path: the check drained a pipe and nothing was published; appended lines went out
+        unchecked)."""
+        with open(path, "rb") as source:
+            info = os.fstat(source.fileno())
+            if stat.S_ISREG(info.st_mode):
+                events, size = source, info.st_size
+            else:
+                events, size = tempfile.TemporaryFile(), None
+                shutil.copyfileobj(source, events)
+            with events:
+                events.seek(0)
+                for batch in events_in(events, str(path), batch_size, limit=size):
+                    compile_upserts(self.schema, batch, batch.where)
+                events.seek(0)
+                total = 0
+                for batch in events_in(events, str(path), batch_size, limit=size):
+                    total += len(self.publish_ops(prepare_ops(self.schema, self.scorer, batch, batch.where)))
+                    if on_batch:
+                        on_batch(len(batch))
         return total

@@ -9,7 +9,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 NAME = re.compile(r"^snapshot-(\d{15})-(\d{10})\.safetensors$")
 TEMP = re.compile(r"^\.snapshot-\d{15}-\d{10}\.safetensors\..+\.tmp$")  # save_state's, while it writes
 TEMP_ABANDONED_S = 3600.0  # a temp file untouched this long has no writer (one killed, or stopped, mid-write)
-STREAM_ID = re.compile(r"^\d+-\d+$")
+STREAM_ID = re.compile(r"(\d{1,20})-(\d{1,20})")  # fullmatch; each part below 2**64 too (Redis refuses the rest)
 KEEP = 3  # snapshots a store keeps (it writes the next before it prunes: KEEP + 1 for a while)
 
 
@@ -31,11 +31,12 @@ def stream_id_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def covers_stream_id(path: Path, meta: dict) -> bool:
+def covers_stream_id(path: Path, meta: Any) -> bool:
     """Whether a snapshot's caller metadata names the stream id it covers (logged where not: a file no release of
     this code writes, passed over rather than failing the start)."""
-    stream_id = meta.get("stream_id")
-    if isinstance(stream_id, str) and STREAM_ID.match(stream_id):
+    stream_id = meta.get("stream_id") if isinstance(meta, dict) else None
+    if isinstance(stream_id, str) and (parts := STREAM_ID.fullmatch(stream_id)) and \
+            all(int(part) < 1 << 64 for part in parts.groups()):
         return True
     log.error("snapshot %s names no stream id it covers (%r); passing over it for an older snapshot", path.name,
               stream_id)
@@ -53,13 +54,16 @@ class SnapshotStore:
         each a table's size, until 2026-12-07 kept for good) once untouched for TEMP_ABANDONED_S: a live writer's, of
         this replica or another sharing the folder, grows as it writes. At start and after each write; their names."""
         removed, now = [], time.time()
-        for path in self.directory.iterdir():
-            try:
-                if TEMP.match(path.name) and now - path.stat().st_mtime > TEMP_ABANDONED_S:
-                    path.unlink()
-                    removed.append(path.name)
-            except FileNotFoundError:  # another replica removed it first
-                continue
+        try:
+            for path in self.directory.iterdir():
+                try:
+                    if TEMP.match(path.name) and now - path.stat().st_mtime > TEMP_ABANDONED_S:
+                        path.unlink()
+                        removed.append(path.name)
+                except FileNotFoundError:  # another replica removed it first
+                    continue
+        except OSError as exc:  # best effort (a read-only folder, say): neither a start nor a written snapshot fails
+            log.warning("could not remove the temp files of unfinished snapshot writes in %s: %s", self.directory, exc)
         if removed:
             log.warning("removed the temp files of snapshot writes that never finished: %s", removed)
         return removed
@@ -110,13 +114,13 @@ class SnapshotStore:
                 meta = json.loads(header(path)["user"])
                 differs = foreign(meta)
             except Exception:  # an unreadable header: load_snapshot below reports the file as corrupt
-                meta, differs = {}, {}
+                meta, differs = None, {}
             if differs:
                 log.error("snapshot %s has %s; skipping it", path.name, differs)
                 continue
-            if meta and not covers_stream_id(path, meta):
-                continue
-            if meta:
+            if meta is not None:
+                if not covers_stream_id(path, meta):  # from its header alone
+                    continue
                 before_load(meta)
             try:
                 restored, meta = load_snapshot(path, schema, device)

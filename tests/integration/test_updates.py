@@ -299,6 +299,26 @@ def test_publish_cli_appends_a_file(redis_server, tmp_path):
     assert bad.returncode == 2 and "ad.targeting.planet" in bad.stderr and sum(map(client.xlen, streams)) == 5
 
 
+def test_a_file_written_to_while_it_is_published_goes_out_as_it_was_checked(setup, tmp_path, monkeypatch):
+    """Both passes read the bytes there when it was opened: a bad line appended after the check is not published
+    (until 2026-12-07 the second pass read it, unchecked, and failed after publishing the batches before it)."""
+    import json
+
+    from index_updater import publisher as publisher_module
+
+    client, publisher, _ = setup
+    events = tmp_path / "growing.jsonl"
+    events.write_text("".join(json.dumps(upsert(i)) + "\n" for i in range(1, 6)))
+    check = publisher_module.compile_upserts
+
+    def check_then_append(*args):  # a writer appends while the check runs
+        with events.open("a") as f:
+            f.write(json.dumps(upsert(6, targeting={"planet": {"any_of": ["mars"]}})) + "\n")
+        return check(*args)
+    monkeypatch.setattr(publisher_module, "compile_upserts", check_then_append)
+    assert publisher.publish_file(events, batch_size=2) == 5 and client.xlen(SHARD0) == 5
+
+
 def test_publishing_for_another_layout_than_the_replicas_read_is_refused(setup, redis_server, small_schema, scorer,
                                                                            tmp_path):
     """A consumer records the layout it applies (shards, schema, model, dims); a publisher for another is told so

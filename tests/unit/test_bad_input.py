@@ -170,6 +170,9 @@ def test_files_may_start_with_a_byte_order_mark_as_http_bodies_may(tmp_path):
     request.write_bytes(codecs.BOM_UTF8 + b'{"user": {"user_id": 1}}')
     assert [e.ad.ad_id for batch in read_events(events) for e in batch] == [1, 2]
     assert json.loads(read_text(request)) == {"user": {"user_id": 1}}
+    request.write_bytes(codecs.BOM_UTF8 + b'{"user": {"user_id": 1, "c": "\xff"}}')
+    with pytest.raises(InvalidInput, match=r"not UTF-8 text \(byte 33\)"):  # counted from the file's start
+        read_text(request)
 
 
 def test_context_categories_named_surface_or_placement_take_what_the_schema_says(scorer):

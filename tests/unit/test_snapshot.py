@@ -11,6 +11,7 @@ from andromeda_core.index import AdIndex
 from andromeda_core import snapshot
 from andromeda_core.schema import schema_from_dict
 from andromeda_core.snapshot import load_snapshot, save_snapshot
+from index_updater import snapshots as snapshots_module
 from index_updater.snapshots import SnapshotStore
 from tests.conftest import SMALL_SCHEMA, apply_events, upsert
 
@@ -167,20 +168,24 @@ def test_a_snapshot_of_another_format_says_so_not_that_its_checksum_failed(tmp_p
         load_snapshot(path, small_schema)
 
 
-@pytest.mark.parametrize("stream_id", [None, "abc", 7, "5"])
+@pytest.mark.parametrize("stream_id", [None, "abc", 7, "5", "5-0\n", f"{2**64}-0"])
 def test_a_snapshot_that_names_no_stream_id_is_passed_over_before_it_is_loaded(tmp_path, populated, small_schema,
-                                                                               stream_id, caplog):
-    """Its header passes the checksum, but a replica cannot continue from it: an older snapshot is taken instead, and
-    nothing (the position a replica reports before loading) reads the bad id."""
+                                                                               stream_id, caplog, monkeypatch):
+    """Its header passes the checksum, but a replica cannot continue from it (Redis refuses "5-0\\n" and ids past
+    2**64 - 1 too): an older snapshot is taken instead, from its header alone, and nothing (the position a replica
+    reports before loading) reads the bad id."""
     store = SnapshotStore(tmp_path)
     store.write(populated, "5-0")
     tensors, layout = populated.export_state()
     snapshot.save_state(tensors, layout, tmp_path / "snapshot-000000000000009-0000000000.safetensors",
                         {} if stream_id is None else {"stream_id": stream_id})
-    held = []
+    held, loaded = [], []
+    monkeypatch.setattr(snapshots_module, "load_snapshot", lambda path, *args: (loaded.append(path.name),
+                                                                                  load_snapshot(path, *args))[1])
     with caplog.at_level(logging.ERROR, logger="index_updater.snapshots"):
         found = [meta["stream_id"] for _, meta in store.valid(small_schema, before_load=held.append)]
     assert found == ["5-0"] and [m["stream_id"] for m in held] == ["5-0"]
+    assert loaded == ["snapshot-000000000000005-0000000000.safetensors"]
     assert "snapshot-000000000000009-0000000000.safetensors names no stream id" in caplog.text
 
 
@@ -218,3 +223,19 @@ def test_temp_files_of_writes_that_never_finished_are_removed_once_untouched_an_
     os.utime(live, (hours_ago, hours_ago))
     store.write(populated, "7-0")  # and after each write
     assert not live.exists() and other.exists()
+
+
+def test_the_temp_file_sweep_never_fails_a_start_or_a_written_snapshot(tmp_path, populated, monkeypatch):
+    """Best effort: a temp file it cannot remove, or a folder it cannot list, is logged; the start goes on, and the
+    snapshot written before the sweep stands (it was reported failed: its round given back, nothing trimmed)."""
+    temp = tmp_path / ".snapshot-000000000000005-0000000000.safetensors.abc.tmp"
+    temp.write_bytes(b"partial")
+    os.utime(temp, (0, 0))
+
+    def refused(self, *args, **kwargs):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(snapshots_module.Path, "unlink", refused)
+    store = SnapshotStore(tmp_path)  # at start
+    assert store.write(populated, "6-0").exists() and temp.exists()  # after a write
+    monkeypatch.setattr(snapshots_module.Path, "iterdir", refused)
+    assert store.remove_abandoned() == []
