@@ -4,7 +4,7 @@ Serve application (deployments.app.build_app), writes the Serve config YAML for 
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -72,6 +72,9 @@ class Autoscaling(BaseModel):
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must not exceed max_replicas")
         return self
+
+
+ResourceName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # a Ray custom resource's name
 
 
 class Limits(BaseModel):
@@ -253,6 +256,10 @@ class ServiceConfig(BaseModel):
     was trimmed)."""
     shard_cpus: float = Field(0.5, gt=0)
     router_cpus: float = Field(0.5, gt=0)
+    router_resources: dict[ResourceName, Annotated[float, Field(gt=0, le=1e6)]] = Field(default_factory=dict)
+    """Ray custom resources every router replica asks for besides its CPUs: a worker group that alone offers them keeps
+    the routers there (gpu-prod: its cpu-workers; a GPU pod with no shard replica yet also had the CPUs of a router,
+    which then served writes without the write token its pods lack). {} (the default): any node."""
     host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$")
     port: int = Field(8000, ge=1, le=65535)
 
@@ -292,7 +299,8 @@ class ServiceConfig(BaseModel):
                 "health_check_period_s": 2, "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 5}
 
     def router_options(self) -> dict:
-        return {"num_replicas": self.router_replicas, "ray_actor_options": {"num_cpus": self.router_cpus},
+        resources = {"resources": dict(self.router_resources)} if self.router_resources else {}
+        return {"num_replicas": self.router_replicas, "ray_actor_options": {"num_cpus": self.router_cpus, **resources},
                 "max_ongoing_requests": self.overload.router_inflight + REFUSING_SLOTS,
                 "max_queued_requests": self.overload.router_queue,
                 "backpressure_config": {"retry_after_s": self.overload.retry_after_s},  # on the proxy's refusals too

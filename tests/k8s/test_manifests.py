@@ -24,7 +24,7 @@ from ray.serve.schema import ServeDeploySchema
 from andromeda_cli.k8s import PATCH_FILE, overlay_config, serve_config_patch
 from andromeda_cli.main import main
 from andromeda_core.quantization import ROW_ALIGN, aligned_rows
-from deployments.config import SERVE_ENV, ServiceConfig
+from deployments.config import ROUTER, SERVE_ENV, ServiceConfig
 from deployments.metrics import ServiceMetrics
 from index_updater import snapshots
 from tests.k8s.kustomize import build
@@ -332,6 +332,14 @@ def test_the_device_kinds_get_their_worker_groups(overlay):
     assert cpu["minReplicas"] == cpu["maxReplicas"] == service.router_replicas
     assert float(cpu["rayStartParams"]["num-cpus"]) == service.router_cpus  # one router per pod (metrics, below)
     assert "nvidia.com/gpu" not in cpu["template"]["spec"]["containers"][0]["resources"]["limits"]
+    # routers only there: a GPU pod with no shard replica yet has a router's CPUs too, but no write token
+    offered = {group: json.loads(json.loads(g["rayStartParams"].get("resources", '"{}"')))  # ray start --resources
+               for group, g in by_name.items()}  # takes JSON, which KubeRay wants quoted once more
+    assert service.router_resources and all(offered[g].get(r) is None for g in ("head", "gpu-workers")
+                                            for r in service.router_resources)
+    assert offered["cpu-workers"] == service.router_resources
+    router = next(d for d in serve_config(rayservice)["applications"][0]["deployments"] if d["name"] == ROUTER)
+    assert router["ray_actor_options"]["resources"] == service.router_resources
 
 
 def test_snapshots_are_where_the_service_config_writes_them(overlay):

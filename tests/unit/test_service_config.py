@@ -45,7 +45,9 @@ def test_autoscaling_and_cuda_options():
                                         ({"overload": {"write_inflight": 0}}, "overload.write_inflight"),
                                         ({"overload": {"write_timeout_s": 0}}, "overload.write_timeout_s"),
                                         ({"overload": {"write_timeout_s": "5"}}, "overload.write_timeout_s"),
-                                        ({"overload": {"write_timeout_s": float("inf")}}, "overload.write_timeout_s")])
+                                        ({"overload": {"write_timeout_s": float("inf")}}, "overload.write_timeout_s"),
+                                        ({"router_resources": {"a b": 1}}, "router_resources"),
+                                        ({"router_resources": {"andromeda-router": 0}}, "router_resources")])
 def test_bad_config_names_the_field(bad, field):
     with pytest.raises(ValidationError) as info:
         ServiceConfig.model_validate({"redis_url": "redis://r", **bad})
@@ -155,3 +157,11 @@ def test_credentials_lose_outer_whitespace_and_empty_paths_mean_the_default(monk
 def test_a_rate_too_small_for_a_retry_after_is_refused():
     with pytest.raises(ValidationError, match="requests_per_s"):
         ServiceConfig.model_validate({"rate_limit": {"requests_per_s": 1e-320, "burst": 1}})
+
+
+def test_routers_ask_for_their_custom_resources_only_where_configured():
+    """None by default (one machine, `andromeda up`: no node offers any); gpu-prod keeps its routers on the cpu-workers
+    through one."""
+    assert "resources" not in ServiceConfig().router_options()["ray_actor_options"]
+    options = ServiceConfig(router_resources={"andromeda-router": 1}).router_options()["ray_actor_options"]
+    assert options == {"num_cpus": 0.5, "resources": {"andromeda-router": 1.0}}
