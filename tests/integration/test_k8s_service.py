@@ -30,7 +30,8 @@ from deployments.config import APP_NAME, ServiceConfig
 from index_updater.local_redis import free_port
 from tests.integration.conftest import local_ray, redis_for
 from index_updater.publisher import Publisher
-from tests.k8s.manifests import RAY_SERVE_METRICS, alert_exprs, grafana_exprs, metric_names, one, rendered, serve_config
+from tests.k8s.manifests import (KUBELET_METRICS, RAY_SERVE_METRICS, alert_exprs, grafana_exprs, metric_names, one,
+                                  rendered, serve_config)
 
 TOKEN = "k8s-test-write-token"
 READY_TIMEOUT_S = 240
@@ -131,6 +132,7 @@ def test_the_metrics_the_alerts_and_dashboard_name_are_exported(cpu_dev):
         for expr in [*alert_exprs(resources).values(), *grafana_exprs(dashboard)]:
             named |= metric_names(expr)
     assert len(named) >= 15
-    assert named - exported == RAY_SERVE_METRICS  # on Ray's metrics port (tests/k8s checks Ray defines them)
+    assert named - exported == RAY_SERVE_METRICS | KUBELET_METRICS  # on Ray's metrics port (tests/k8s checks Ray
+    # defines them), and the kubelet's (the snapshot volume's space)
     ready = [line for line in scrape.text.splitlines() if line.startswith("andromeda_shard_ready{")]
     assert len(ready) == cpu_dev.service.shards and all(line.endswith(" 1.0") for line in ready)
