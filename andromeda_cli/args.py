@@ -75,6 +75,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {shown(text)}")
+    return value
+
+
 def stream_name(text: str) -> str:
     """The update streams' base name, as the service takes it (andromeda_core.config.stream_problem)."""
     from andromeda_core.config import stream_problem

@@ -26,6 +26,7 @@ import numpy as np
 import redis
 import torch
 
+from andromeda_cli.args import NON_NEGATIVE, POSITIVE, non_negative_float, positive_float
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import prepare_ops, read_events
 from andromeda_core.models.two_tower import HashedTwoTower
@@ -210,12 +211,12 @@ timestamp (taken just before XADD).
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", type=int, nargs="+", default=[2000, 5000, 10000])
-    p.add_argument("--seconds", type=float, default=15.0)
-    p.add_argument("--ads", type=int, default=50000)
-    p.add_argument("--backlog", type=int, default=100000, help="edits waiting in the stream for the apply-rate runs")
-    p.add_argument("--shards", type=int, default=1, help="the publisher splits edits over this many shard streams")
-    p.add_argument("--qps", type=float, default=20.0, help="retrieval requests per second meanwhile (open loop)")
+    p.add_argument("--rates", type=POSITIVE, nargs="+", default=[2000, 5000, 10000])
+    p.add_argument("--seconds", type=positive_float, default=15.0)
+    p.add_argument("--ads", type=POSITIVE, default=50000)
+    p.add_argument("--backlog", type=NON_NEGATIVE, default=100000, help="edits waiting in the stream for the apply-rate runs")
+    p.add_argument("--shards", type=POSITIVE, default=1, help="the publisher splits edits over this many shard streams")
+    p.add_argument("--qps", type=non_negative_float, default=20.0, help="retrieval requests per second meanwhile (open loop)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)  # the query thread shares the 2 cores with publisher, consumer and redis

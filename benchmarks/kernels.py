@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from andromeda_cli.args import NON_NEGATIVE, POSITIVE
+from andromeda_cli.args import NON_NEGATIVE, POSITIVE, non_negative_float
 from andromeda_core.index import AdIndex
 from andromeda_core.models.heads import MoEHead
 from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel
@@ -258,15 +258,15 @@ def rows_read(world: Table, requests: Requests, B: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ads", type=int, default=1_000_000, help="ads in the synthetic world")
-    p.add_argument("--tile", type=int, nargs="+", default=[1, 10], help="corpus sizes as multiples of the world")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--ads", type=POSITIVE, default=1_000_000, help="ads in the synthetic world")
+    p.add_argument("--tile", type=POSITIVE, nargs="+", default=[1, 10], help="corpus sizes as multiples of the world")
+    p.add_argument("--batch", type=POSITIVE, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--storage", nargs="+", default=["fp16", "int8"], choices=["fp16", "int8"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=POSITIVE, default=2)
+    p.add_argument("--repeats", type=POSITIVE, default=3)
     p.add_argument("--rounds", type=POSITIVE, default=7, help="CPU: rounds of ours and FAISS timed in turn")
-    p.add_argument("--peer-pairs", type=float, default=16e6,
+    p.add_argument("--peer-pairs", type=non_negative_float, default=16e6,
                    help="run the reference and naive peers only up to this many user-ad pairs (they are slow)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--save-table", type=Path, default=None,
@@ -280,6 +280,8 @@ def main() -> None:
                    help="CUDA: batches of at most B requests load only the matched vector rows (A/B runs of "
                         "MATCHED_ROWS_MAX_B; 0: never); implies --no-write")
     args = p.parse_args()
+    if args.save_table is not None:  # before the world is built (minutes at 1M ads), not after
+        args.save_table.parent.mkdir(parents=True, exist_ok=True)
     if args.no_skip or args.matched_rows_max_b is not None:
         from kernels.triton import fused
         args.no_write = True

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import redis
 import torch
 
+from andromeda_cli.args import POSITIVE, int_in, positive_float
 from andromeda_core.index import AdIndex
 from andromeda_core.models.serving import load_scorer
 from andromeda_core.ingest import load_events, read_events
@@ -373,14 +374,21 @@ DESCRIBE = {
 }
 
 
+def rate_list(text: str) -> str:
+    """--rates: comma-separated offered rates, each a number > 0 (kept as written, for the recorded command)."""
+    for rate in text.split(","):
+        positive_float(rate)
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ads", type=int, default=20000)
-    p.add_argument("--users", type=int, default=500)
-    p.add_argument("--rates", default="10,15,20,30,40,60,80,120,160,240,320",
+    p.add_argument("--ads", type=POSITIVE, default=20000)
+    p.add_argument("--users", type=POSITIVE, default=500)
+    p.add_argument("--rates", type=rate_list, default="10,15,20,30,40,60,80,120,160,240,320",
                    help="offered requests/s per step, comma separated")
-    p.add_argument("--seconds", type=float, default=15.0, help="length of each step")
-    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--seconds", type=positive_float, default=15.0, help="length of each step")
+    p.add_argument("--shards", type=int_in(1, 1024), default=1)
     p.add_argument("--model", type=Path, default=None, help="trained checkpoint (the FAISS peer is then skipped)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     p.add_argument("--no-faiss", action="store_true", help="the service only (implies --no-write)")
