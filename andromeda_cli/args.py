@@ -64,26 +64,23 @@ def output_file(text: str) -> Path:
     return path
 
 
-def non_negative_float(text: str) -> float:
-    """A finite float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {shown(text)}")
-    return value
+def float_above(lo: float, strict: bool) -> Callable[[str], float]:
+    """A finite float >= lo (> lo when strict)."""
+    bound = f"{'>' if strict else '>='} {lo:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < lo or (strict and value == lo):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {shown(text)}")
+        return value
+    return parse
 
 
-def positive_float(text: str) -> float:
-    """A finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {shown(text)}")
-    return value
+non_negative_float = float_above(0, strict=False)
+positive_float = float_above(0, strict=True)
 
 
 def stream_name(text: str) -> str:

@@ -478,6 +478,14 @@ class ShardConsumer:
             self._snapshot_now = True
         self._reset_pending = False
 
+    def _settle_reset_counted(self, retried: bool = False) -> None:
+        """settle_reset (through retry when `retried`); a failure (an unwritable snapshot folder, say) is counted and
+        left to the next turn of the loop, and what called it goes on."""
+        try:
+            retry(self.settle_reset) if retried else self.settle_reset()
+        except Exception as exc:
+            self._count_error(exc, "setting the stale snapshots aside again next turn")
+
     def gap_error(self, gap: str) -> StreamGap:
         """The StreamGap of a stream trimmed up to `gap`, past what this replica applied."""
         return StreamGap(f"stream trimmed up to {gap}, past the last applied id {self.stats.last_id}")
@@ -580,10 +588,7 @@ class ShardConsumer:
         it needed were trimmed away."""
         while retry(lambda: self.poll(block_ms=0)):
             pass
-        try:
-            retry(self.settle_reset)
-        except Exception as exc:  # as in the loop (an unwritable snapshot folder, say): the index is complete, and the
-            self._count_error(exc, "setting the stale snapshots aside again next turn")  # loop tries again each turn
+        self._settle_reset_counted(retried=True)  # the index is complete: a failure here waits for the loop's turn
         try:
             retry(self.report_applied)  # registered before it serves: trimming now waits for this replica
         except redis.exceptions.OutOfMemoryError as exc:  # a full Redis refuses the report: serve what was read, and
@@ -845,10 +850,7 @@ class ShardConsumer:
             if self._read_clock is not None:  # by Redis's clock, one for every replica: a replica's own, an hour
                 # fast, freed live ads, and its snapshots spread the loss to every replica that loaded them
                 self.index.sweep_expired(int(self._read_clock // 1000 - self.sweep_grace_s))
-        try:
-            self.settle_reset()
-        except Exception as exc:  # an unwritable snapshot directory, say: the rest of the turn goes on
-            self._count_error(exc, "setting the stale snapshots aside again next turn")
+        self._settle_reset_counted()
         self.finish_background_write()
         if self.snapshots is not None and (now >= due["snapshot"] or (self._snapshot_now and self._writer is None)):
             due["snapshot"] = now + self.snapshot_every_s
