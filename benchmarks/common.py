@@ -1,9 +1,11 @@
 """Shared benchmark helpers: machine description, hardware ceilings, timing, docs/ sections."""
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -12,6 +14,22 @@ from typing import Callable
 import torch
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def command_line(module: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """`python -m module` with every option's value as parsed, defaults included (a flag only when set, an unset
+    optional path left out), so that the line a section records reproduces its run after a default changes."""
+    words = ["python", "-m", module]
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest == "help" or value is None or value is False:
+            continue
+        words.append(action.option_strings[-1])
+        if action.nargs == 0:
+            continue
+        values = value if isinstance(value, list) else [value]
+        words += [str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in values]
+    return shlex.join(words)
 
 
 def vector_isa(flags: set[str]) -> str:

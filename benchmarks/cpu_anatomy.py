@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from andromeda_cli.args import POSITIVE
-from benchmarks.common import machine, matmul_gflops, write_section
+from benchmarks.common import command_line, machine, matmul_gflops, write_section
 from benchmarks.kernels import D, E, K, S, TOP_N, Table, read_gbs, table_and_requests
 from kernels import cpu
 
@@ -88,12 +88,11 @@ def fma_floor_ms(pairs: float, peak_gflops: float) -> float:
     return pairs * per_pair / (peak_gflops * 1e9 / 32) * 1000
 
 
-def report(rows: list[dict], args, read_bw: float, peak: float) -> str:
+def report(rows: list[dict], args, command: str, read_bw: float, peak: float) -> str:
     lines = [
         "## Where the CPU pass spends its time",
         "",
-        f"`python -m benchmarks.cpu_anatomy --batch {' '.join(map(str, args.batch))} --storage "
-        f"{' '.join(args.storage)} --rounds {args.rounds}` (over the saved 1M-ad table of `benchmarks.kernels`)",
+        f"`{command}` (over the saved 1M-ad table of `benchmarks.kernels`)",
         "",
         f"Machine: {machine()}; read bandwidth {read_bw:.1f} GB/s, fp32 matmul {peak:.0f} GFLOP/s, both measured in "
         "the same run. The variants (the module's docstring): \"match only\" makes no ad servable; \"rows in "
@@ -144,7 +143,7 @@ def main() -> None:
                   + f"; {pairs / 1e6:.2f}M eligible pairs, FMA floor {row['floor']:.2f} ms")
         tables = None
     if not args.no_write:
-        write_section("kernels-cpu-anatomy", report(rows, args, read_bw, peak))
+        write_section("kernels-cpu-anatomy", report(rows, args, command_line("benchmarks.cpu_anatomy", p, args), read_bw, peak))
 
 
 if __name__ == "__main__":

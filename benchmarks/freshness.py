@@ -35,7 +35,7 @@ from andromeda_core.schema import load_schema
 from andromeda_core.sharding import shard_of
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import parse_request
-from benchmarks.common import machine, write_section
+from benchmarks.common import command_line, machine, write_section
 from index_updater.consumer import ShardConsumer
 from index_updater.local_redis import LocalRedis
 from index_updater.publisher import Publisher
@@ -180,7 +180,7 @@ def run(args, world: Path, url: str) -> tuple[list[dict], list[dict], int]:
         publisher.join()
 
 
-def report(args, rates: list[dict], rows: list[dict], ads: int, load_before: float) -> str:
+def report(args, command: str, rates: list[dict], rows: list[dict], ads: int, load_before: float) -> str:
     idle, busy = rates
     table = ["| target events/s | published events/s | applied events/s | p50 ms | p99 ms | max ms | queries/s meanwhile |",
              "|---|---|---|---|---|---|---|"]
@@ -188,7 +188,7 @@ def report(args, rates: list[dict], rows: list[dict], ads: int, load_before: flo
               f"{r['max']:.1f} | {r['qps']:.1f} |" for r in rows]
     return f"""## Update apply rate and freshness (XADD -> servable) under concurrent retrieval
 
-`python -m benchmarks.freshness --rates {' '.join(map(str, args.rates))} --seconds {args.seconds:g} --ads {args.ads} --backlog {args.backlog} --shards {args.shards}`
+`{command}`
 
 Machine: {machine()}. On this machine at once: one redis-server (AOF, appendfsync always); a publisher
 process writing ad edits to the per-shard streams; the replica process with its consumer of shard 0 of
@@ -228,7 +228,7 @@ def main() -> None:
             rates, rows, ads = run(args, world, server.url)
         finally:
             server.stop()
-    body = report(args, rates, rows, ads, load_before)
+    body = report(args, command_line("benchmarks.freshness", p, args), rates, rows, ads, load_before)
     print(body)
     if not args.no_write:
         write_section("freshness", body)

@@ -53,7 +53,7 @@ from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.targeting import compile_user
 from andromeda_core.types import parse_request
-from benchmarks.common import machine, matmul_gflops, median_seconds, sync, timed_in_turn, write_section
+from benchmarks.common import command_line, machine, matmul_gflops, median_seconds, sync, timed_in_turn, write_section
 from kernels import dispatch
 from kernels.reference import fused as reference
 
@@ -338,7 +338,9 @@ def main() -> None:
             on = None  # frees the device copy before the next storage
         flat_scan = None
         if not args.no_write:  # after each size: a run cut short (time, memory) keeps the sizes it finished
-            write_section(f"kernels-{dev}", report(rows, args, args.tile[:done], copy, read_bw, peak))
+            measured = argparse.Namespace(**{**vars(args), "tile": args.tile[:done]})  # the sizes done so far
+            write_section(f"kernels-{dev}", report(rows, args, command_line("benchmarks.kernels", p, measured), copy,
+                                                   read_bw, peak))
 
 
 def gated_share(args_: tuple) -> tuple[float, bool]:
@@ -474,8 +476,8 @@ def line(r: dict, read_bw: float, peak: float) -> str:
             f"({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M ads/s)  blocks gated {share(r['gated'])}")
 
 
-def report(rows: list[dict], args, tiles: list[int], copy: float, read_bw: float, peak: float) -> str:
-    """The section of docs/benchmarks.md for the rows measured so far, over the corpus sizes `tiles`."""
+def report(rows: list[dict], args, command: str, copy: float, read_bw: float, peak: float) -> str:
+    """The section of docs/benchmarks.md for the rows measured so far, by the `command` that measured them."""
     cpu = args.device == "cpu"
     table = ["| ads | storage | B | ours ms | ads/s | pairs/s | bytes/ad | GB/s | share of read bw | share of copy bw "
              "| GFLOP/s | share of peak FLOPs | eligible | rows read | match alone ms (ads/s) | reference ms | naive ms "
@@ -490,9 +492,6 @@ def report(rows: list[dict], args, tiles: list[int], copy: float, read_bw: float
                      f"{ms(r['faiss'])} | {times_ours(r)} | {ms(r['topk'])} | "
                      f"{ms(r['tower'] + r['ours'])} ({r['n'] / (r['tower'] + r['ours']) / 1e6:.1f}M) | {share(r['gated'])} |")
     setups = sorted({(r["B"], r["faiss_setup"]) for r in rows if r["faiss_setup"]})
-    command = (f"python -m benchmarks.kernels --device {args.device} --ads {args.ads} --tile {' '.join(map(str, tiles))} "
-               f"--batch {' '.join(map(str, args.batch))} --threads {args.threads}" +
-               (f" --rounds {args.rounds}" if cpu else ""))
     if cpu:
         rows_text = ("the vector rows of the \"rows read\": the ads some request of the batch is eligible for, whose row "
                      "the pass reads once for all of them, counted in the 64-byte cache lines they occupy (an fp16 row's "

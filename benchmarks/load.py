@@ -40,7 +40,7 @@ from andromeda_core.sharding import shard_of
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import RetrieveRequest, parse_request
 from benchmarks import load_cpu
-from benchmarks.common import DOCS, machine, write_section
+from benchmarks.common import DOCS, command_line, machine, write_section
 from benchmarks.load_client import bodies, run_step
 from deployments.config import APP_NAME, ServiceConfig, apply_serve_env
 from deployments.shard import HistoryVectors, ShardAnswer
@@ -320,9 +320,7 @@ def wire_table(w: dict, request_bytes: float, response_bytes: float) -> str:
     ])
 
 
-def report(args, ads: int, inproc: dict, systems: dict, checks: dict, wire: dict, request_bytes: float) -> str:
-    command = (f"python -m benchmarks.load --ads {args.ads} --users {args.users} --rates {args.rates} "
-               f"--seconds {args.seconds:g} --shards {args.shards}" + (f" --model {args.model}" if args.model else ""))
+def report(args, command: str, ads: int, inproc: dict, systems: dict, checks: dict, wire: dict, request_bytes: float) -> str:
     parts = [f"""## Serving under load
 
 `{command}`
@@ -431,7 +429,7 @@ def main() -> None:
             server.stop()
             pool.shutdown()
     systems = {name: systems[name] for name in (SERVICE, FAISS) if name in systems}
-    body = report(args, len(index), inproc, systems, checks, wire, float(np.mean([len(b) for b in payloads])))
+    body = report(args, command_line("benchmarks.load", p, args), len(index), inproc, systems, checks, wire, float(np.mean([len(b) for b in payloads])))
     print(body)
     if not args.no_write:
         plot(systems, inproc, PLOT)

@@ -25,7 +25,7 @@ from andromeda_core.models.two_tower import HashedTwoTower
 from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_cli.args import POSITIVE, non_negative_float
-from benchmarks.common import machine, write_section
+from benchmarks.common import command_line, machine, write_section
 from benchmarks.freshness import edits, load_corpus
 from index_updater.consumer import ShardConsumer
 from index_updater.snapshots import SnapshotStore
@@ -59,14 +59,14 @@ def pauses(index: AdIndex, batches: list[list], consumer: ShardConsumer, interva
             "bytes": max(p.stat().st_size for p in consumer.snapshots.paths())}
 
 
-def report(args, ads: int, rows: list[tuple[str, dict]]) -> str:
+def report(args, command: str, ads: int, rows: list[tuple[str, dict]]) -> str:
     lines = ["| snapshots | snapshot work in the applying thread, s | longest pause between applies, s | median gap, ms | "
              "snapshot size |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {r['round']:.2f} | {r['longest']:.2f} | {r['median'] * 1000:.0f} | "
               f"{r['bytes'] / 1e6:,.0f} MB |" for name, r in rows]
     return f"""## Update pause while a replica snapshots its table
 
-`python -m benchmarks.snapshot_pause --ads {args.ads} --repeats {args.repeats}`
+`{command}`
 
 Machine: {machine()}. A CPU table of {ads:,} ads (a synthetic world's, {STORED_DIMS} float32 per vector, what the
 MoE's table holds) applies {args.batch} edits every {args.interval * 1000:.0f} ms in one thread (edits of
@@ -109,7 +109,7 @@ def main() -> None:
                                          background_snapshots=background)
                 rows.append((name, pauses(index, batches, consumer, args.interval, args.seconds)))
                 print(name, rows[-1], flush=True)
-    body = report(args, len(index), rows)
+    body = report(args, command_line("benchmarks.snapshot_pause", p, args), len(index), rows)
     print(body)
     if not args.no_write:
         write_section("snapshot-pause", body)

@@ -58,6 +58,6 @@ def test_the_report_names_every_variant_and_the_floor():
     ms = {name: 10.0 + i for i, name in enumerate(cpu_anatomy.VARIANTS)}
     rows = [dict(n=N, storage="fp16", B=1, ms=ms, pairs=2e6, floor=cpu_anatomy.fma_floor_ms(2e6, 320.0))]
     args = argparse.Namespace(batch=[1], storage=["fp16"], rounds=3)
-    text = cpu_anatomy.report(rows, args, read_bw=27.0, peak=320.0)
+    text = cpu_anatomy.report(rows, args, "python -m benchmarks.cpu_anatomy --rounds 3", read_bw=27.0, peak=320.0)
     assert "| 301 | fp16 | 1 | 10.0 | 11.0 | 12.0 | 13.0 | 1.0 | -2.0 | 2.00M | 6.4 |" in text
     assert "--rounds 3" in text and "27.0 GB/s" in text
