@@ -36,11 +36,13 @@ from andromeda_core.writer import largest_stored
 from index_updater.clients import redis_client
 from index_updater.publisher import DEFAULT_STREAM, TRANSIENT, retry
 from index_updater.records import (DecodedRead, Entry, EntryDecoder, InvalidRecord, applied_key, dead_letter_stream,
-                                   layout_key, shard_stream, snapshot_writer_key, stream_layout, text)
+                                   layout_key, shard_stream, snapshot_writer_key, stream_layout, text, whole_batches)
 from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
+WHOLE_BATCH_MAX = 50_000  # a read that holds no batch's end grows to this many entries (read_batches): a shard's part
+# of a longer batch is applied in parts
 REPLY_TIMEOUT_S = 10.0  # consumer_client's bound on a connection or a reply (a read's is milliseconds; XREAD blocks
 # for block_ms only)
 LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every second) by this much
@@ -373,17 +375,35 @@ class ShardConsumer:
 
     # -- consuming -------------------------------------------------------------------------------
 
-    def read(self) -> list[Entry]:
-        """The next entries of the shard's stream after the last applied id, at most `count`, without waiting.
+    def read_batches(self) -> tuple[list[Entry], bool]:
+        """read(), ending at a published batch's end, so that one apply takes a batch's whole part of this shard and
+        no search sees part of it: the entries after the read's last batch end wait for the next read, and a read that
+        holds none is made again with twice the count (up to WHOLE_BATCH_MAX). Returns (the entries, whether the stream
+        held more than were read: a read short of its count took all there was, whole batches, as each shard's part
+        is appended at once)."""
+        count = self.count
+        while True:
+            entries = self.read(count)
+            if len(entries) < count:
+                return entries, False
+            if ended := whole_batches(entries):
+                return entries[:ended], True
+            if count >= WHOLE_BATCH_MAX:
+                return entries, True
+            count = min(2 * count, WHOLE_BATCH_MAX)
+
+    def read(self, count: int | None = None) -> list[Entry]:
+        """The next entries of the shard's stream after the last applied id, at most `count` (None: self.count),
+        without waiting.
         Read in one transaction with the stream's state (or, when Redis is full, one script: READ), so that no trim
         can slip between the two: StreamGap when entries after the last applied id were trimmed away before this
         read (unless the index already misses updates: it then applies what the stream still holds). When the
         stream went back (went_back), the read starts again from its first entry."""
-        last_id = self.stats.last_id
+        last_id, count = self.stats.last_id, count or self.count
         pipe = self.client.pipeline(transaction=True)
         pipe.xinfo_stream(self.source)
         pipe.xrange(self.source, min=last_id, max=last_id, count=1)
-        pipe.xread({self.source: last_id}, count=self.count)
+        pipe.xread({self.source: last_id}, count=count)
         pipe.time()
         self._read_clock = None
         with self._reading():
@@ -393,7 +413,7 @@ class ShardConsumer:
                 if not isinstance(exc, (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError)) \
                         and not no_stream(exc):
                     raise
-                state = self._read(keys=[self.source], args=[last_id, self.count])  # Redis is full, or no stream:
+                state = self._read(keys=[self.source], args=[last_id, count])  # Redis is full, or no stream:
                 if len(state) == 1:  # READ, which also tells the clock of a stream that does not exist (holding
                     self._read_clock = self._clock(state[0])  # nothing unapplied; one created again later is a reset,
                     return []  # by its entries-added)
@@ -410,7 +430,7 @@ class ShardConsumer:
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
             self.stats.caught_up_to, self._last_digest = "", None  # the stream may now hold new entries before it
             self._reset_pending = True  # settle_reset, at the end of catch_up and at each turn of the loop
-            return self.read()
+            return self.read(count)
         self._entries_added = info["entries-added"]
         if not self.stats.gap_unrecovered:  # else it applies what the stream still holds
             if self._from_start:
@@ -494,14 +514,14 @@ class ShardConsumer:
         """Read one batch of the shard's stream (waiting up to block_ms for one) and apply it; returns how many
         entries were read."""
         block = self.block_ms if block_ms is None else block_ms
-        entries = self.read()
+        entries, more = self.read_batches()
         if not entries and block:
             with self._reading():
                 waited = self.client.xread({self.source: self.stats.last_id}, count=1, block=block)
             if waited:
-                entries = self.read()  # the wait's own reply is not checked for a gap: read again
+                entries, more = self.read_batches()  # the wait's own reply is not checked for a gap: read again
         newest = self._apply_read(entries) if entries else None
-        if len(entries) < self.count:  # the stream held no more than this read
+        if not more:  # the stream held no more than this read
             self.stats.behind_since, self._caught_up = None, True
             if self._read_clock is not None and not self.stats.gap_unrecovered:  # a later entry's id is past the
                 # read's clock (Redis ids entries by its clock, assumed not to step back): up to 1 ms before it, every

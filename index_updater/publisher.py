@@ -32,7 +32,7 @@ from andromeda_core.sharding import shard_of
 from andromeda_core.types import parse_event
 from index_updater.clients import redis_client
 from index_updater.owners import ADMIN, APPEND, Refused, Writer, claim_of, run_append
-from index_updater.records import encode, layout_key, shard_stream, stream_layout, text
+from index_updater.records import encode, layout_key, marked_batch, shard_stream, stream_layout, text
 
 DEFAULT_STREAM = Settings.stream
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -136,7 +136,7 @@ class Publisher:
         appended = 0
         for stream, positions in self._by_stream(ops).items():
             append = partial(run_append, self._append, stream, [ops[i] for i in positions],
-                             [entries[i] for i in positions], writer, [where[i] for i in positions], token)
+                             marked_batch([entries[i] for i in positions]), writer, [where[i] for i in positions], token)
             try:
                 for i, entry_id in zip(positions, self._retry(append, deadline)):
                     ids[i] = text(entry_id)

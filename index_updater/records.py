@@ -141,6 +141,19 @@ def _integer(fields: dict[bytes, bytes], key: str, bound: int) -> int:
 
 
 Entry = tuple[bytes | str, dict[bytes, bytes]]  # (stream id, fields) as XREAD returns it
+GOES_ON = "more"  # field of each entry of a shard's part of a published batch but its last (value 1): an entry
+# without it ends its batch (each entry published before 2026-12-07 ends one), where a replica's read may end
+
+
+def marked_batch(entries: Sequence[dict]) -> list[dict]:
+    """A shard's part of a batch (n entries' fields) -> the same with GOES_ON on all but the last."""
+    return [{**fields, GOES_ON: 1} for fields in entries[:-1]] + list(entries[-1:])
+
+
+def whole_batches(entries: Sequence[Entry]) -> int:
+    """How many of a read's entries come before the first entry after its last batch end (0: none ends one)."""
+    flag = GOES_ON.encode()
+    return next((i + 1 for i in range(len(entries) - 1, -1, -1) if flag not in entries[i][1]), 0)
 
 
 @dataclass(frozen=True)

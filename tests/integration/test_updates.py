@@ -23,7 +23,8 @@ from andromeda_core.targeting import CompiledTargeting, compile_user
 from andromeda_core.types import parse_event
 from index_updater.consumer import LAYOUT_TTL_S, ShardConsumer, StreamGap
 from index_updater.publisher import DEFAULT_STREAM, Publisher
-from index_updater.records import encode, layout_key, schema_tag, shard_stream
+from index_updater import consumer as consumer_module
+from index_updater.records import GOES_ON, encode, layout_key, schema_tag, shard_stream
 from index_updater import snapshots as snapshots_module
 from index_updater.snapshots import SnapshotStore, stream_id_key
 from tests.conftest import upsert, wait_until
@@ -100,7 +101,8 @@ def test_a_stream_read_again_after_it_went_back_is_not_lag(setup, monkeypatch):
     (Serve replaced them all). Entries past the last one applied before still count, also in a read that holds
     both."""
     client, publisher, make = setup
-    publisher.publish([upsert(i) for i in range(1, 11)])
+    for i in range(1, 11):  # batches of one: a read ends after any entry
+        publisher.publish([upsert(i)])
     c = make(count=3)
     c.catch_up()
     time.sleep(1.0)
@@ -118,7 +120,8 @@ def test_a_stream_read_again_after_it_went_back_is_not_lag(setup, monkeypatch):
         reads.append(c.poll(block_ms=0))
     assert reads == [3, 3, 3, 0] and max(lags) < 0.8, lags  # the third read holds old entries and the new one
     assert sorted(c.index.ad_ids()) == list(range(1, 11)) and c.stats.lag_seconds() == 0  # lost ad 10 stays applied
-    publisher.publish([upsert(i) for i in range(11, 15)])
+    for i in range(11, 15):
+        publisher.publish([upsert(i)])
     c.poll(block_ms=0)  # new entries, a full read: more wait
     assert c.stats.lag_seconds() > 0
 
@@ -206,7 +209,8 @@ def test_killed_consumer_restarts_from_snapshot_plus_replay(setup, tmp_path):
     client, publisher, make = setup
     store = SnapshotStore(tmp_path / "snapshots", keep=2)
     first = make(snapshots=store, count=7)
-    publisher.publish([upsert(i) for i in range(1, 30)])
+    for i in range(1, 30):  # batches of one: a read ends after any entry
+        publisher.publish([upsert(i)])
     first.poll(block_ms=0)
     first.poll(block_ms=0)
     first.snapshot()
@@ -491,7 +495,8 @@ def test_a_snapshot_of_another_shard_is_not_loaded(setup, tmp_path):
 
 def test_a_trim_between_the_reads_of_a_catch_up_is_a_gap(setup):
     client, publisher, make = setup
-    publisher.publish([upsert(i) for i in range(1, 31)])
+    for first in (1, 11, 21):
+        publisher.publish([upsert(i) for i in range(first, first + 10)])
     c = make(count=10)
     apply_read = c._apply_read
 
@@ -1129,3 +1134,44 @@ def test_replicas_reports_are_stamped_and_judged_by_redis_clock(setup, tmp_path,
     fast = time.time() + 120
     monkeypatch.setattr(time, "time", lambda: fast)  # the leader's clock two minutes ahead (replica_ttl_s: 60)
     assert leader.trim_point() == behind.stats.last_id
+
+
+def test_each_shard_part_of_a_batch_is_marked_to_end_at_its_last_entry(setup):
+    client, publisher, _ = setup
+    publisher.shards = 3
+    publisher.publish([upsert(ad_id) for ad_id in range(1, 21)])
+    for shard in range(3):
+        marks = [fields.get(GOES_ON.encode()) for _, fields in client.xrange(shard_stream(DEFAULT_STREAM, shard))]
+        assert len(marks) > 1 and marks == [b"1"] * (len(marks) - 1) + [None], shard
+
+
+@pytest.mark.parametrize("count", [1, 3, 6])
+def test_a_read_applies_whole_batches_whatever_its_count(setup, count):
+    """Until 2026-12-07 a read took `count` entries and could end inside a batch: a search between two reads saw
+    part of it (a stress run: 225 of 57,205 searches)."""
+    _, publisher, make = setup
+    first, second = [upsert(ad_id) for ad_id in range(1, 5)], [upsert(ad_id) for ad_id in range(5, 12)]
+    publisher.publish(first)
+    publisher.publish(second)
+    c = make(count=count)
+    assert c.poll(block_ms=0) == 4 and [ad for ad in range(1, 12) if ad in c.index] == [1, 2, 3, 4]
+    assert c.poll(block_ms=0) == 7 and len(c.index) == 11
+    assert c.poll(block_ms=0) == 0 and c.caught_up
+
+
+def test_a_batch_longer_than_the_largest_read_is_applied_in_parts(setup, monkeypatch):
+    _, publisher, make = setup
+    monkeypatch.setattr(consumer_module, "WHOLE_BATCH_MAX", 4)
+    publisher.publish([upsert(ad_id) for ad_id in range(1, 8)])
+    c = make(count=2)
+    assert c.poll(block_ms=0) == 4 and not c.caught_up
+    assert c.poll(block_ms=0) == 3 and c.caught_up
+
+
+def test_entries_without_the_mark_each_end_a_batch(setup, small_schema, scorer):
+    """Entries published before 2026-12-07 carry no mark: each is a batch of its own, read `count` at a time."""
+    client, _, make = setup
+    for op in prepare_ops(small_schema, scorer, [parse_event(upsert(ad_id)) for ad_id in range(1, 6)]):
+        client.xadd(SHARD0, encode(op, 1, small_schema, scorer.name, scorer.dim))
+    c = make(count=2)
+    assert [c.poll(block_ms=0) for _ in range(4)] == [2, 2, 1, 0] and len(c.index) == 5
