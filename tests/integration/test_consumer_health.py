@@ -106,11 +106,13 @@ def test_a_dead_thread_is_unhealthy(setup, monkeypatch):
 def test_caught_up_once_a_read_is_not_full(setup):
     _, publisher, make = setup
     c = make(count=2)
-    publisher.publish([upsert(i) for i in range(1, 6)])
+    for i in range(1, 6):  # batches of one: a read ends after any entry
+        publisher.publish([upsert(i)])
     assert [c.poll(block_ms=0) for _ in range(2)] == [2, 2] and not c.caught_up
     assert c.stats.lag_seconds() > 0  # entries are known to wait
     assert c.poll(block_ms=0) == 1 and c.caught_up and c.stats.lag_seconds() == 0
-    publisher.publish([upsert(i) for i in range(6, 9)])
+    for i in range(6, 9):
+        publisher.publish([upsert(i)])
     assert c.poll(block_ms=0) == 2 and c.caught_up  # stays True
 
 
@@ -145,7 +147,7 @@ def test_an_idle_streams_watermark_moves_on_with_redis_clock(setup):
     client, publisher, make = setup
     c = make(count=2)
     assert c.stats.watermark() is None
-    ids = publisher.publish([upsert(i) for i in range(1, 6)])
+    ids = [publisher.publish([upsert(i)])[0] for i in range(1, 6)]  # batches of one: a read ends after any entry
     assert c.poll(block_ms=0) == 2 and c.stats.caught_up_to == "" and c.stats.watermark() == ids[1]  # more may wait
     c.poll(block_ms=0)
     c.poll(block_ms=0)
