@@ -78,8 +78,8 @@ def test_every_manifest_file_parses():
 def test_overlays_render_the_whole_service(overlay):
     name, resources = overlay
     kinds = sorted(r["kind"] for r in resources)
-    expected = ["ConfigMap", "ConfigMap", "Ingress", "NetworkPolicy", "PodDisruptionBudget", "PodMonitor", "PodMonitor",
-                "PrometheusRule", "RayService", "Service", "Service", "StatefulSet"]
+    expected = ["ConfigMap", "ConfigMap", "Ingress", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget",
+                "PodMonitor", "PodMonitor", "PrometheusRule", "RayService", "Service", "Service", "StatefulSet"]
     if name == "gpu-prod":
         expected += ["PersistentVolumeClaim", "PodDisruptionBudget"]
     assert kinds == sorted(expected)
@@ -592,3 +592,76 @@ def test_only_the_services_pods_reach_redis(overlay):
         labels = group["template"]["metadata"]["labels"]
         assert any(a.items() <= labels.items() for a in allowed), name
     assert allowed[1] == {"andromeda.io/redis-client": "true"} and rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+
+
+OPERATOR_POD = {"app.kubernetes.io/component": "kuberay-operator"}  # the KubeRay operator's pods (Helm chart, kustomize)
+KUBERAY_DASHBOARD_PORT = 8265  # the operator's utils.DefaultDashboardPort: where rayStartParams sets no dashboard-port
+
+
+def container_ports(group: dict) -> dict[str, int]:
+    """A pod group's Ray container ports by name."""
+    return {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
+
+
+def test_only_the_ray_pods_the_operator_and_the_cluster_on_the_serve_and_metrics_ports_reach_the_ray_pods(overlay):
+    """Every Ray pod is selected; the Ray pods reach each other on every port; from any pod of the cluster only the
+    ports the Ingress (through the serve Service) and the PodMonitors use; the operator the head's dashboard; no other
+    rule. The ports come from the rendered manifests, so moving one without the policy fails here."""
+    _, resources = overlay
+    policy = one(resources, "NetworkPolicy", "andromeda-ray")["spec"]
+    rayservice = one(resources, "RayService")
+    by_name = groups(rayservice)
+    assert policy["policyTypes"] == ["Ingress"] and "egress" not in policy
+    selected = policy["podSelector"]["matchLabels"]
+    for name, group in by_name.items():  # head, routers, shards
+        assert selected.items() <= group["template"]["metadata"]["labels"].items(), name
+    redis_pod = one(resources, "StatefulSet", "andromeda-redis")["spec"]["template"]["metadata"]["labels"]
+    assert not selected.items() <= redis_pod.items()  # Redis has its own policy
+
+    between, by_port = [], {}
+    for rule in policy["ingress"]:
+        if "ports" not in rule:
+            between.append(rule)
+            continue
+        for port in rule["ports"]:
+            assert set(port) == {"port", "protocol"} and port["protocol"] == "TCP" and port["port"] not in by_port
+            by_port[port["port"]] = rule["from"]
+    # among themselves every port, and only pods of this namespace (a peer with no namespaceSelector) that are Ray pods
+    [rule] = between
+    assert [set(peer) for peer in rule["from"]] == [{"podSelector"}]
+    own = rule["from"][0]["podSelector"]["matchLabels"]
+    assert all(own.items() <= g["template"]["metadata"]["labels"].items() for g in by_name.values())
+
+    def number(port: int | str, group: str) -> int:
+        return port if isinstance(port, int) else container_ports(by_name[group])[port]
+
+    # the public API: Ingress -> serve Service (KubeRay's, from serveService: workers only) -> the pods' target port
+    service_ports = {p["name"]: p for p in rayservice["spec"]["serveService"]["spec"]["ports"]}
+    ingress = one(resources, "Ingress")
+    backends = [path["backend"]["service"]["port"]["name"] for rule in ingress["spec"]["rules"] for path in rule["http"]["paths"]]
+    served = {number(service_ports[name]["targetPort"], group) for name in backends for group in by_name if group != "head"}
+    # what Prometheus scrapes: each PodMonitor endpoint's port on every pod group it selects
+    scraped = set()
+    for monitor in (r for r in resources if r["kind"] == "PodMonitor"):
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        for name, group in by_name.items():
+            if wanted.items() <= {**group["template"]["metadata"]["labels"], "ray.io/group": name}.items():
+                scraped |= {number(e["port"], name) for e in monitor["spec"]["podMetricsEndpoints"]}
+    anyone = {port for port, peers in by_port.items() if peers == [{"namespaceSelector": {}}]}
+    assert served and scraped and anyone == served | scraped
+    # the head's serve port too: the operator checks its proxy there when excludeHeadPodFromServeSvc is false
+    assert container_ports(by_name["head"])["serve"] in anyone
+
+    # the operator: the head's dashboard, the port it takes from the head Service's port named dashboard
+    head = by_name["head"]
+    dashboard = container_ports(head)["dashboard"]
+    assert int(head["rayStartParams"].get("dashboard-port", KUBERAY_DASHBOARD_PORT)) == dashboard
+    operator = [port for port, peers in by_port.items() if port not in anyone]
+    assert operator == [dashboard]
+    [peer] = by_port[dashboard]  # the operator's pods in any namespace, or in one (Deploy, step 7)
+    assert peer["podSelector"] == {"matchLabels": OPERATOR_POD} and set(peer) == {"namespaceSelector", "podSelector"}
+    assert set(peer["namespaceSelector"].get("matchLabels", {})) <= {"kubernetes.io/metadata.name"}
+    assert set(peer["namespaceSelector"]) <= {"matchLabels"}
+    for name, group in by_name.items():  # the GCS and the Ray client stay among the Ray pods
+        internal = {p for n, p in container_ports(group).items() if n in ("gcs-server", "client")}
+        assert not internal & set(by_port), name
