@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import redis
 import torch
+from tqdm import tqdm
 
 from andromeda_cli.args import NON_NEGATIVE, POSITIVE, non_negative_float, positive_float
 from andromeda_core.index import AdIndex
@@ -157,6 +158,12 @@ def run(args, world: Path, url: str) -> tuple[list[dict], list[dict], int]:
     commands, done = ctx.Queue(), ctx.Queue()
     publisher = ctx.Process(target=publisher_process, args=(world, url, args.shards, commands, done))
     publisher.start()
+    phases = tqdm(total=3 + len(args.rates), desc="seed the stream and index", unit="phase")
+
+    def next_phase(name: str) -> None:
+        phases.update()
+        phases.set_description(name)
+
     try:
         index = AdIndex(schema, scorer.dim, capacity=2 * done.get())
         consumer = ShardConsumer(client, index, scorer.name, shard=0, shards=args.shards, block_ms=5)
@@ -166,16 +173,23 @@ def run(args, world: Path, url: str) -> tuple[list[dict], list[dict], int]:
         ads = len(index)  # the background consumer's sweeps later free the ads whose end_time has passed
         retriever = Retriever(index, scorer)
         request = parse_request((world / "requests.jsonl").read_text().splitlines()[0])
+        next_phase("apply rate, no queries")
         rates = [apply_rate(consumer, commands, done, args.backlog, None)]
+        next_phase("apply rate, queries meanwhile")
         with QueryLoad(retriever, request, args.qps) as load:
             rates.append(apply_rate(consumer, commands, done, args.backlog, load))
             consumer.start()
             try:
-                rows = [freshness(consumer, commands, done, rate, args.seconds, load) for rate in args.rates]
+                rows = []
+                for rate in args.rates:
+                    next_phase(f"freshness at {rate:,} events/s")
+                    rows.append(freshness(consumer, commands, done, rate, args.seconds, load))
             finally:
                 consumer.stop()
+        phases.update()
         return rates, rows, ads
     finally:
+        phases.close()
         commands.put(None)
         publisher.join()
 

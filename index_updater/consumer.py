@@ -41,8 +41,8 @@ from index_updater.snapshots import SnapshotStore, stream_id_key
 
 log = logging.getLogger(__name__)
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
-WHOLE_BATCH_MAX = 50_000  # a read that holds no batch's end grows to this many entries (read_batches): a shard's part
-# of a longer batch is applied in parts
+WHOLE_BATCH_MAX = 10_000  # a read that holds no batch's end reads on up to this many entries (read_batches): a shard's
+# part of a longer batch is applied in parts (the router takes up to 10,000 events a request: max_events_per_request)
 REPLY_TIMEOUT_S = 10.0  # consumer_client's bound on a connection or a reply (a read's is milliseconds; XREAD blocks
 # for block_ms only)
 LAYOUT_TTL_S = 10  # the layout record outlives the replica's last report (every second) by this much
@@ -377,35 +377,35 @@ class ShardConsumer:
 
     def read_batches(self) -> tuple[list[Entry], bool]:
         """read(), ending at a published batch's end, so that one apply takes a batch's whole part of this shard and
-        no search sees part of it: the entries after the read's last batch end wait for the next read, and a read that
-        holds none is made again with twice the count (up to WHOLE_BATCH_MAX). Returns (the entries, whether the stream
-        held more than were read: a read short of its count took all there was, whole batches, as each shard's part
-        is appended at once)."""
-        count = self.count
-        while True:
-            entries = self.read(count)
-            if len(entries) < count:
-                return entries, False
+        no search sees part of it: the entries after the read's last batch end wait for the next read, and a full read
+        that holds none reads on from its last entry, as many entries again, until one ends a part or it holds
+        WHOLE_BATCH_MAX. Returns (the entries, whether the stream held more than were read: a read short of what it
+        asked took all there was, whole parts, as each is appended at once). Should the stream change under a read
+        going on (trimmed, or gone back: the entry it goes on from is no longer there as read), what was read is
+        returned as it is, and the next read() finds what happened."""
+        entries, asked = self.read(), self.count
+        while len(entries) == asked:
             if ended := whole_batches(entries):
                 return entries[:ended], True
-            if count >= WHOLE_BATCH_MAX:
+            if asked >= WHOLE_BATCH_MAX:
                 return entries, True
-            count = min(2 * count, WHOLE_BATCH_MAX)
+            more = min(asked, WHOLE_BATCH_MAX - asked)
+            fetched = self._fetch(text(entries[-1][0]), more)
+            if fetched is None or held_digest(fetched[1]) != entry_digest(entries[-1][1]):
+                return entries, True
+            entries, asked = entries + fetched[2], asked + more
+            self._read_clock = self._clock(fetched[3])
+        return entries, False
 
-    def read(self, count: int | None = None) -> list[Entry]:
-        """The next entries of the shard's stream after the last applied id, at most `count` (None: self.count),
-        without waiting.
-        Read in one transaction with the stream's state (or, when Redis is full, one script: READ), so that no trim
-        can slip between the two: StreamGap when entries after the last applied id were trimmed away before this
-        read (unless the index already misses updates: it then applies what the stream still holds). When the
-        stream went back (went_back), the read starts again from its first entry."""
-        last_id, count = self.stats.last_id, count or self.count
+    def _fetch(self, after: str, count: int) -> tuple[dict, list, list[Entry], list] | None:
+        """(the stream's XINFO STREAM, the XRANGE reply at `after`, at most `count` entries after it, Redis's TIME),
+        read at one moment: in one transaction, or, when Redis is full (it refuses MULTI then), one script (READ).
+        None: there is no stream (self._read_clock is then Redis's clock)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.xinfo_stream(self.source)
-        pipe.xrange(self.source, min=last_id, max=last_id, count=1)
-        pipe.xread({self.source: last_id}, count=count)
+        pipe.xrange(self.source, min=after, max=after, count=1)
+        pipe.xread({self.source: after}, count=count)
         pipe.time()
-        self._read_clock = None
         with self._reading():
             try:
                 info, at_last, reply, clock = pipe.execute()
@@ -413,13 +413,27 @@ class ShardConsumer:
                 if not isinstance(exc, (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError)) \
                         and not no_stream(exc):
                     raise
-                state = self._read(keys=[self.source], args=[last_id, count])  # Redis is full, or no stream:
+                state = self._read(keys=[self.source], args=[after, count])  # Redis is full, or no stream:
                 if len(state) == 1:  # READ, which also tells the clock of a stream that does not exist (holding
                     self._read_clock = self._clock(state[0])  # nothing unapplied; one created again later is a reset,
-                    return []  # by its entries-added)
+                    return None  # by its entries-added)
                 info = {text(key): value for key, value in zip(state[0][::2], state[0][1::2])}  # as redis-py parses it
                 at_last, reply = entries_of(state[1]), [(name, entries_of(read)) for name, read in state[2] or []]
                 clock = state[3]
+        return info, at_last, reply[0][1] if reply else [], clock
+
+    def read(self) -> list[Entry]:
+        """The next entries of the shard's stream after the last applied id, at most `count`, without waiting.
+        Read with the stream's state at one moment (_fetch), so that no trim can slip between the two: StreamGap when
+        entries after the last applied id were trimmed away before this read (unless the index already misses
+        updates: it then applies what the stream still holds). When the stream went back (went_back), the read starts
+        again from its first entry."""
+        last_id = self.stats.last_id
+        self._read_clock = None
+        fetched = self._fetch(last_id, self.count)
+        if fetched is None:
+            return []
+        info, at_last, entries, clock = fetched
         if reason := went_back(info, last_id, self._entries_added, held_digest(at_last), self._last_digest):
             log.error("shard %d: the stream went back (%s): reading it again from its start. Entries applied here "
                       "that it lost stay applied; other replicas may lack them: republish what was published just "
@@ -430,7 +444,7 @@ class ShardConsumer:
             self.stats.last_id, self._entries_added, self._from_start = "0-0", None, True
             self.stats.caught_up_to, self._last_digest = "", None  # the stream may now hold new entries before it
             self._reset_pending = True  # settle_reset, at the end of catch_up and at each turn of the loop
-            return self.read(count)
+            return self.read()
         self._entries_added = info["entries-added"]
         if not self.stats.gap_unrecovered:  # else it applies what the stream still holds
             if self._from_start:
@@ -439,7 +453,7 @@ class ShardConsumer:
             elif gap := trimmed_past(info, self.stats.last_id):
                 raise self.gap_error(gap)
         self._read_clock = self._clock(clock)
-        return reply[0][1] if reply else []
+        return entries
 
     @staticmethod
     def _clock(time_reply: list | tuple) -> int:
@@ -511,8 +525,8 @@ class ShardConsumer:
         return StreamGap(f"stream trimmed up to {gap}, past the last applied id {self.stats.last_id}")
 
     def poll(self, block_ms: int | None = None) -> int:
-        """Read one batch of the shard's stream (waiting up to block_ms for one) and apply it; returns how many
-        entries were read."""
+        """Read the next whole batches of the shard's stream (read_batches; waiting up to block_ms for one) and apply
+        them; returns how many entries were applied."""
         block = self.block_ms if block_ms is None else block_ms
         entries, more = self.read_batches()
         if not entries and block:

@@ -1154,9 +1154,13 @@ def test_a_read_applies_whole_batches_whatever_its_count(setup, count):
     publisher.publish(first)
     publisher.publish(second)
     c = make(count=count)
+    fetch, fetched = c._fetch, []
+    c._fetch = lambda after, n: (reply := fetch(after, n), fetched.append(len(reply[2]) if reply else 0))[0]
     assert c.poll(block_ms=0) == 4 and [ad for ad in range(1, 12) if ad in c.index] == [1, 2, 3, 4]
     assert c.poll(block_ms=0) == 7 and len(c.index) == 11
     assert c.poll(block_ms=0) == 0 and c.caught_up
+    assert sum(fetched) <= 11 + count  # a read goes on from its last entry: only what follows the first batch's end
+    # is read twice
 
 
 def test_a_batch_longer_than_the_largest_read_is_applied_in_parts(setup, monkeypatch):
@@ -1175,3 +1179,21 @@ def test_entries_without_the_mark_each_end_a_batch(setup, small_schema, scorer):
         client.xadd(SHARD0, encode(op, 1, small_schema, scorer.name, scorer.dim))
     c = make(count=2)
     assert [c.poll(block_ms=0) for _ in range(4)] == [2, 2, 1, 0] and len(c.index) == 5
+
+
+def test_a_stream_trimmed_while_a_read_goes_on_is_a_gap_not_a_loss(setup):
+    client, publisher, make = setup
+    publisher.publish([upsert(ad_id) for ad_id in range(1, 7)])
+    c = make(count=2)
+    fetch, calls = c._fetch, []
+
+    def trimmed_before_going_on(after, count):  # the read going on from its second entry finds it trimmed away
+        calls.append(after)
+        if len(calls) == 2:
+            client.xtrim(SHARD0, maxlen=1, approximate=False)
+        return fetch(after, count)
+
+    c._fetch = trimmed_before_going_on
+    assert c.poll(block_ms=0) == 2 and len(c.index) == 2 and not c.caught_up  # what was read, as it was read
+    with pytest.raises(StreamGap, match="trimmed"):
+        c.poll(block_ms=0)
