@@ -541,6 +541,9 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_config(args: argparse.Namespace) -> None:
+    if args.redis is None and "redis_url" in read_config_file(args.config):  # as k8s-config refuses it
+        raise InvalidInput("keep the Redis URL (and its password) out of the Serve config: the replicas read REDIS_URL "
+                           "from their environment (--redis writes one on purpose)", f"{args.config}: redis_url")
     config = service_config(args, args.redis, check_files=False, redis_source="--redis")  # no --redis: replicas
     # read REDIS_URL
     for warning in cluster_warnings(config):

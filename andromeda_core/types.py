@@ -90,7 +90,7 @@ class HistoryEvent(_Strict):
 class CoEngagement(_Strict):
     """An engagement on another surface (cross-surface signal)."""
 
-    surface: str = Field(max_length=64)
+    surface: str  # bounded by the service's limits.string_chars, as context's strings
     ad_id: INT64
     count: int = Field(default=1, ge=1, lt=2**31)
 

@@ -106,9 +106,10 @@ def remaining_s() -> float | None:
     return left
 
 
-ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 429, 503, 504)}
+ERRORS = {status: {"model": ErrorBody} for status in (401, 404, 413, 422, 429, 503, 504)}  # 401: a wrong token, on
+# reads too (or none, with auth.read_auth)
 BODY_ERRORS = {**ERRORS, 415: {"model": ErrorBody}}  # a POST whose body is not JSON
-WRITE_ERRORS = {**BODY_ERRORS, 401: {"model": ErrorBody}, 403: {"model": ErrorBody}}
+WRITE_ERRORS = {**BODY_ERRORS, 403: {"model": ErrorBody}}
 
 
 def error_response(status: int, category: str, message: str, field: str | None = None,

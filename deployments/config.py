@@ -228,7 +228,10 @@ class ServiceConfig(BaseModel):
     snapshot_every_s: float = Field(60.0, gt=0)
     """A shard's snapshot round: in each, the first of its replicas to claim it writes one."""
     initial_capacity: int = Field(1024, ge=1, le=2**31)
+    """Slots each shard's table allocates up front (it doubles when full; ANDROMEDA_INITIAL_CAPACITY)."""
     rescore: int = Field(2, ge=0, le=64)
+    """The fused pass shortlists rescore x k slots per request and the scorer rescores them exactly (0: a shortlist of
+    k, no float32 copy of an fp16/int8 table; ANDROMEDA_RESCORE)."""
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Requests that may share one pass over a shard's table (@serve.batch)."""
     batch_wait_timeout_s: float = Field(0.002, ge=0, le=1)
@@ -255,13 +258,17 @@ class ServiceConfig(BaseModel):
     replica of a shard shares the snapshot directory (a new replica must find a snapshot covering what
     was trimmed)."""
     shard_cpus: float = Field(0.5, gt=0)
+    """Ray CPUs each shard replica asks for."""
     router_cpus: float = Field(0.5, gt=0)
+    """Ray CPUs each router replica asks for."""
     router_resources: dict[ResourceName, Annotated[float, Field(gt=0, le=1e6)]] = Field(default_factory=dict)
     """Ray custom resources every router replica asks for besides its CPUs: a worker group that alone offers them keeps
     the routers there (gpu-prod: its cpu-workers; a GPU pod with no shard replica yet also had the CPUs of a router,
     which then served writes without the write token its pods lack). {} (the default): any node."""
     host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9.:\[\]-]+$")
+    """Address Ray Serve's HTTP proxies listen on (0.0.0.0 on a cluster)."""
     port: int = Field(8000, ge=1, le=65535)
+    """Port of Ray Serve's HTTP proxies."""
 
     @field_validator("redis_url")
     @classmethod

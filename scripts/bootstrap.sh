@@ -20,7 +20,8 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements-cpu.tx
    || [ constraints-cpu.txt -nt "$STAMP" ]; then
   echo ">> installing Python packages into .venv (first run: a few minutes)"
   .venv/bin/python -m pip install --upgrade --progress-bar on pip
-  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  TORCH_PIN=$(sed -n 's/^torch==//p' requirements-cpu.txt)
+  if ! .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null; then
     # PyPI's Linux torch is the CUDA build (GBs of nvidia-* packages): take the CPU build from PyTorch's index where
     # it answers (its 2.13.0+cpu ranks above PyPI's 2.13.0); else whatever pip's own index or wheel folder holds
     TORCH_INDEX=https://download.pytorch.org/whl/cpu

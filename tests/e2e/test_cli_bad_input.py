@@ -206,6 +206,8 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("serve", "--config", "{d}/null_redis.yaml"), {"REDIS_URL": "redis://127.0.0.1:1/0"},
      ("null_redis.yaml: redis_url", "null is not a value")),  # not "REDIS_URL is not set"
     (("serve-config", "--config", "{d}/tiny_rate.yaml"), {}, ("tiny_rate.yaml: rate_limit.requests_per_s",)),
+    (("serve-config", "--config", "{d}/redis_config.yaml"), {},  # its password would go into the Serve config
+     ("redis_config.yaml: redis_url", "REDIS_URL")),
     (("serve", "--config", "{d}/missing_tokens.yaml"), {"REDIS_URL": "redis://127.0.0.1:1/0"},  # before Ray starts
      ("missing_tokens.yaml: auth.token_file", "No such file")),
     (("--schema", "{d}/ok.json", "serve"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("ok.json.categories",)),

@@ -345,6 +345,8 @@ def test_openapi_is_served(service):
             "/metrics"} <= set(spec["paths"])
     assert all("415" in spec["paths"][path]["post"]["responses"] for path in ("/v1/retrieve", "/v1/retrieve:batch",
                                                                               "/v1/ad-events"))
+    assert all("401" in operation["responses"] for path, item in spec["paths"].items() if path.startswith("/v1")
+               for operation in item.values())  # a wrong token is refused on reads too
     assert serve.status().applications["two"].status == "RUNNING"
 
 

@@ -253,6 +253,18 @@ def test_each_request_limit_names_the_field_and_the_limit(user, k, field):
     check_requests(Limits(), [request], "")  # within the defaults
 
 
+def test_a_co_engagement_surface_is_bounded_by_string_chars_alone():
+    """Until 2026-12-07 the wire type refused a surface past 64 characters, under the default limit of 256, with a
+    message naming no limit."""
+    def request(chars: int):
+        return parse_request({"user": {"user_id": 1, "co_engagement": [{"ad_id": 1, "surface": "s" * chars}]}})
+
+    check_requests(Limits(), [request(256)], "")
+    with pytest.raises(InvalidInput, match=r"limits\.string_chars") as info:
+        check_requests(Limits(), [request(257)], "")
+    assert info.value.field == "user.co_engagement[0].surface"
+
+
 @pytest.mark.parametrize("field, error_type, value, message", [
     ("k", "less_than_equal", 10001, "at most 50 (limits.k), got 10001"),
     ("[3].user.history", "too_long", [{}] * 1025, "at most 1024 entries (limits.history), got 1025"),
