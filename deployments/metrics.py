@@ -23,7 +23,7 @@ SHARD_GAUGES = {
     "errors": "errors the consumer recovered from",
     "stream_resets": "times the shard's stream went back behind what the consumer read (a Redis that lost writes took "
                      "over, or the stream was recreated) and was read again from its start",
-    "ready": "1 when the replica has caught up with its stream",
+    "ready": "1 when the replica has caught up with its stream and serves the router's model and schema (as /readyz)",
 }
 
 
@@ -52,7 +52,8 @@ class ServiceMetrics:
         self.latency.labels(endpoint, stage).observe(seconds)
 
     def render(self, shard_status: Sequence[dict | None]) -> bytes:
-        """Prometheus text format, with the per-shard gauges set from each shard's status (None: unreachable)."""
+        """Prometheus text format, with the per-shard gauges set from each shard's status (None: unreachable; a gauge
+        the status lacks: NaN)."""
         for shard, status in enumerate(shard_status):
             for name, gauge in self.shard.items():
                 if status is None:

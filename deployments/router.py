@@ -502,6 +502,8 @@ class Router:
     @app.head("/metrics", include_in_schema=False)
     @app.get("/metrics", response_class=Response)
     async def prometheus_metrics(self) -> Response:
-        """Prometheus text format: latency by stage, counts, per-shard index size, lag, dead letters."""
-        return Response(self.metrics.render(await self.shard_status()), media_type="text/plain; version=0.0.4")
+        """Prometheus text format: latency by stage, counts, per-shard index size, lag, dead letters; a shard's ready as
+        /readyz judges it (0 for one serving another model or schema: the gauge said 1 while /readyz failed)."""
+        shards = [self.readiness(i, s) for i, s in enumerate(await self.shard_status())]
+        return Response(self.metrics.render(shards), media_type="text/plain; version=0.0.4")
 

@@ -125,7 +125,7 @@ def test_the_config_chooses_the_limiter():
 def test_the_documented_acl_user_may_keep_the_buckets(tmp_path):
     """docs/operations.md's ACL (the stream keys, +@all -@dangerous) covers `<stream>:rate:*` and EVALSHA."""
     server = LocalRedis(tmp_path / "redis", username="andromeda", password="pw", extra_args=[
-        "--user", "default", "off", "--user", "andromeda", "on", ">pw", "~andromeda:ad-events:*", "+@all", "-@dangerous"])
+        "--user", "default", "off", "--user", "andromeda", "on", ">pw", "~andromeda:*", "+@all", "-@dangerous"])
     server.start()
     try:
         limits = rate_limiter(ServiceConfig(redis_url=f"redis://andromeda:pw@127.0.0.1:{server.port}/0",

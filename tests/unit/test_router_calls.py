@@ -323,6 +323,10 @@ def test_readiness_needs_every_shard_to_serve_the_routers_model_and_schema():
     body = json.loads(answer.body)
     assert answer.status_code == 503 and body["shards"][0] == ours
     assert body["shards"][1]["ready"] is False and body["shards"][1]["reason"] == "serves model b, schema s; the router model a, schema s"
+    router.metrics = ServiceMetrics()
+    text = asyncio.run(Router.func_or_class.prometheus_metrics(router)).body.decode()
+    assert 'andromeda_shard_ready{shard="0"} 1.0' in text and 'andromeda_shard_ready{shard="1"} 0.0' in text  # as
+    # /readyz: the gauge said 1, and no alert fired while every pod failed readiness
     theirs.pop("identity")  # a shard of before identities reports none: not a mismatch
     assert asyncio.run(Router.func_or_class.readyz(router)).status == "ready"
 
