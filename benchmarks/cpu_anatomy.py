@@ -143,7 +143,8 @@ def main() -> None:
                   + f"; {pairs / 1e6:.2f}M eligible pairs, FMA floor {row['floor']:.2f} ms")
         tables = None
     if not args.no_write:
-        write_section("kernels-cpu-anatomy", report(rows, args, command_line("benchmarks.cpu_anatomy", p, args), read_bw, peak))
+        command = command_line("benchmarks.cpu_anatomy", p, args)
+        write_section("kernels-cpu-anatomy", report(rows, args, command, read_bw, peak))
 
 
 if __name__ == "__main__":

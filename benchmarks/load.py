@@ -320,7 +320,8 @@ def wire_table(w: dict, request_bytes: float, response_bytes: float) -> str:
     ])
 
 
-def report(args, command: str, ads: int, inproc: dict, systems: dict, checks: dict, wire: dict, request_bytes: float) -> str:
+def report(args, command: str, ads: int, inproc: dict, systems: dict, checks: dict, wire: dict,
+           request_bytes: float) -> str:
     parts = [f"""## Serving under load
 
 `{command}`
@@ -429,7 +430,8 @@ def main() -> None:
             server.stop()
             pool.shutdown()
     systems = {name: systems[name] for name in (SERVICE, FAISS) if name in systems}
-    body = report(args, command_line("benchmarks.load", p, args), len(index), inproc, systems, checks, wire, float(np.mean([len(b) for b in payloads])))
+    body = report(args, command_line("benchmarks.load", p, args), len(index), inproc, systems, checks, wire,
+                  float(np.mean([len(b) for b in payloads])))
     print(body)
     if not args.no_write:
         plot(systems, inproc, PLOT)

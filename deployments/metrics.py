@@ -51,13 +51,11 @@ class ServiceMetrics:
     def stage(self, endpoint: str, stage: str, seconds: float) -> None:
         self.latency.labels(endpoint, stage).observe(seconds)
 
-    def render(self, shard_status: Sequence[dict | None]) -> bytes:
-        """Prometheus text format, with the per-shard gauges set from each shard's status (None: unreachable; a gauge
-        the status lacks: NaN)."""
+    def render(self, shard_status: Sequence[dict]) -> bytes:
+        """Prometheus text format, with the per-shard gauges set from each shard's status as /readyz shows it (a gauge
+        the status lacks is NaN: an unreachable shard's are all but ready, and a shard of an older version, during a
+        rollout, may lack a newer one)."""
         for shard, status in enumerate(shard_status):
             for name, gauge in self.shard.items():
-                if status is None:
-                    gauge.labels(str(shard)).set(0 if name == "ready" else float("nan"))
-                else:  # a shard of an older version, during a rollout, may lack a newer gauge
-                    gauge.labels(str(shard)).set(float(status.get(name, float("nan"))))
+                gauge.labels(str(shard)).set(float(status.get(name, float("nan"))))
         return generate_latest(self.registry)

@@ -135,8 +135,9 @@ class Publisher:
         token = uuid.uuid4().hex  # the same on every resend of a shard's part (run_append)
         appended = 0
         for stream, positions in self._by_stream(ops).items():
-            append = partial(run_append, self._append, stream, [ops[i] for i in positions],
-                             marked_batch([entries[i] for i in positions]), writer, [where[i] for i in positions], token)
+            part = marked_batch([entries[i] for i in positions])  # its last entry ends the part (a replica's read)
+            append = partial(run_append, self._append, stream, [ops[i] for i in positions], part, writer,
+                             [where[i] for i in positions], token)
             try:
                 for i, entry_id in zip(positions, self._retry(append, deadline)):
                     ids[i] = text(entry_id)

@@ -155,7 +155,8 @@ def test_redis_crash_under_load_loses_no_acknowledged_event_and_replicas_match_t
 def test_a_slow_consumer_reports_lag_fails_health_and_holds_one_read_at_a_time(setup, monkeypatch):
     """Publishing outruns a consumer whose applies are slowed: its lag passes max_lag_s (the health check and
     so readiness fail, with the reason; the lag gauge crosses the alert's threshold), it never holds more
-    than one read (`count` entries: no batch is longer) in memory, and once the burst is over it catches up and is healthy."""
+    than one read (`count` entries: no batch is longer) in memory, and once the burst is over it catches up and is
+    healthy."""
     client, publisher, make = setup
     consumer = make(count=50)
     real_apply, read_sizes = consumer.index.apply, []

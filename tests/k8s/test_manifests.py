@@ -594,7 +594,8 @@ def test_only_the_services_pods_reach_redis(overlay):
     assert allowed[1] == {"andromeda.io/redis-client": "true"} and rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
 
 
-OPERATOR_POD = {"app.kubernetes.io/component": "kuberay-operator"}  # the KubeRay operator's pods (Helm chart, kustomize)
+OPERATOR_POD = {"app.kubernetes.io/component": "kuberay-operator"}  # the KubeRay operator's pods (Helm chart and
+# kustomize install)
 KUBERAY_DASHBOARD_PORT = 8265  # the operator's utils.DefaultDashboardPort: where rayStartParams sets no dashboard-port
 
 
@@ -638,8 +639,10 @@ def test_only_the_ray_pods_the_operator_and_the_cluster_on_the_serve_and_metrics
     # the public API: Ingress -> serve Service (KubeRay's, from serveService: workers only) -> the pods' target port
     service_ports = {p["name"]: p for p in rayservice["spec"]["serveService"]["spec"]["ports"]}
     ingress = one(resources, "Ingress")
-    backends = [path["backend"]["service"]["port"]["name"] for rule in ingress["spec"]["rules"] for path in rule["http"]["paths"]]
-    served = {number(service_ports[name]["targetPort"], group) for name in backends for group in by_name if group != "head"}
+    backends = [path["backend"]["service"]["port"]["name"] for rule in ingress["spec"]["rules"]
+                for path in rule["http"]["paths"]]
+    served = {number(service_ports[name]["targetPort"], group) for name in backends for group in by_name
+              if group != "head"}
     # what Prometheus scrapes: each PodMonitor endpoint's port on every pod group it selects
     scraped = set()
     for monitor in (r for r in resources if r["kind"] == "PodMonitor"):
