@@ -4,6 +4,7 @@ front of every request (body size, in-flight bound, deadline), and the one place
 status codes."""
 from __future__ import annotations
 
+import asyncio
 import codecs
 import contextvars
 import json
@@ -78,6 +79,7 @@ class Health(BaseModel):
 
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+ONCE_HEADERS = (TIMEOUT_HEADER, "Authorization", "Content-Type")  # refused when sent twice
 DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
 """Wall-clock time (time.time()) by which the current request must be answered; set by the guard."""
 
@@ -148,23 +150,28 @@ class GuardSettings:
     latency_interval_s: float = 1.0
 
 
-def content_encoding(request: Request) -> str:
-    """The codings a request's body went through, lower case, from every Content-Encoding header ("a, b" when
-    several); "identity" when none but identity (or no header, or empty ones)."""
-    codings = [c.strip().lower() for value in request.headers.getlist("content-encoding") for c in value.split(",")]
-    return ", ".join(c for c in codings if c and c != "identity") or "identity"
+def content_encoding(request: Request) -> tuple[str, str]:
+    """(the header, the codings lower case: "a, b" when several) of the first of Content-Encoding and
+    Transfer-Encoding that names a coding the body went through and the service does not undo (the server undoes
+    Transfer-Encoding's chunked alone); ("", "identity") when neither does."""
+    for header, read in (("Content-Encoding", {"", "identity"}), ("Transfer-Encoding", {"", "identity", "chunked"})):
+        codings = [c.strip().lower() for value in request.headers.getlist(header) for c in value.split(",")]
+        if left := [c for c in codings if c not in read]:
+            return header, ", ".join(left)
+    return "", "identity"
 
 
 class StrictJSONRequest(Request):
     """A request whose JSON body must be what RFC 8259 exchanges: UTF-8 (a byte order mark is ignored; UTF-16 and
     UTF-32, which Python's json.loads would guess, are refused) with no key twice in an object, sent with no
-    Content-Encoding but identity. Every refusal is a json.JSONDecodeError, which FastAPI answers as json_invalid
-    (invalid_body below: 422 naming the body, or 415 naming the Content-Encoding)."""
+    Content-Encoding but identity, nor a Transfer-Encoding but chunked, nor a charset but UTF-8. Every refusal is a
+    json.JSONDecodeError, which FastAPI answers as json_invalid (invalid_body below: 422 naming the body, or 415
+    naming the Content-Type or the encoding header)."""
 
     async def json(self):
         if not hasattr(self, "_json"):
-            if content_encoding(self) != "identity":  # refused (415) by invalid_body, whatever the bytes hold
-                raise json.JSONDecodeError("the body is encoded", "", 0)
+            if content_encoding(self)[0] or not json_media_type(self.headers.get("content-type", "")):  # refused
+                raise json.JSONDecodeError("the body is encoded", "", 0)  # (415) by invalid_body, whatever it holds
             body = await self.body()
             try:
                 text = body.decode("utf-8-sig")
@@ -173,8 +180,9 @@ class StrictJSONRequest(Request):
                 raise json.JSONDecodeError(f"not UTF-8 at byte {at} (send JSON as UTF-8)", "", 0) from None
             try:
                 self._json = strict_json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise json.JSONDecodeError(f"{exc.msg} at character {exc.pos}", exc.doc, exc.pos) from None
+            except json.JSONDecodeError as exc:  # "Unterminated string starting at": not "at at"
+                where = "character" if exc.msg.endswith(" at") else "at character"
+                raise json.JSONDecodeError(f"{exc.msg} {where} {exc.pos}", exc.doc, exc.pos) from None
             except strict_json.NotJSON as exc:
                 raise json.JSONDecodeError(str(exc), text, 0) from None
         return self._json
@@ -224,9 +232,10 @@ class Guard:
                 raise Overloaded(f"this router has {self.inflight} requests in flight (overload.router_inflight = "
                                  f"{g.inflight}); retry after Retry-After", "request", g.retry_after_s)
             pairs = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ())]
-            headers, timeouts = dict(pairs), [v for k, v in pairs if k == TIMEOUT_HEADER.lower()]
-            if len(timeouts) > 1:  # which would count?
-                raise InvalidInput("sent more than once: send it once", TIMEOUT_HEADER)
+            headers = dict(pairs)
+            for once in ONCE_HEADERS:  # which would count? A proxy in front may judge the other one
+                if sum(k == once.lower() for k, _ in pairs) > 1:
+                    raise InvalidInput("sent more than once: send it once", once)
             budget_s = self.budget_s(g, headers.get(TIMEOUT_HEADER.lower()))
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or len(length) > 18 or int(length) > g.body_bytes):  # int()
@@ -243,8 +252,8 @@ class Guard:
                 self.shedder.probe_unused()
             self.on_error(exc.category.value)
             return await http_error(exc, g.retry_after_s)(scope, receive, send)
-        self.inflight += 1  # from here, while a body sent without Content-Length still arrives too (until 2026-12-07 it
-        self.retrievals += retrieval  # was not counted: any number of them passed the bound while their bodies came)
+        self.inflight += 1  # from here, while its body still arrives too (until 2026-12-07 a body sent without
+        self.retrievals += retrieval  # Content-Length was not counted: any number passed the bound while theirs came)
         started, status = None, 500
 
         async def sending(message):
@@ -254,10 +263,15 @@ class Guard:
             await send(message)
 
         try:
-            if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            if scope["method"] in ("POST", "PUT", "PATCH"):  # the whole body, within the request's budget: a body
+                # that never arrives held its slot for as long as its connection stayed open (until 2026-12-07: 32 such
+                # connections, with no token, shut out every caller of the router)
                 try:
-                    receive = await self.buffered(receive, g.body_bytes)
-                except TooLarge as exc:
+                    receive = await asyncio.wait_for(self.buffered(receive, g.body_bytes), budget_s)
+                except (TooLarge, asyncio.TimeoutError) as exc:
+                    if not isinstance(exc, TooLarge):
+                        exc = DeadlineExceeded(f"the body did not arrive within {budget_s:g} s ({TIMEOUT_HEADER}, "
+                                               "else overload.request_timeout_s)", "body")
                     self.on_error(exc.category.value)
                     return await http_error(exc, g.retry_after_s)(scope, receive, sending)
             started, token = time.monotonic(), DEADLINE.set(time.time() + budget_s)  # from the whole body
@@ -288,7 +302,8 @@ class Guard:
 
     @staticmethod
     async def buffered(receive, limit: int):
-        """Read a body sent without Content-Length, refusing it past the limit; a receive that replays it."""
+        """Read a body, refusing it past the limit (a Content-Length past it is refused before); a receive that
+        replays it."""
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -312,9 +327,12 @@ class Guard:
 
 
 def json_media_type(content_type: str) -> bool:
-    """Whether a Content-Type names JSON as FastAPI reads it: application/json or application/*+json, in any case."""
-    media = content_type.split(";")[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+    """Whether a Content-Type names JSON as FastAPI reads it (application/json or application/*+json, in any case)
+    in UTF-8 (no charset, or utf-8: the body is read as UTF-8 whatever a charset says, which another reader honours)."""
+    media, *params = (part.strip().lower() for part in content_type.split(";"))
+    charsets = [p.partition("=")[2].strip().strip('"') for p in params if p.partition("=")[0].strip() == "charset"]
+    return (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))) \
+        and all(c in ("utf-8", "utf8") for c in charsets)
 
 
 def create_app(on_error: Callable[[str], None]) -> FastAPI:
@@ -349,13 +367,13 @@ def create_app(on_error: Callable[[str], None]) -> FastAPI:
             return refusal
         if request.method == "POST" and not json_media_type(request.headers.get("content-type", "")):
             on_error("unsupported_media_type")
-            return error_response(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json",
-                                  "Content-Type")
-        encoding = content_encoding(request)
-        if request.method == "POST" and encoding != "identity":  # compressed bodies are not read: say so
+            return error_response(415, "unsupported_media_type", "send the body as JSON in UTF-8 with Content-Type: "
+                                  "application/json", "Content-Type")
+        header, encoding = content_encoding(request)
+        if request.method == "POST" and header:  # compressed bodies are not read: say so
             on_error("unsupported_media_type")
-            return error_response(415, "unsupported_media_type", f"Content-Encoding {shown(encoding)} is not read: "
-                                  "send the body uncompressed", "Content-Encoding")
+            return error_response(415, "unsupported_media_type", f"{header} {shown(encoding)} is not read: "
+                                  "send the body uncompressed", header)
         loc = tuple(err.get("loc", ()))
         if loc == ("body",) and err.get("type") == "missing":  # FastAPI's word for a body of no bytes
             on_error(ErrorCategory.INVALID_INPUT.value)

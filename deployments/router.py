@@ -94,9 +94,10 @@ def writer(request: Request, credentials: HTTPAuthorizationCredentials | None = 
 
 
 def reader(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal | None:
-    """Dependency of the read endpoints: with auth.read_auth a valid token of any role is needed (401);
-    every caller is held to its rate (429)."""
-    if credentials is not None or request.app.state.read_auth:
+    """Dependency of the read endpoints: with auth.read_auth a valid token of any role is needed (401), and so is
+    one sent (any Authorization header: another scheme, or none, was served as no token until 2026-12-07); every
+    caller is held to its rate (429)."""
+    if "authorization" in request.headers or request.app.state.read_auth:
         return authenticated(request, credentials)
     take_rate(request, None)
     return None

@@ -473,7 +473,7 @@ def test_reads_refused_for_want_of_a_token_are_held_to_the_callers_rate(tmp_path
 
     store, buckets = TokenStore("the-admin-token", None), TokenBuckets(rate=0.001, burst=2, callers=16)
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(tokens=store, buckets=buckets, read_auth=True)),
-                              client=SimpleNamespace(host="10.0.0.9"))
+                              client=SimpleNamespace(host="10.0.0.9"), headers={})
     outcomes = []
     for token in (None, "wrong", "wrong"):
         try:
@@ -481,3 +481,99 @@ def test_reads_refused_for_want_of_a_token_are_held_to_the_callers_rate(tmp_path
         except AndromedaError as exc:
             outcomes.append(type(exc).__name__)
     assert outcomes == ["Unauthorized", "Unauthorized", "RateLimited"]
+
+
+@pytest.mark.parametrize("header", ["Basic dXNlcjpwYXNz", "Token abc", "Bearer", "Bearer "])
+def test_a_read_sending_an_authorization_that_is_no_bearer_token_is_refused(header):
+    """Without read_auth, a read with a wrong bearer token got 401 but one with another scheme (or none) was served as
+    if it sent nothing (until 2026-12-07)."""
+    from deployments.router import reader
+
+    state = SimpleNamespace(tokens=TokenStore("the-admin-token", None), buckets=None, read_auth=False)
+    request = SimpleNamespace(app=SimpleNamespace(state=state), client=SimpleNamespace(host="10.0.0.9"),
+                              headers={"authorization": header})
+    with pytest.raises(AndromedaError) as refused:
+        reader(request, None)  # HTTPBearer(auto_error=False) gives None for these
+    assert type(refused.value).__name__ == "Unauthorized" and refused.value.field == "Authorization"
+    request.headers = {}
+    assert reader(request, None) is None  # no header: an anonymous read
+
+
+def test_a_body_that_does_not_arrive_within_the_budget_is_refused_and_frees_its_slot():
+    """Until 2026-12-07 a body that never came held its slot of overload.router_inflight while its connection stayed
+    open: 32 such connections, with no token, shut out every caller."""
+    app = create_app(lambda cause: None)
+    app.state.guard = GuardSettings(inflight=1)
+
+    @app.post("/v1/echo")
+    async def echo(body: Body) -> Body:
+        return body
+
+    async def call(chunks: list[bytes], stall: bool) -> tuple[int, bytes]:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/echo", "raw_path": b"/v1/echo", "root_path": "", "query_string": b"", "server": ("r", 80),
+                 "client": ("caller", 1), "headers": [(b"content-type", b"application/json"),
+                                                      (b"content-length", b"8"), (b"x-request-timeout-ms", b"50")]}
+        sent, reply = list(chunks), [0, b""]
+
+        async def receive():
+            if not sent and stall:
+                await asyncio.Event().wait()  # the rest of the body never comes
+            return {"type": "http.request", "body": sent.pop(0), "more_body": bool(sent) or stall}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                reply[0] = message["status"]
+            elif message["type"] == "http.response.body":
+                reply[1] += message.get("body", b"")
+        await app(scope, receive, send)
+        return reply[0], reply[1]
+
+    async def scenario():
+        slow = asyncio.create_task(call([b'{"k"'], stall=True))
+        await asyncio.sleep(0.01)
+        shut_out = await call([b'{"k": 1}'], stall=False)  # the slot is taken meanwhile
+        started = time.monotonic()
+        refused = await slow
+        return shut_out, refused, time.monotonic() - started, await call([b'{"k": 1}'], stall=False)
+
+    shut_out, (status, body), waited, after = asyncio.run(asyncio.wait_for(scenario(), 10))  # before: it hung
+    assert shut_out[0] == 503 and status == 504 and waited < 1.0
+    assert json.loads(body)["error"]["field"] == "body" and "did not arrive within 0.05 s" in body.decode()
+    assert after[0] == 200, after
+
+
+@pytest.mark.parametrize("headers, field", [
+    ([("Authorization", "Bearer a"), ("Authorization", "Bearer b")], "Authorization"),
+    ([("Content-Type", "text/plain")], "Content-Type"),  # with the test's own application/json: sent twice
+])
+def test_a_header_sent_twice_is_refused_naming_it(strict_app, headers, field):
+    """Of two, Starlette read the first and a proxy in front may read the last (until 2026-12-07)."""
+    got = strict_app.post("/v1/echo", content=b'{"k": 1}', headers=[("Content-Type", "application/json"), *headers])
+    assert got.status_code == 422 and got.json()["error"]["field"] == field and "more than once" in got.text, got.text
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("application/json; charset=utf-16", 415), ("application/json; charset=ISO-8859-1", 415),
+    ('application/json; charset="utf-32"', 415), ("application/json; charset=UTF-8", 200),
+    ("application/json;charset=utf8", 200), ("application/problem+json", 200)])
+def test_a_charset_other_than_utf8_is_refused(strict_app, content_type, status):
+    """The body is read as UTF-8 whatever its charset says (until 2026-12-07 it was served), which another reader
+    (a proxy, a log pipeline) honours."""
+    got = strict_app.post("/v1/echo", content=b'{"k": 1}', headers={"Content-Type": content_type})
+    assert got.status_code == status, got.text
+    if status == 415:
+        assert got.json()["error"]["field"] == "Content-Type"
+
+
+def test_a_transfer_coding_other_than_chunked_is_refused_not_read_as_json(strict_app):
+    got = strict_app.post("/v1/echo", content=b'{"k": 1}', headers={"Content-Type": "application/json",
+                                                                    "Transfer-Encoding": "gzip, chunked"})
+    assert got.status_code == 415 and got.json()["error"]["field"] == "Transfer-Encoding", got.text
+    assert "gzip" in got.json()["error"]["message"]
+
+
+def test_a_json_error_ending_in_at_says_at_once(strict_app):
+    got = strict_app.post("/v1/echo", content=b'{"k": 1, "user": {"a": "x', headers={"Content-Type": "application/json"})
+    message = got.json()["error"]["message"]
+    assert got.status_code == 422 and "starting at character" in message and "at at" not in message, message
