@@ -113,7 +113,7 @@ inline float decode(const Table& t, int64_t i, int64_t width, int64_t bias_col, 
         return bias_col >= 0 ? half_to_float(v[bias_col]) : 0.0f;
     }
     const float* v = static_cast<const float*>(t.vectors) + i * t.S;
-    std::memcpy(x, v, width * sizeof(float));
+    if (width > 0) std::memcpy(x, v, width * sizeof(float));  // a table of no columns has no data (null)
     return bias_col >= 0 ? v[bias_col] : 0.0f;
 }
 
