@@ -263,15 +263,17 @@ class Guard:
             await send(message)
 
         try:
-            if scope["method"] in ("POST", "PUT", "PATCH"):  # the whole body, within the request's budget: a body
-                # that never arrives held its slot for as long as its connection stayed open (until 2026-12-07: 32 such
-                # connections, with no token, shut out every caller of the router)
+            if scope["method"] in ("POST", "PUT", "PATCH"):  # the whole body, within the default budget (a longer
+                # X-Request-Timeout-Ms, which writes are not bound by, may lengthen it): a body that never arrived held
+                # its slot for as long as its connection stayed open (until 2026-12-07: 32 such connections, with no
+                # token, shut out every caller of the router)
+                arrival_s = max(budget_s, g.request_timeout_s)
                 try:
-                    receive = await asyncio.wait_for(self.buffered(receive, g.body_bytes), budget_s)
+                    receive = await asyncio.wait_for(self.buffered(receive, g.body_bytes), arrival_s)
                 except (TooLarge, asyncio.TimeoutError) as exc:
                     if not isinstance(exc, TooLarge):
-                        exc = DeadlineExceeded(f"the body did not arrive within {budget_s:g} s ({TIMEOUT_HEADER}, "
-                                               "else overload.request_timeout_s)", "body")
+                        exc = DeadlineExceeded(f"the body did not arrive within {arrival_s:g} s "
+                                               f"(overload.request_timeout_s, or a longer {TIMEOUT_HEADER})", "body")
                     self.on_error(exc.category.value)
                     return await http_error(exc, g.retry_after_s)(scope, receive, sending)
             started, token = time.monotonic(), DEADLINE.set(time.time() + budget_s)  # from the whole body
