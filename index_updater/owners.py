@@ -49,7 +49,8 @@ local function newer(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
 end
-local at, known, events = 4, {}, {}
+local at, known, events, index_at = 4, {}, {}, {}  -- index_at: the content version the index will hold after
+-- this batch's earlier events of an ad that reach it (a repeat of one of them within the batch reaches it no more)
 local function state_of(ad, indexed_version, indexed_owner, indexed_status)
   if known[ad] then return known[ad] end
   local stored, version, owner, status = usable and redis.call('HGET', KEYS[2], ad)
@@ -67,8 +68,10 @@ end
 for i = 1, n do
   local kind, ad, version, advertiser, indexed = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4]
   local state, fields = state_of(ad, indexed, ARGV[at + 5], ARGV[at + 6]), tonumber(ARGV[at + 7])
+  if index_at[ad] then indexed = index_at[ad] end
   local applies = newer(version, state[1])
   local reaches = applies or newer(version, indexed)  -- the index, behind the registry, would still apply it
+  if reaches and (kind == 'upsert' or kind == 'delete') then index_at[ad] = version end
   if mine ~= '' then
     if kind == 'upsert' then
       if not (advertiser == mine and (state[2] == mine or state[2] == '')) then return {'refused', i - 1, state[2]} end

@@ -172,6 +172,9 @@ def judged(writer: int | None, batch: list, book: SlotBook, owners: dict) -> tup
 # ads deleted before the registry existed, then written at that version by an admin without the index's state
 @example(before=[("delete", 2, 1, 7)], history=[("cli", [("upsert", 2, 1, 8)]), (7, [("upsert", 2, 1, 7)])])
 @example(before=[("delete", 1, 1, 7)], history=[("cli", [("upsert", 1, 1, 7)]), (None, [("delete", 1, 1, 7)])])
+# a delete repeated within one advertiser's batch: the first reaches the index, the repeat no more (until 2026-12-07
+# the script judged the repeat against the index's version before the batch, and refused the batch)
+@example(before=[("upsert", 1, 1, 7)], history=[(7, [("delete", 1, 2, 7), ("delete", 1, 2, 7)])])
 def test_the_registry_keeps_the_owners_versions_and_status_the_index_keeps(publish, before, history):
     """Ads the index took before the registry existed, then random batches by admins (with the index's state, as
     the router sends it, or without, as `andromeda publish`) and two advertisers (with it): each batch is refused
