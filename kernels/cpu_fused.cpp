@@ -10,7 +10,9 @@
 // some request matched is decoded (int8 with block scales, fp16 or fp32; AVX-512 or AVX2 where the CPU has it),
 // once, then scored for each request it matched: the request's experts and gating keys are one (D + G, 16) matrix,
 // so the similarities of every expert and the gating logits of every expert are 16-lane multiply-adds over the ad's
-// dims (no horizontal sums); then the top-n logits, their softmax and the gated sum. Each task keeps a bounded heap
+// dims (no horizontal sums). A block's pairs are screened first, their similarities against the bar of the
+// request's heap, with no branch on a pair's outcome; only those screened in get their gating logits, the top-n
+// logits, their softmax and the gated sum. Each task keeps a bounded heap
 // of its m best (score, slot) per request; the tasks' heaps are merged at the end. Nothing of the table's size is
 // allocated.
 #include <algorithm>
@@ -184,7 +186,7 @@ inline float mixture(__m512 sims, __m512 logits, const uint8_t* usable, int64_t 
     return chosen.gated_sum();
 }
 #else
-inline float mixture(float* sims, float* logits, const uint8_t* usable, int64_t top_n) {
+inline float mixture(const float* sims, float* logits, const uint8_t* usable, int64_t top_n) {
     constexpr float NONE = -std::numeric_limits<float>::infinity();
     for (int64_t e = 0; e < LANES; ++e) {
         if (usable[e] && !(logits[e] < std::numeric_limits<float>::infinity())) return 0.0f;  // NaN or +inf: gates 0
@@ -236,16 +238,21 @@ inline __m512 products(const float* w, const float* x, int64_t dims) {
     return sum;
 }
 
-// The gates are >= 0 and sum to 1 (or are all 0): the mixture is at most max(0, the largest usable similarity).
-// Below `bar`, the ad cannot enter the request's heap: the gating logits and the mixture are skipped (-inf).
+// Every expert's similarity into sims (LANES floats, lane e * P); false when the ad cannot reach bar. The gates are
+// >= 0 and sum to 1 (or are all 0): the mixture is at most max(0, the largest usable similarity). A NaN similarity
+// makes a NaN score (-inf) if its expert is chosen, and else does not count; a NaN bar bounds nothing.
 template <int P>
-inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float bar) {
-    const __m512 sims = products<P>(w, x, r.D);
-    // max(0, every usable similarity) < bar: a NaN similarity makes a NaN score (-inf) if its expert is chosen, and
-    // else does not count
-    if (bar > 0.0f && !_mm512_mask_cmp_ps_mask(usable_lanes(usable), sims, _mm512_set1_ps(bar), _CMP_GE_OQ))
-        return -std::numeric_limits<float>::infinity();
-    return mixture(sims, products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G), usable, r.top_n);
+inline bool packed_screen(const Requests& r, const float* w, const float* x, const uint8_t* usable, float bar,
+                          float* sims) {
+    const __m512 s = products<P>(w, x, r.D);
+    _mm512_storeu_ps(sims, s);
+    return !(bar > 0.0f) | (_mm512_mask_cmp_ps_mask(usable_lanes(usable), s, _mm512_set1_ps(bar), _CMP_GE_OQ) != 0);
+}
+
+// The mixture of the screened ad x: its gating logits, then mixture() with its similarities (sims).
+template <int P>
+inline float packed_finish(const Requests& r, const float* w, const float* x, const uint8_t* usable, const float* sims) {
+    return mixture(_mm512_loadu_ps(sims), products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G), usable, r.top_n);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // The AVX-512 path above with the 16 lanes in two 8-lane halves (lo: lanes 0-7, hi: 8-15), then the portable mixture.
@@ -307,51 +314,82 @@ inline Lanes products(const float* w, const float* x, int64_t dims) {
     return sum;
 }
 
-// As the AVX-512 packed_mixture: -inf, without the gating logits, when no usable similarity reaches bar.
+// As the AVX-512 packed_screen.
 template <int P>
-inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float bar) {
-    const Lanes sims = products<P>(w, x, r.D);
-    if (bar > 0.0f) {
-        const __m256 level = _mm256_set1_ps(bar);  // ordered: a NaN similarity never reaches it
-        const unsigned reached = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(sims.lo, level, _CMP_GE_OQ))) |
-                                 static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(sims.hi, level, _CMP_GE_OQ))) << 8;
-        const unsigned usable_bits = ~static_cast<unsigned>(_mm_movemask_epi8(
-            _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128())));
-        if (!(reached & usable_bits & 0xffffu)) return -std::numeric_limits<float>::infinity();
-    }
+inline bool packed_screen(const Requests& r, const float* w, const float* x, const uint8_t* usable, float bar,
+                          float* sims) {
+    const Lanes s = products<P>(w, x, r.D);
+    _mm256_storeu_ps(sims, s.lo);
+    _mm256_storeu_ps(sims + 8, s.hi);
+    const __m256 level = _mm256_set1_ps(bar);  // ordered: a NaN similarity never reaches it
+    const unsigned reached = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(s.lo, level, _CMP_GE_OQ))) |
+                             static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(s.hi, level, _CMP_GE_OQ))) << 8;
+    const unsigned usable_bits = ~static_cast<unsigned>(_mm_movemask_epi8(
+        _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(usable)), _mm_setzero_si128())));
+    return !(bar > 0.0f) | ((reached & usable_bits & 0xffffu) != 0);
+}
+
+// As the AVX-512 packed_finish.
+template <int P>
+inline float packed_finish(const Requests& r, const float* w, const float* x, const uint8_t* usable, const float* sims) {
     const Lanes logits = products<P>(w + (r.D + P - 1) / P * LANES, x + r.D, r.G);
-    alignas(32) float s[LANES], l[LANES];
-    _mm256_store_ps(s, sims.lo);
-    _mm256_store_ps(s + 8, sims.hi);
+    alignas(32) float l[LANES];
     _mm256_store_ps(l, logits.lo);
     _mm256_store_ps(l + 8, logits.hi);
-    return mixture(s, l, usable, r.top_n);
+    return mixture(sims, l, usable, r.top_n);
 }
 #else
-inline float packed_mixture(const Requests& r, const float* w, const float* x, const uint8_t* usable, float) {
-    float sims[LANES] = {}, logits[LANES] = {};
+// Without AVX2 every ad passes the screen: its similarities, lane by lane.
+inline bool packed_screen(const Requests& r, const float* w, const float* x, const uint8_t*, float, float* sims) {
+    for (int64_t lane = 0; lane < LANES; ++lane) sims[lane] = 0.0f;
     for (int64_t lane = 0; lane < LANES; ++lane) {
         const int64_t h = lane % r.P;
         for (int64_t d = h; d < r.D; d += r.P) sims[lane - h] += x[d] * w[d / r.P * LANES + lane];
+    }
+    return true;
+}
+
+inline float packed_finish(const Requests& r, const float* w, const float* x, const uint8_t* usable, const float* sims) {
+    float logits[LANES] = {};
+    for (int64_t lane = 0; lane < LANES; ++lane) {
+        const int64_t h = lane % r.P;
         for (int64_t g = h; g < r.G; g += r.P) logits[lane - h] += x[r.D + g] * w[((r.D + r.P - 1) / r.P + g / r.P) * LANES + lane];
     }
     return mixture(sims, logits, usable, r.top_n);
 }
 #endif
 
-// The mixture-of-logits score of the decoded ad x for request b (without its bias): every expert's similarity
-// <expert e, x[:D]> and gating logit <key e, x[D:D + G]> as 16-lane multiply-adds over x's dims, then mixture.
-// -inf when (with AVX-512 or AVX2) its similarities show it below bar, a score it could not enter the heap with.
-inline float gated(const Requests& r, int64_t b, const float* x, float bar) {
+// The mixture-of-logits score of the decoded ad x for request b (without its bias) in two steps. screen: every
+// expert's similarity <expert e, x[:D]> (16-lane multiply-adds over x's dims) into sims (LANES floats); false when
+// (with AVX-512 or AVX2) they show the ad below bar, a score it could not enter the heap with. finish: every
+// expert's gating logit <key e, x[D:D + G]>, then mixture(). A dot-product head (one expert, no gating) is its
+// similarity.
+inline bool screen(const Requests& r, int64_t b, const float* x, float bar, float* sims) {
     const uint8_t* usable = r.mask + b * LANES;
-    if (r.E == 1 && r.G == 0) return usable[0] ? dot(r.weights + b * r.stride, x, r.D) : 0.0f;  // a dot product
     const float* w = r.weights + b * r.stride;
+    if (r.E == 1 && r.G == 0) {
+        sims[0] = usable[0] ? dot(w, x, r.D) : 0.0f;
+        return true;
+    }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (r.P == 4) return packed_mixture<4>(r, w, x, usable, bar);
-    if (r.P == 2) return packed_mixture<2>(r, w, x, usable, bar);
-    return packed_mixture<1>(r, w, x, usable, bar);
+    if (r.P == 4) return packed_screen<4>(r, w, x, usable, bar, sims);
+    if (r.P == 2) return packed_screen<2>(r, w, x, usable, bar, sims);
+    return packed_screen<1>(r, w, x, usable, bar, sims);
 #else
-    return packed_mixture(r, w, x, usable, bar);
+    return packed_screen(r, w, x, usable, bar, sims);
+#endif
+}
+
+inline float finish(const Requests& r, int64_t b, const float* x, const float* sims) {
+    const uint8_t* usable = r.mask + b * LANES;
+    const float* w = r.weights + b * r.stride;
+    if (r.E == 1 && r.G == 0) return sims[0];
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (r.P == 4) return packed_finish<4>(r, w, x, usable, sims);
+    if (r.P == 2) return packed_finish<2>(r, w, x, usable, sims);
+    return packed_finish<1>(r, w, x, usable, sims);
+#else
+    return packed_finish(r, w, x, usable, sims);
 #endif
 }
 
@@ -531,6 +569,9 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
         const int64_t stride = (r.D + r.G + LANES + 15) / 16 * 16;
         std::vector<float> xs(BLOCK * stride);
         std::vector<int64_t> sizes(g.count, 0), eligible(g.count, 0);
+        // A block's (ad, request) pairs, and those screened in, with their similarities.
+        std::vector<int32_t> pair_ad(BLOCK * g.count), pair_request(BLOCK * g.count), kept(BLOCK * g.count);
+        std::vector<float> sims(BLOCK * g.count * LANES);
         float* scores = out_score + (task * r.B + g.first) * m;
         int64_t* slots = out_slot + (task * r.B + g.first) * m;
         const int64_t first = task * per, last = (task + 1) * per < t.n ? (task + 1) * per : t.n;
@@ -556,17 +597,30 @@ void scan_group(const Table& t, const Requests& r, const int32_t* truth, int64_t
             float biases[BLOCK];
             for (int64_t k = 0; k < n_matched[j]; ++k)
                 biases[k] = decode(t, matched[j][k], r.D + r.G, r.bias_col, xs.data() + k * stride);
-            for (int64_t k = 0; k < n_matched[j]; ++k) {
-                const int64_t i = matched[j][k];
-                for (Word word = words[j][i - block]; word; word &= static_cast<Word>(word - 1)) {
+            // Scored in three steps, so that no branch on one pair's outcome stands between its similarities and
+            // the next pair's: the block's (ad, request) pairs; each pair's similarities, screened against the
+            // request's heap as the block found it (its bar only rises: a pair screened in may still not enter, and
+            // none that could is screened out); the mixtures of those screened in, offered to the heaps.
+            int64_t n_pairs = 0, n_kept = 0;
+            for (int64_t k = 0; k < n_matched[j]; ++k)
+                for (Word word = words[j][matched[j][k] - block]; word; word &= static_cast<Word>(word - 1)) {
                     const int64_t b = __builtin_ctzll(static_cast<uint64_t>(word));
-                    const float bar = sizes[b] == m ? entry_bar(scores[b * m], biases[k])
-                                                    : -std::numeric_limits<float>::infinity();
-                    float s = gated(r, g.first + b, xs.data() + k * stride, bar) + biases[k];
-                    if (std::isnan(s)) s = -std::numeric_limits<float>::infinity();  // NaN ranks as -inf
-                    sizes[b] = push(scores + b * m, slots + b * m, sizes[b], m, s, i);
+                    pair_ad[n_pairs] = static_cast<int32_t>(k);
+                    pair_request[n_pairs++] = static_cast<int32_t>(b);
                     ++eligible[b];
                 }
+            for (int64_t p = 0; p < n_pairs; ++p) {
+                const int64_t k = pair_ad[p], b = pair_request[p];
+                const float bar = sizes[b] == m ? entry_bar(scores[b * m], biases[k])
+                                                : -std::numeric_limits<float>::infinity();
+                kept[n_kept] = static_cast<int32_t>(p);
+                n_kept += screen(r, g.first + b, xs.data() + k * stride, bar, sims.data() + n_kept * LANES);
+            }
+            for (int64_t q = 0; q < n_kept; ++q) {
+                const int64_t k = pair_ad[kept[q]], b = pair_request[kept[q]];
+                float s = finish(r, g.first + b, xs.data() + k * stride, sims.data() + q * LANES) + biases[k];
+                if (std::isnan(s)) s = -std::numeric_limits<float>::infinity();  // NaN ranks as -inf
+                sizes[b] = push(scores + b * m, slots + b * m, sizes[b], m, s, matched[j][k]);
             }
         }
         for (int64_t b = 0; b < g.count; ++b) counts[task * r.B + g.first + b] = eligible[b];
