@@ -69,7 +69,7 @@ def test_the_ratio_is_the_second_build_over_the_first():
     assert result["ms"]["slow"] > result["ms"]["fast"] and result["ratio"] < 1
 
 
-SCORE = b"gated(r, g.first + b, xs.data() + k * stride, bar) + biases[k]"  # the kernel's score of an ad
+SCORE = b"finish(r, g.first + b, xs.data() + k * stride, sims.data() + q * LANES) + biases[k]"  # the kernel's score of an ad
 
 
 def build_with_score(score: bytes) -> ctypes.CDLL:
