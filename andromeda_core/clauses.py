@@ -12,11 +12,17 @@ result is a bit-packed truth table (B, W) int32 that the scan tests per ad.
 
 A row of refs has a fixed width C. An ad with more clauses keeps its first C - 1 refs and points, last,
 at a compound clause: the AND of its other refs, evaluated after the simple clauses.
+
+A writer changes the dictionary beside the scans (AdIndex._commit: a batch's clauses are taken before its rows
+are written, and the clauses of the rows it overwrote are released after), so its own lock keeps each change
+and each read whole; a scan never meets a clause taken or released meanwhile, since no row it reads refers to
+one.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -81,6 +87,7 @@ class ClauseDictionary:
         self._compounds: dict[int, tuple[int, ...]] = {}  # id -> member refs
         self._compound_table: tuple[np.ndarray, np.ndarray] | None = None  # (ids (K,), refs (K, L)), built when read
         self.hashes = np.zeros(1, dtype=np.int64)  # per id: _stable_hash of its content (0: free)
+        self._lock = threading.Lock()  # around each change and each read of more than one entry
 
     def __len__(self) -> int:
         """Clauses in use."""
@@ -95,21 +102,24 @@ class ClauseDictionary:
 
     def refs(self, clauses: Sequence[ClauseRef]) -> np.ndarray:
         """One ad's clauses -> its row of refs (C,) int32 (ALWAYS padded), taking a reference to each clause."""
-        refs = [2 * self._take(key) + negate for key, negate in clauses]
-        if len(refs) > self.width:
-            rest = tuple(refs[self.width - 1:])
-            shared = (COMPOUND, rest) in self._ids
-            refs = refs[: self.width - 1] + [2 * self._take((COMPOUND, rest))]
-            if shared:  # the compound already holds its members: this ad's references to them go
-                for ref in rest:
-                    self._drop(ref >> 1)
+        with self._lock:
+            refs = [2 * self._take(key) + negate for key, negate in clauses]
+            if len(refs) > self.width:
+                rest = tuple(refs[self.width - 1:])
+                shared = (COMPOUND, rest) in self._ids
+                refs = refs[: self.width - 1] + [2 * self._take((COMPOUND, rest))]
+                if shared:  # the compound already holds its members: this ad's references to them go
+                    for ref in rest:
+                        self._drop(ref >> 1)
         return np.array(refs + [ALWAYS] * (self.width - len(refs)), dtype=np.int32)
 
     def release(self, refs: np.ndarray) -> None:
-        """Drop the references of rows of refs (..., C) (rows being overwritten or freed)."""
-        for ref in np.asarray(refs).ravel().tolist():
-            if ref != ALWAYS:
-                self._drop(ref >> 1)
+        """Drop the references of rows of refs (..., C) (rows being overwritten or freed), a row at a time."""
+        for row in np.asarray(refs).reshape(-1, self.width).tolist():
+            with self._lock:
+                for ref in row:
+                    if ref != ALWAYS:
+                        self._drop(ref >> 1)
 
     def _take(self, key: Key) -> int:
         """The id of `key` (interned if new) with one more reference. A new compound takes over the
@@ -166,6 +176,11 @@ class ClauseDictionary:
     def truth(self, users: Sequence[UserValues], device: torch.device | str = "cpu") -> torch.Tensor:
         """(B, W) int32 truth table of B users (W = ceil(size / 32)): bit c set when the user holds a value of
         clause c. Read under the index's read lock, with the refs it is tested against."""
+        with self._lock:
+            packed = self._truth(users)
+        return torch.from_numpy(packed).to(device)
+
+    def _truth(self, users: Sequence[UserValues]) -> np.ndarray:
         words = (self.size + 31) // 32
         held = np.zeros((len(users), words * 32), dtype=bool)
         for b, values in enumerate(users):
@@ -178,8 +193,7 @@ class ClauseDictionary:
         if self._compounds:
             ids, refs = self._compounds_padded()
             held[:, ids] = (held[:, refs >> 1] ^ (refs & 1).astype(bool)).all(-1)
-        packed = np.packbits(held, axis=1, bitorder="little").view("<i4")
-        return torch.from_numpy(packed.copy()).to(device)
+        return np.packbits(held, axis=1, bitorder="little").view("<i4").copy()
 
     def _posting_array(self, c: int, v: int) -> np.ndarray | None:
         key = (c, v)
@@ -216,11 +230,22 @@ class ClauseDictionary:
 
     # -- state (for snapshots) -------------------------------------------------------------------
 
-    def export_state(self) -> dict[str, torch.Tensor]:
-        """Every id's category (FREE, COMPOUND or an index) and content, as CSR: offsets (size + 1,), data."""
-        category = np.array([FREE if k is None else k[0] for k in self._keys], dtype=np.int32)
-        lengths = [0 if k is None else len(k[1]) for k in self._keys]
-        data = [x for k in self._keys if k is not None for x in k[1]]
+    def export_state(self, live_refs: np.ndarray) -> dict[str, torch.Tensor]:
+        """Every id's category (FREE, COMPOUND or an index) and content, as CSR: offsets (size + 1,), data; only the
+        clauses the live rows of refs (n, C) reach (a compound's members too), the others FREE: a writer may hold
+        clauses taken for rows not written yet, or not yet released from rows it overwrote."""
+        with self._lock:
+            reached = np.zeros(self.size, dtype=bool)
+            pending = np.unique(np.asarray(live_refs).ravel() >> 1)
+            while pending.size:
+                reached[pending] = True
+                members = [ref >> 1 for c in pending.tolist() if c in self._compounds for ref in self._compounds[c]]
+                pending = np.setdiff1d(np.array(members, dtype=np.int64), np.flatnonzero(reached))
+            reached[0] = False  # ALWAYS pads every row: clause 0 is nobody's
+            keys = [k if reached[c] else None for c, k in enumerate(self._keys)]
+        category = np.array([FREE if k is None else k[0] for k in keys], dtype=np.int32)
+        lengths = [0 if k is None else len(k[1]) for k in keys]
+        data = [x for k in keys if k is not None for x in k[1]]
         return {"clauses.category": torch.from_numpy(category),
                 "clauses.offsets": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
                 "clauses.data": torch.tensor(data, dtype=torch.int64)}

@@ -17,7 +17,8 @@ A batch is all or nothing: its rows are checked and converted to device tensors,
 slot bookkeeping is planned on an overlay, before the first column is written; the bookkeeping takes
 the plan only once every write is made. Scans share the read side of a writer-preferring read/write
 lock and a batch is written under its write side, so any number of scans run together and none sees
-part of a batch.
+part of a batch. Batches take the writers' turn one at a time and work everything out in it beside the
+scans (plan, growth, clauses, writes), taking the write side only to write and commit.
 
 Parts, one job each: andromeda_core.ops (batches of ops in columns), andromeda_core.slots (which slot
 holds which ad, versions, tombstones, free slots; a batch's plan), andromeda_core.writer (upsert rows into
@@ -369,7 +370,8 @@ class AdIndex:
         tensors["statuses.active"] = torch.tensor([a for _, a in statuses.values()], dtype=torch.bool)
         tensors["statuses.content_version"] = torch.tensor([self._book.version.get(ad, -1) for ad in statuses],
                                                            dtype=torch.int64)
-        tensors.update(self.clauses.export_state())
+        live = (columns["status"].to(torch.int32) & LIVE) != 0
+        tensors.update(self.clauses.export_state(columns["refs"][live].numpy()))
         layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
                   "schema_fingerprint": self.schema.fingerprint,
                   "dim": str(self.dim), "capacity": str(self.capacity), "high_water": str(n),
@@ -422,7 +424,7 @@ class AdIndex:
         """Take over `other`'s content (e.g. a restored snapshot) in one step that scans see whole."""
         if other.schema != self.schema or other.dim != self.dim:
             raise ValueError("can only adopt an index with the same schema and embedding width")
-        with self._lock.exclusive():
+        with self._lock.writing(), self._lock.exclusive():
             self.specs, self.columns, self._book, self.clauses = other.specs, other.columns, other._book, other.clauses
             self._writer = other._writer
             with self._exports_lock:
@@ -438,7 +440,7 @@ class AdIndex:
         writer = self._writer
         batch = ops if isinstance(ops, OpBatch) else OpBatch.from_ops(ops, self.dim, writer.targeting)
         staged = writer.stage(batch.rows)  # before the lock: scans go on while rows are checked and converted
-        with self._lock.exclusive():
+        with self._lock.writing():
             if writer is not self._writer:  # adopt() changed the layout meanwhile
                 staged = self._writer.stage(batch.rows)
             plan = SlotPlan(self._book, self.capacity)
@@ -449,7 +451,7 @@ class AdIndex:
 
     def sweep_expired(self, now: int) -> int:
         """Free the slots of ads whose end_time <= now (they already stopped matching). Returns how many."""
-        with self._lock.exclusive():
+        with self._lock.writing():
             n = self.high_water
             live = (self.columns["status"][:n].to(torch.int32) & LIVE) != 0
             slots = torch.nonzero(live & (self.columns["end"][:n] <= now)).flatten().tolist()
@@ -463,11 +465,20 @@ class AdIndex:
     def _commit(self, plan: SlotPlan, staged: dict[str, Any]) -> None:
         """Make the plan's writes (into grown copies when the batch needs more slots), then commit its bookkeeping
         and drop the clause references of the rows it overwrote or freed. All or nothing: should a step fail (out
-        of memory on the device), the clause references it took are dropped again and the columns are as before."""
+        of memory on the device), the clause references it took are dropped again and the columns are as before.
+
+        Called in the writers' turn (`ReadWriteLock.writing`): nothing else changes the table, the bookkeeping or
+        the dictionary's references meanwhile, so the growth, the batch's clauses and its writes are worked out
+        while scans go on, and only the writes and the commit hold them off (for a batch of 10,000 new rows on a
+        2-core box, about 200 ms of interning clauses and computing writes out of the scans' way)."""
         columns = self._grown(plan.capacity_needed)
         replaced = columns["refs"][torch.tensor([*plan.row_at, *plan.freed], dtype=torch.int64,
                                                 device=self.device)].cpu().numpy()
         taken: list[np.ndarray] = []  # rows of refs whose clauses this batch took
+
+        def give_back() -> None:
+            self.clauses.release(np.array(taken, dtype=np.int32).reshape(-1, self.clauses.width))
+
         try:
             if plan.row_at:
                 refs = np.full((len(staged["clauses"]), self.clauses.width), ALWAYS, dtype=np.int32)
@@ -476,19 +487,23 @@ class AdIndex:
                     taken.append(refs[row])
                 staged = {**staged, "refs": torch.from_numpy(refs).to(self.device)}
             writes = self._writer.writes(plan, staged, columns)  # computed in full before any is made
+        except BaseException:
+            give_back()
+            raise
+        with self._lock.exclusive():
             written = torch.cat([slots for _, slots, _ in writes]) if self._exports and writes else None
             try:
                 self._write(columns, writes)
+            except BaseException:
+                give_back()
+                raise
             finally:  # copied again by exports in progress: new, or put back after a failed write they may have read
                 if written is not None:
                     for copy in self._exports:
                         copy.note_written(written)
-        except BaseException:
-            self.clauses.release(np.array(taken, dtype=np.int32).reshape(-1, self.clauses.width))
-            raise
-        self.clauses.release(replaced)
-        self.columns = columns
-        plan.commit(self.capacity)
+            self.columns = columns
+            plan.commit(self.capacity)
+        self.clauses.release(replaced)  # no row refers to them any more: scans that began since never read them
 
     def _write(self, columns: dict[str, torch.Tensor], writes: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """Make the writes (column name, slots, values) into columns, all or none: into the live columns, the values

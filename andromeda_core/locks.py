@@ -1,4 +1,4 @@
-"""The index's read/write lock: scans share it, a batch of updates holds it alone."""
+"""The index's read/write lock: scans share it, a batch of updates holds it alone for the moment it writes."""
 from __future__ import annotations
 
 import threading
@@ -12,6 +12,7 @@ class ReadWriteLock:
     (a nested read would otherwise deadlock behind a waiting writer); a reader may not start writing."""
 
     def __init__(self) -> None:
+        self._writer = threading.Lock()  # writers one at a time: see writing()
         self._cond = threading.Condition()
         self._readers = 0
         self._writing = False
@@ -36,9 +37,16 @@ class ReadWriteLock:
                     self._cond.notify_all()
 
     @contextmanager
+    def writing(self) -> Iterator[None]:
+        """The writers' turn, one at a time, while readers go on: a writer works its batch out here against a table
+        that only writers change, then takes `exclusive` (inside this) for the moment it writes."""
+        self._refuse_if_reading()
+        with self._writer:
+            yield
+
+    @contextmanager
     def exclusive(self) -> Iterator[None]:
-        if getattr(self._depth, "n", 0):
-            raise RuntimeError("cannot write while this thread holds a read (it would wait for itself)")
+        self._refuse_if_reading()
         with self._cond:
             self._writers_waiting += 1
             try:
@@ -52,3 +60,7 @@ class ReadWriteLock:
             with self._cond:
                 self._writing = False
                 self._cond.notify_all()
+
+    def _refuse_if_reading(self) -> None:
+        if getattr(self._depth, "n", 0):
+            raise RuntimeError("cannot write while this thread holds a read (it would wait for itself)")

@@ -477,6 +477,75 @@ def test_a_thread_cannot_write_inside_its_own_scan(index, scorer):
     assert index.apply([op]) == [True]
 
 
+def paused_in(monkeypatch, index: AdIndex, step: str) -> tuple[threading.Event, threading.Event]:
+    """Make the index's clause dictionary stop in its first call of `step` ("refs": a batch taking the clauses of
+    its rows, before they are written; "release": dropping those of the rows it overwrote, after) until released.
+    Returns (inside, release) events."""
+    inside, release, original = threading.Event(), threading.Event(), getattr(index.clauses, step)
+
+    def paused(*args):
+        if not inside.is_set():
+            inside.set()
+            release.wait(10)
+        return original(*args)
+
+    monkeypatch.setattr(index.clauses, step, paused)
+    return inside, release
+
+
+def in_thread(fn, seconds: float = 5.0) -> list:
+    """fn()'s result in a list, [] when it has not returned within `seconds` (it waited on a lock)."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return out
+
+
+@pytest.mark.parametrize("step", ["refs", "release"])
+def test_scans_and_snapshots_go_on_while_a_batch_works_out_its_clauses_and_see_it_whole(index, scorer, monkeypatch,
+                                                                                         step):
+    """A batch takes its clauses (and releases the overwritten rows') beside the scans, holding them off only while
+    it writes: a scan meanwhile sees the table before the batch (or, once written, after it), and a snapshot taken
+    meanwhile restores to that same table (its dictionary leaves out the clauses no row refers to yet, or any
+    more: loading refuses those). Until 2026-12-07 both waited for the whole batch."""
+    us, ca = {"country": {"any_of": ["US"]}}, {"country": {"any_of": ["CA"]}}
+    apply_events(index, scorer, [upsert(1, 1, us)])
+    ops = prepare_ops(index.schema, scorer, [parse_event(e) for e in (upsert(1, 2, ca), upsert(2, 1, ca))])
+    before = index.digest()
+    inside, release = paused_in(monkeypatch, index, step)
+    writer = threading.Thread(target=index.apply, args=(ops,), daemon=True)
+    writer.start()
+    try:
+        assert inside.wait(5)
+        seen = in_thread(lambda: (eligible(index, {"country": "US"}), eligible(index, {"country": "CA"})))
+        state = in_thread(lambda: index.export_state(copy=True))
+    finally:
+        release.set()
+    writer.join(5)
+    whole = ([1], []) if step == "refs" else ([], [1, 2])
+    assert seen == [whole]
+    restored = AdIndex.from_state(index.schema, *state[0])
+    assert restored.digest() == (before if step == "refs" else index.digest())
+    assert eligible(restored, {"country": "US"}) == whole[0] and eligible(restored, {"country": "CA"}) == whole[1]
+    assert eligible(index, {"country": "US"}) == [] and eligible(index, {"country": "CA"}) == [1, 2]
+
+
+def test_batches_take_the_writers_turn_one_at_a_time(index, scorer, monkeypatch):
+    """A second batch waits while the first works out its clauses: two plans of one table would each take its slots
+    and versions as they were."""
+    inside, release = paused_in(monkeypatch, index, "refs")
+    first = threading.Thread(target=apply_events, args=(index, scorer, [upsert(1, 1)]), daemon=True)
+    first.start()
+    try:
+        assert inside.wait(5)
+        assert in_thread(lambda: apply_events(index, scorer, [upsert(2, 1)]), 0.3) == []
+    finally:
+        release.set()
+    first.join(5)
+    assert wait_until(lambda: 2 in index) and 1 in index and len(index) == 2
+
+
 def test_digest_is_by_clause_content_not_clause_ids(small_schema, scorer):
     """Replicas that reached the same ads through different histories hold different clause ids (ids are
     recycled): their digests still agree, and their refs really differ."""
