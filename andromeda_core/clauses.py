@@ -242,6 +242,8 @@ class ClauseDictionary:
                 members = [ref >> 1 for c in pending.tolist() if c in self._compounds for ref in self._compounds[c]]
                 pending = np.setdiff1d(np.array(members, dtype=np.int64), np.flatnonzero(reached))
             reached[0] = False  # ALWAYS pads every row: clause 0 is nobody's
+            if any(self._keys[c] is None for c in np.flatnonzero(reached).tolist()):
+                raise ValueError("a live row refers to a free clause id: the index's clause references are corrupt")
             keys = [k if reached[c] else None for c, k in enumerate(self._keys)]
         category = np.array([FREE if k is None else k[0] for k in keys], dtype=np.int32)
         lengths = [0 if k is None else len(k[1]) for k in keys]
@@ -270,6 +272,8 @@ class ClauseDictionary:
         out._free = [c for c in range(len(keys) - 1, 0, -1) if keys[c] is None]
         for ref in live_refs.ravel().tolist():
             if ref != ALWAYS:
+                if not 0 <= ref >> 1 < len(keys) or keys[ref >> 1] is None:
+                    raise ValueError(f"an ad refers to clause {ref >> 1}, which the dictionary does not hold")
                 out._count[ref >> 1] += 1
         if any(key is not None and not n for key, n in zip(out._keys, out._count)):
             raise ValueError("a clause no ad refers to")

@@ -468,17 +468,13 @@ class AdIndex:
         of memory on the device), the clause references it took are dropped again and the columns are as before.
 
         Called in the writers' turn (`ReadWriteLock.writing`): nothing else changes the table, the bookkeeping or
-        the dictionary's references meanwhile, so the growth, the batch's clauses and its writes are worked out
-        while scans go on, and only the writes and the commit hold them off (for a batch of 10,000 new rows on a
-        2-core box, about 200 ms of interning clauses and computing writes out of the scans' way)."""
-        columns = self._grown(plan.capacity_needed)
-        replaced = columns["refs"][torch.tensor([*plan.row_at, *plan.freed], dtype=torch.int64,
-                                                device=self.device)].cpu().numpy()
+        the dictionary's references meanwhile, so the batch's clauses and writes are worked out while scans go on,
+        and only the writes and the commit hold them off (for a batch of 10,000 new rows on a 2-core box, about
+        200 ms of interning clauses and computing writes out of the scans' way). A batch that grows the table (it
+        doubles: rare) is grown and worked out with the scans held off, as before: the copies need the memory
+        that the scans' buffers take on a device."""
         taken: list[np.ndarray] = []  # rows of refs whose clauses this batch took
-
-        def give_back() -> None:
-            self.clauses.release(np.array(taken, dtype=np.int32).reshape(-1, self.clauses.width))
-
+        committed = False
         try:
             if plan.row_at:
                 refs = np.full((len(staged["clauses"]), self.clauses.width), ALWAYS, dtype=np.int32)
@@ -486,23 +482,28 @@ class AdIndex:
                     refs[row] = self.clauses.refs(staged["clauses"][row])
                     taken.append(refs[row])
                 staged = {**staged, "refs": torch.from_numpy(refs).to(self.device)}
-            writes = self._writer.writes(plan, staged, columns)  # computed in full before any is made
+            grows = plan.capacity_needed > self.capacity
+            # computed in full before any is made
+            writes = None if grows else self._writer.writes(plan, staged, self.columns)
+            with self._lock.exclusive():
+                columns = self._grown(plan.capacity_needed)
+                writes = self._writer.writes(plan, staged, columns) if grows else writes
+                replaced = columns["refs"][torch.tensor([*plan.row_at, *plan.freed], dtype=torch.int64,
+                                                        device=self.device)].cpu().numpy()
+                written = torch.cat([slots for _, slots, _ in writes]) if self._exports and writes else None
+                try:
+                    self._write(columns, writes)
+                finally:  # copied again by exports in progress: new, or put back after a failed write they may have read
+                    if written is not None:
+                        for copy in self._exports:
+                            copy.note_written(written)
+                committed = True
+                self.columns = columns
+                plan.commit(self.capacity)
         except BaseException:
-            give_back()
+            if not committed:
+                self.clauses.release(np.array(taken, dtype=np.int32).reshape(-1, self.clauses.width))
             raise
-        with self._lock.exclusive():
-            written = torch.cat([slots for _, slots, _ in writes]) if self._exports and writes else None
-            try:
-                self._write(columns, writes)
-            except BaseException:
-                give_back()
-                raise
-            finally:  # copied again by exports in progress: new, or put back after a failed write they may have read
-                if written is not None:
-                    for copy in self._exports:
-                        copy.note_written(written)
-            self.columns = columns
-            plan.commit(self.capacity)
         self.clauses.release(replaced)  # no row refers to them any more: scans that began since never read them
 
     def _write(self, columns: dict[str, torch.Tensor], writes: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:

@@ -46,7 +46,10 @@ class ReadWriteLock:
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
+        """The table alone, for the moment a writer writes: taken inside `writing()`."""
         self._refuse_if_reading()
+        if not self._writer.locked():
+            raise RuntimeError("exclusive() is taken inside writing(): writers work their batch out in their turn")
         with self._cond:
             self._writers_waiting += 1
             try:

@@ -377,6 +377,40 @@ def test_a_batch_whose_commit_runs_out_of_memory_changes_nothing(index, scorer, 
     AdIndex.from_state(index.schema, *index.export_state(copy=True))  # restorable: every clause has an ad
 
 
+@pytest.mark.parametrize("step", ["exclusive", "cat"])
+def test_a_batch_failing_on_its_way_to_the_write_gives_its_clauses_back(index, scorer, monkeypatch, step):
+    """Its clauses taken beside the scans, a batch that fails before it writes (interrupted while it waits for them
+    to leave, or out of memory noting its slots for an export in progress) gives them back: a leaked one outlives
+    every ad. (A review found both leaking in the first version of the change that moved the interning out.)"""
+    apply_events(index, scorer, [upsert(1, targeting={"city": {"any_of": ["c1"]}})])
+    before, in_use = index.digest(), len(index.clauses)
+    ops = prepare_ops(index.schema, scorer, [parse_event(upsert(2, targeting={"city": {"any_of": ["c7"]}}))])
+    cat = torch.cat
+
+    def fail_once_clauses_are_taken(*args, **kwargs):
+        if len(index.clauses) > in_use:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return cat(*args, **kwargs)
+
+    copy = index.begin_export()
+    with monkeypatch.context() as m:
+        if step == "exclusive":
+            m.setattr(index._lock, "exclusive", fail_once_clauses_are_taken)
+        else:
+            m.setattr(torch, "cat", fail_once_clauses_are_taken)
+        with pytest.raises(torch.OutOfMemoryError):
+            index.apply(ops)
+    index.cancel_export(copy)
+    assert index.digest() == before and len(index.clauses) == in_use and 2 not in index
+    assert index.apply(ops) == [True] and eligible(index, {"city": "c7"}) == [2]
+
+
+def test_the_write_side_is_taken_only_in_the_writers_turn(index):
+    with pytest.raises(RuntimeError, match="inside writing"):
+        with index._lock.exclusive():
+            pass
+
+
 @pytest.mark.parametrize("write", [1, 3, 6])
 def test_an_edit_whose_column_write_fails_midway_changes_nothing(index, scorer, monkeypatch, write):
     """A device write failing after some of the batch's columns were written: they are put back, so no search sees

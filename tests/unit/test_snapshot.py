@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from andromeda_core.errors import SnapshotCorrupt
-from andromeda_core.index import AdIndex
+from andromeda_core.clauses import FREE
+from andromeda_core.index import AdIndex, LIVE
 from andromeda_core import snapshot
 from andromeda_core.schema import schema_from_dict
 from andromeda_core.snapshot import load_snapshot, save_snapshot
@@ -239,3 +240,18 @@ def test_the_temp_file_sweep_never_fails_a_start_or_a_written_snapshot(tmp_path,
     assert store.write(populated, "6-0").exists() and temp.exists()  # after a write
     monkeypatch.setattr(snapshots_module.Path, "iterdir", refused)
     assert store.remove_abandoned() == []
+
+
+def test_a_live_row_referring_to_a_free_clause_is_refused_on_export_and_on_load(populated, small_schema):
+    """A snapshot exports only the clauses its live rows reach; a live row whose clause the dictionary does not hold
+    (a broken reference count) is refused, not written or loaded as a table that matches nothing there."""
+    tensors, layout = populated.export_state(copy=True)
+    live = (tensors["col.status"].to(torch.int32) & LIVE) != 0
+    clause = int(tensors["col.refs"][live][0, 0]) >> 1
+    category = tensors["clauses.category"].clone()
+    category[clause] = FREE
+    with pytest.raises(ValueError, match=f"refers to clause {clause}, which the dictionary does not hold"):
+        AdIndex.from_state(small_schema, {**tensors, "clauses.category": category}, layout)
+    populated.clauses._keys[clause] = None  # as a leaked release would leave it
+    with pytest.raises(ValueError, match="refers to a free clause id"):
+        populated.export_state()
