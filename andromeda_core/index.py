@@ -18,7 +18,7 @@ slot bookkeeping is planned on an overlay, before the first column is written; t
 the plan only once every write is made. Scans share the read side of a writer-preferring read/write
 lock and a batch is written under its write side, so any number of scans run together and none sees
 part of a batch. Batches take the writers' turn one at a time and work everything out in it beside the
-scans (plan, growth, clauses, writes), taking the write side only to write and commit.
+scans (plan, clauses, writes), taking the write side only to write and commit (and to grow the table).
 
 Parts, one job each: andromeda_core.ops (batches of ops in columns), andromeda_core.slots (which slot
 holds which ad, versions, tombstones, free slots; a batch's plan), andromeda_core.writer (upsert rows into
