@@ -72,6 +72,11 @@ def core_columns(dim: int, embedding_dtype: torch.dtype, exact_copy: bool, refs_
     }
 
 
+def holds_an_ad(status: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: the slots of a status column (n,) int8 that hold an ad (LIVE), paused or not."""
+    return (status.to(torch.int32) & LIVE) != 0
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """"int8" for torch.int8: how layouts name a dtype (torch's getattr name)."""
     return str(dtype).removeprefix("torch.")
@@ -303,7 +308,7 @@ class AdIndex:
     def digest(self) -> str:
         """Order-independent hash of the live content (every column of every live slot)."""
         with self.reading():
-            live = (self.columns["status"][: self.high_water].to(torch.int32) & LIVE) != 0
+            live = holds_an_ad(self.columns["status"][: self.high_water])
             total = torch.zeros((), dtype=torch.int64)
             for i, name in enumerate(sorted(self.columns)):
                 col = self.columns[name][: self.high_water][live].cpu()
@@ -370,7 +375,7 @@ class AdIndex:
         tensors["statuses.active"] = torch.tensor([a for _, a in statuses.values()], dtype=torch.bool)
         tensors["statuses.content_version"] = torch.tensor([self._book.version.get(ad, -1) for ad in statuses],
                                                            dtype=torch.int64)
-        live = (columns["status"].to(torch.int32) & LIVE) != 0
+        live = holds_an_ad(columns["status"])
         tensors.update(self.clauses.export_state(columns["refs"][live].numpy()))
         layout = {"schema_name": self.schema.name, "schema_version": str(self.schema.version),
                   "schema_fingerprint": self.schema.fingerprint,
@@ -397,7 +402,7 @@ class AdIndex:
         n = book.high_water = int(layout["high_water"])
         for name, col in index.columns.items():
             col[:n] = tensors[f"col.{name}"].to(device)
-        live = torch.nonzero((index.columns["status"][:n].to(torch.int32) & LIVE) != 0).flatten().tolist()
+        live = torch.nonzero(holds_an_ad(index.columns["status"][:n])).flatten().tolist()
         index.clauses = ClauseDictionary.from_state(schema, index.clauses.width, tensors,
                                                     index.columns["refs"][live].cpu().numpy())
         ad_ids = index.columns["ad_id"][live].tolist()
@@ -453,7 +458,7 @@ class AdIndex:
         """Free the slots of ads whose end_time <= now (they already stopped matching). Returns how many."""
         with self._lock.writing():
             n = self.high_water
-            live = (self.columns["status"][:n].to(torch.int32) & LIVE) != 0
+            live = holds_an_ad(self.columns["status"][:n])
             slots = torch.nonzero(live & (self.columns["end"][:n] <= now)).flatten().tolist()
             plan = SlotPlan(self._book, self.capacity)
             for ad, slot, advertiser in zip(self.columns["ad_id"][slots].tolist(), slots,

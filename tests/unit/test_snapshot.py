@@ -8,7 +8,7 @@ import torch
 
 from andromeda_core.errors import SnapshotCorrupt
 from andromeda_core.clauses import FREE
-from andromeda_core.index import AdIndex, LIVE
+from andromeda_core.index import AdIndex, holds_an_ad
 from andromeda_core import snapshot
 from andromeda_core.schema import schema_from_dict
 from andromeda_core.snapshot import load_snapshot, save_snapshot
@@ -246,7 +246,7 @@ def test_a_live_row_referring_to_a_free_clause_is_refused_on_export_and_on_load(
     """A snapshot exports only the clauses its live rows reach; a live row whose clause the dictionary does not hold
     (a broken reference count) is refused, not written or loaded as a table that matches nothing there."""
     tensors, layout = populated.export_state(copy=True)
-    live = (tensors["col.status"].to(torch.int32) & LIVE) != 0
+    live = holds_an_ad(tensors["col.status"])
     clause = int(tensors["col.refs"][live][0, 0]) >> 1
     category = tensors["clauses.category"].clone()
     category[clause] = FREE
