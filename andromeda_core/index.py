@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from andromeda_core.clauses import ClauseDictionary
-from andromeda_core.errors import NotFound, OutOfMemory
+from andromeda_core.errors import InvalidInput, NotFound, OutOfMemory
 from andromeda_core.export import TableCopy
 from andromeda_core.locks import ReadWriteLock
 from andromeda_core.ops import INT64_MAX, INT64_MIN, IndexOp, OpBatch
@@ -453,6 +453,18 @@ class AdIndex:
                                                   batch.row.tolist())]
             self._commit(plan, staged)
             return applied
+
+    def refusals(self, batch: OpBatch) -> dict[int, InvalidInput]:
+        """The positions in `batch` of the upserts whose rows apply() refuses (InvalidInput: a row that does not fit
+        the table), each with why; changes nothing. The batch without them applies, as one."""
+        refused = {}
+        for position, row in enumerate(batch.row.tolist()):
+            if row >= 0:
+                try:
+                    self._writer.check({name: values[row:row + 1] for name, values in batch.rows.items()})
+                except InvalidInput as exc:
+                    refused[position] = exc
+        return refused
 
     def sweep_expired(self, now: int) -> int:
         """Free the slots of ads whose end_time <= now (they already stopped matching). Returns how many."""

@@ -210,6 +210,11 @@ def describe(exc: Exception) -> str:
     return redact(f"{type(exc).__name__}: {exc}") + tls_hint(exc)
 
 
+def index_rejected(exc: Exception) -> InvalidRecord:
+    """The dead-letter reason of an entry the index rejected."""
+    return InvalidRecord(f"index rejected it: {type(exc).__name__}: {exc}", "entry")
+
+
 def consumer_client(url: str) -> redis.Redis:
     """The client of a replica's consumer: it waits at most REPLY_TIMEOUT_S for a connection or a reply, so that a hung
     Redis or a connection gone silent (a Redis moved to another address) ends in an error the loop counts and retries
@@ -575,11 +580,13 @@ class ShardConsumer:
         return None if again else max(fresh, default=now_ms) / 1000
 
     def _apply(self, read: DecodedRead) -> tuple[list[bool], list[tuple[int, InvalidRecord]]]:
-        """Apply the read as one atomic batch; should the index reject it, apply its entries one by one. Returns
-        the results and (position in the read, why) of the entries the index rejected (a rejected op changes
-        nothing). Memory running out (out_of_memory) is no entry's fault: it is raised, so the read is applied
-        again after the loop's backoff (what was applied of it, again: that changes nothing), its entries waiting
-        meanwhile (the replica turns unhealthy once they have waited longer than its lag allows)."""
+        """Apply the read as one atomic batch. Should the index reject it, the entries whose rows it refuses are set
+        aside and the rest applied as one batch, so that scans see no part of a part (a batch of the publisher's); should
+        that fail too, or no row be refused, its entries are applied one by one. Returns the results and (position in
+        the read, why) of the entries the index rejected (a rejected op changes nothing). Memory running out
+        (out_of_memory) is no entry's fault: it is raised, so the read is applied again after the loop's backoff
+        (what was applied of it, again: that changes nothing), its entries waiting meanwhile (the replica turns
+        unhealthy once they have waited longer than its lag allows)."""
         if not len(read.batch):
             return [], []
         try:
@@ -587,7 +594,16 @@ class ShardConsumer:
         except Exception as exc:  # a decoded entry the index still cannot take must not stop the consumer
             if out_of_memory(exc):
                 raise
-            log.exception("batch apply failed; applying its entries one by one")
+            log.exception("batch apply failed; applying it without the entries the index refuses")
+        refused = self.index.refusals(read.batch)
+        rejected = [(read.positions[i], index_rejected(exc)) for i, exc in refused.items()]
+        if refused:
+            try:
+                return self.index.apply(read.batch.take([i for i in range(len(read.batch)) if i not in refused])), rejected
+            except Exception as exc:
+                if out_of_memory(exc):
+                    raise
+                log.exception("batch apply failed without the entries the index refuses; applying them one by one")
         results, rejected = [], []
         for i, position in enumerate(read.positions):
             try:
@@ -595,7 +611,7 @@ class ShardConsumer:
             except Exception as exc:
                 if out_of_memory(exc):
                     raise
-                rejected.append((position, InvalidRecord(f"index rejected it: {type(exc).__name__}: {exc}", "entry")))
+                rejected.append((position, index_rejected(exc)))
         return results, rejected
 
     def _dead_letter(self, entry: Entry, exc: InvalidRecord) -> None:

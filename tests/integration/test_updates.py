@@ -363,12 +363,43 @@ def test_an_entry_the_index_rejects_is_dead_lettered_and_the_rest_of_its_batch_a
     publisher.publish([upsert(2), {"op": "delete", "ad_id": 1, "version": 2}, upsert(1, 3)])
     client.xadd(SHARD0, {"garbage": b"\xff"})  # fails to decode, after the rejected one in the same read
     c = make()
+    batches = applied_batches(c.index)
     c.catch_up()  # one read: the index rejects the batch, then takes every entry but ad 666's
     assert eligible(c.index) == [1, 2] and c.index.version_of(1) == 3 and 666 not in c.index
+    assert batches == [5, 4]  # the rest as one batch: no scan sees part of it (until 2026-12-07 one by one)
     assert c.stats.dead_letters == 2 and c.stats.applied == 4
     rejected, garbage = client.xrange(f"{DEFAULT_STREAM}:dead-letters")  # in stream order, both
     assert b"index rejected it" in rejected[1][b"reason"] and b"city.pos" in rejected[1][b"reason"]
     assert garbage[1][b"field"] == b"shard"
+
+
+def applied_batches(index: AdIndex) -> list[int]:
+    """The sizes of the batches index.apply is called with from now on, in order (filled as it is called)."""
+    sizes, apply = [], index.apply
+    index.apply = lambda batch: sizes.append(len(batch)) or apply(batch)
+    return sizes
+
+
+def test_an_entry_the_index_fails_on_without_refusing_its_row_is_dead_lettered_alone(setup, monkeypatch):
+    """The last resort: a fault no row check foresees (here injected: the writer fails on ad 7's row as it stages
+    it) fails the batch with no row refused; the entries are then applied one by one, and only ad 7's is set aside."""
+    client, publisher, make = setup
+    publisher.publish([upsert(5), upsert(7), upsert(9)])
+    c = make()
+    stage = c.index._writer.stage
+
+    def failing_on_ad_7(rows):
+        if 7 in rows["ad_id"]:
+            raise RuntimeError("injected fault")
+        return stage(rows)
+
+    monkeypatch.setattr(c.index._writer, "stage", failing_on_ad_7)
+    batches = applied_batches(c.index)
+    c.catch_up()
+    assert eligible(c.index) == [5, 9] and batches == [3, 1, 1, 1]
+    assert c.stats.dead_letters == 1 and c.stats.applied == 2
+    ((_, record),) = client.xrange(f"{DEFAULT_STREAM}:dead-letters")
+    assert b"index rejected it: RuntimeError: injected fault" in record[b"reason"]
 
 
 @pytest.mark.parametrize("word", [2**31 - 1, -5, 1 << 5])

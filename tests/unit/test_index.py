@@ -12,7 +12,7 @@ from andromeda_core import writer
 from andromeda_core.errors import InvalidInput, OutOfMemory, out_of_memory
 from andromeda_core.index import AdIndex, available_memory
 from andromeda_core.models.two_tower import HashedTwoTower
-from andromeda_core.ops import PreparedAd
+from andromeda_core.ops import OpBatch, PreparedAd
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.targeting import CompiledTargeting, compile_targeting, compile_user
 from andromeda_core.types import parse_event
@@ -333,6 +333,20 @@ def test_a_batch_that_fails_changes_nothing(index, scorer):
     assert index.digest() == before and 1 in index and len(index) == 2 and eligible(index) == [1, 2]
     assert index.apply([delete]) == [True]  # the retried delete is not taken for stale
     assert eligible(index) == [2] and 1 not in index
+
+
+def test_refusals_name_the_rows_apply_refuses_and_the_rest_applies_as_one(index, scorer):
+    apply_events(index, scorer, [upsert(1)])
+    before = index.digest()
+    ops = prepare_ops(index.schema, scorer, [parse_event(e) for e in (
+        upsert(2), {"op": "delete", "ad_id": 1, "version": 2}, upsert(3), upsert(4))])
+    ops[2] = PreparedAd(ops[2].ad, ops[2].targeting, np.full_like(ops[2].embedding, np.inf))
+    batch = OpBatch.from_ops(ops, index.dim, index._writer.targeting)
+    with pytest.raises(InvalidInput, match="finite"):
+        index.apply(batch)
+    refused = index.refusals(batch)
+    assert list(refused) == [2] and "finite" in str(refused[2]) and index.digest() == before
+    assert index.apply(batch.take([0, 1, 3])) == [True, True, True] and eligible(index) == [2, 4]
 
 
 def test_a_failing_batch_that_needed_more_slots_leaves_the_capacity_alone(index, scorer):
