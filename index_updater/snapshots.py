@@ -135,14 +135,15 @@ class SnapshotStore:
 
     def set_aside(self, stale: Callable[[dict], bool]) -> list[str]:
         """Rename each snapshot whose caller metadata (with its stream_id) is `stale` to stale-<name>: kept for
-        inspection, no longer found. Returns their names; one whose header cannot be read is left alone."""
+        inspection, no longer found. Returns their names; one whose header cannot be read, or that names no stream id,
+        is left alone (valid() passes over both; until 2026-12-07 one naming none failed every call)."""
         names = []
         for path in self.paths():
             try:
                 meta = json.loads(header(path)["user"])
             except Exception:  # corrupt: valid() skips it anyway
                 continue
-            if stale(meta) and self.set_aside_file(path):
+            if covers_stream_id(path, meta) and stale(meta) and self.set_aside_file(path):
                 names.append(path.name)
         return names
 
