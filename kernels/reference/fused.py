@@ -84,7 +84,10 @@ def head_scores(vectors: torch.Tensor, scales: torch.Tensor | None, experts: tor
     logits = torch.einsum("beg,ng->ben", keys.to(x.dtype), x[:, D: D + G]).masked_fill(~mask[:, :, None], float("-inf"))
     gates = top_n_gates(logits, top_n)
     sims = torch.einsum("bed,nd->ben", experts.to(x.dtype), x[:, :D])
-    score = torch.where(gates > 0, gates * sims, 0.0).sum(1)  # a gate of 0 adds nothing, whatever its similarity
+    terms = torch.where(gates > 0, gates * sims, 0.0)  # (B, E, n): a gate of 0 adds nothing, whatever its similarity
+    score = terms.new_zeros((terms.shape[0], terms.shape[2]))
+    for e in range(terms.shape[1]):  # expert by expert, elementwise: every slot's sum rounds alike (.sum(1) rounded
+        score = score + terms[:, e]  # the table's last slots otherwise, so equal ads tied by their scores, not slots)
     return score + x[:, bias_col] if bias_col >= 0 else score
 
 

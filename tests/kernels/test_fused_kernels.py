@@ -486,6 +486,22 @@ def test_ties_order_by_slot(kernel, dtype):
     assert tied.sum() >= 2 * 148 and (got[0][:, 1:] > got[0][:, :-1])[tied].all()
 
 
+def test_equal_rows_score_alike_in_every_slot_so_they_tie_by_slot(kernel):
+    """83 equal rows, every expert gated: the reference summed its experts with .sum(1), which rounded slots 64-82
+    1 ulp apart from the rest, so it put them first while the kernel ordered the tie by slot (a review's fuzz)."""
+    gen = torch.Generator().manual_seed(17)
+    n, E = 83, 6
+    vectors = torch.randint(-2, 3, (1, 4), generator=gen).float().repeat(n, 1)
+    experts = torch.randint(-2, 3, (1, E, 2), generator=gen).float()
+    keys = torch.randint(-1, 2, (1, E, 2), generator=gen).float()
+    mask = torch.ones((1, E), dtype=torch.bool)
+    assert reference.head_scores(vectors, None, experts, keys, mask, -1, E).unique().numel() == 1
+    got, want = both(kernel, *servable_table(n), vectors, None, torch.tensor([NOW]), torch.zeros((1, 1), dtype=torch.int32),
+                     experts, keys, mask, -1, E, 3)
+    assert_same(got, want)
+    assert want[0].tolist() == [[0, 1, 2]]
+
+
 def test_no_eligible_slot(kernel):
     gen = torch.Generator().manual_seed(11)
     status, start, end, refs, vectors, scales = make_table(gen, 301, 3, 40, torch.float32)
