@@ -81,7 +81,8 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
                experts: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias_col: int, top_n: int,
                m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Match, score and top-m in one pass (kernels.reference.fused.fused_scan) on the table's device; a table of
-    another dtype than COMPILED_STORAGE (float64, bfloat16) by the reference."""
+    another dtype than COMPILED_STORAGE (float64, bfloat16), or on the CPU a head of more experts than its kernel
+    holds (kernels.cpu.LANES), by the reference."""
     require_top(m, top_n)
     require_match_inputs(status, start, end, refs, truth, now)
     require_head(now.shape[0], experts, keys, mask)
@@ -90,8 +91,8 @@ def fused_scan(status: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ref
     if vectors.dtype not in COMPILED_STORAGE:
         return reference_in_parts(*args, m)
     if not vectors.is_cuda:
-        from kernels.cpu import fused_scan as run
-        return run(*args, m)
+        from kernels.cpu import LANES, fused_scan as run
+        return run(*args, m) if experts.shape[1] <= LANES else reference_in_parts(*args, m)
     from kernels.triton.fused import fused_scan as run
     with on_its_gpu(vectors):
         return built_or_reference(lambda: run(*args, m), lambda: reference_in_parts(*args, m),

@@ -25,7 +25,9 @@ def topk_by_score_then_id(scores: torch.Tensor, ids: torch.Tensor, valid: torch.
         width = int(keep.sum(1).max())
         order = torch.argsort(keep.to(torch.int8), dim=1, descending=True, stable=True)[:, :width]
         scores, ids, valid = scores.gather(1, order), ids.gather(1, order), keep.gather(1, order)
-    id_key = torch.where(valid, ids, torch.iinfo(torch.int64).max)
+    valid_first = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # so that the stable sorts below keep a
+    scores, ids, valid = scores.gather(1, valid_first), ids.gather(1, valid_first), valid.gather(1, valid_first)  # valid
+    id_key = torch.where(valid, ids, torch.iinfo(torch.int64).max)  # id of 2**63 - 1 ahead of the invalid's equal key
     by_id = torch.argsort(id_key, dim=1, stable=True)
     scores, id_key, valid = scores.gather(1, by_id), id_key.gather(1, by_id), valid.gather(1, by_id)
     by_score = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]

@@ -896,6 +896,18 @@ def test_a_table_the_kernels_do_not_read_is_scanned_by_the_reference(dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_a_head_of_more_experts_than_the_cpu_kernel_holds_is_scored_by_the_reference():
+    """17 experts on the CPU: the kernel holds 16 per register (kernels.cpu.LANES) and refuses more; the dispatcher
+    answered with that ValueError (a review's fuzz), as it now answers with the reference."""
+    gen = torch.Generator().manual_seed(8)
+    table = make_table(gen, 57, 3, 29, torch.float32)
+    requests = make_requests(gen, 2, cpu.LANES + 1, 16, 8)
+    with pytest.raises(ValueError, match="at most 16 experts"):
+        cpu.fused_scan(*table, *requests, 24, 2, 9)
+    got, want = dispatch.fused_scan(*table, *requests, 24, 2, 9), reference.fused_scan(*table, *requests, 24, 2, 9)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("top_n", [32768, 65536, 2 ** 40])
 def test_top_n_above_the_experts_chooses_them_all_in_the_reference_too(top_n):
     """The reference compared an int16 count with top_n, which wrapped (32768 -> -32768): every gate 0, scores of the

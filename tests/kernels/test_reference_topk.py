@@ -33,3 +33,12 @@ def test_nan_ranks_as_minus_infinity_and_infinities_stay():
     got_ids, got_scores = topk_by_score_then_id(scores, ids, torch.ones_like(ids, dtype=torch.bool), 6)
     assert got_ids.tolist() == [[11, 10, 15, 12, 13, 14]]
     assert got_scores.tolist() == [[inf, 1.0, 0.5, -inf, -inf, -inf]]
+
+
+def test_the_largest_id_with_a_score_of_minus_infinity_still_comes_before_the_invalid():
+    """Invalid entries sort by the id key 2**63 - 1, which a valid ad may hold too (types.INT64 admits it): with k at
+    least the entries, a valid one ranked after an invalid one at that key, behind a missing place (a review's fuzz)."""
+    largest = 2**63 - 1
+    scores = torch.tensor([[float("-inf"), float("nan"), 1.0]])
+    got_ids, _ = topk_by_score_then_id(scores, torch.tensor([[-1, largest, 7]]), torch.tensor([[False, True, True]]), 3)
+    assert got_ids.tolist() == [[7, largest, -1]]
