@@ -53,9 +53,9 @@ def _goes_on(line: str) -> bool:
 
 
 def _request(doc: Any, where: str, schema: Schema, k: int | None) -> RetrieveRequest:
+    if not isinstance(doc, dict):  # (parse_request would read a string as JSON text: a quoted request, until 2026-12-07)
+        raise InvalidInput(f"a request is a JSON object, got {type(doc).__name__}", where)
     if k is not None:  # the override is validated like the request's own k
-        if not isinstance(doc, dict):
-            raise InvalidInput(f"a request is a JSON object, got {type(doc).__name__}", where)
         doc = {**doc, "k": k}
     request = parse_request(doc, where)
     try:

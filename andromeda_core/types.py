@@ -167,6 +167,22 @@ def error_field(loc: tuple[Any, ...], kind: str) -> str:
     return field
 
 
+def not_text(value: Any) -> bool:
+    """Whether value is a string that UTF-8 cannot encode (it holds a lone surrogate)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def within(where: str, path: str) -> str:
+    """A field path inside what `where` names (a file and line: `events.jsonl:3.ad.bid`); "body" for neither."""
+    return f"{where}{'.' if where and path else ''}{path}" or "body"
+
+
 def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "", strict: bool = True) -> T:
     """Validate `data` (a dict, or JSON text) into a model; errors name the first bad field. JSON text must be UTF-8
     with no key twice in an object and no NaN or Infinity, unless `strict` is False (text this service wrote: the
@@ -183,19 +199,18 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "", strict:
     except ValidationError as exc:
         err = exc.errors()[0]
         if err["type"] == "json_invalid" and (strict or not isinstance(data, (str, bytes))):  # text json.loads
+            found = strict_json.path_of(json.loads(data) if isinstance(data, (str, bytes)) else data, not_text)
             raise InvalidInput("a string holds a lone surrogate (\\ud800-\\udfff without its pair): not text",
-                               where or "body") from None  # read, or wrote: only a lone surrogate is left
+                               within(where, found[0] if found else "")) from None  # read, or wrote: only a lone
+            # surrogate is left; in a key (found: None), the event or request is named
         field = error_field(err["loc"], err["type"])  # "body": the whole event or request, which `where` names
-        raise InvalidInput(err["msg"], where if where and field == "body" else
-                           f"{where}{'.' if where and field else ''}{field}") from None
+        raise InvalidInput(err["msg"], where if where and field == "body" else within(where, field)) from None
     except RecursionError:  # a dict nested too deeply for json.dumps
         raise InvalidInput("JSON nested too deeply", where or "body") from None
     except (TypeError, ValueError) as exc:  # a dict json.dumps cannot write (NaN, Infinity, a value of no JSON type)
         if isinstance(exc, ValueError) and "Out of range float" in str(exc) and (found := strict_json.path_of(
                 data, lambda value: isinstance(value, float) and not math.isfinite(value))):
-            path = found[0]
-            raise InvalidInput(f"{found[1]} is not a JSON number (send a finite one)",
-                               f"{where}{'.' if where and path else ''}{path}" or "body") from None
+            raise InvalidInput(f"{found[1]} is not a JSON number (send a finite one)", within(where, found[0])) from None
         raise InvalidInput(str(exc), where or "body") from None
 
 

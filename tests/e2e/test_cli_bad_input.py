@@ -40,6 +40,9 @@ FILES = {
     "country.json": '{"user": {"user_id": 1, "attributes": {"country": 5}}}',
     "twice_k.json": '{"user": {"user_id": 1}, "k": 2, "k": 1}',
     "surrogate.json": '{"user": {"user_id": 1, "attributes": {"country": "\\ud800"}}}',
+    "quoted.json": json.dumps(json.dumps({"user": {"user_id": 1}, "k": 3})),  # a request as a JSON string
+    "hello.json": '"hello"',
+    "surrogate.jsonl": json.dumps(upsert(1)).replace('"title": "', '"title": "\\udc80'),
     "twice_version.jsonl": json.dumps(upsert(1)) + '\n{"op": "pause", "ad_id": 1, "version": 8, "version": 9}\n',
     "bad.yaml": "categories: [\n",
     "binary.yaml": bytes(range(256)),
@@ -100,7 +103,11 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/mixed.jsonl", "--k", "3"), {}, ("mixed.jsonl:2", "not JSON")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/list.json", "--k", "3"), {}, ("list.json:1", "JSON object")),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/twice_k.json"), {}, ("twice_k.json:1", 'key "k" appears twice')),
-    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/surrogate.json"), {}, ("surrogate.json:1", "lone surrogate")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/surrogate.json"), {},
+     ("surrogate.json:1.user.attributes.country", "lone surrogate")),  # the field named since 2026-12-07
+    (RETRIEVE + ("{d}/surrogate.jsonl", "--request", "{d}/ok.json"), {}, ("surrogate.jsonl:1.ad.creative.title", "lone")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/quoted.json"), {}, ("quoted.json:1", "JSON object, got str")),
+    (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/hello.json"), {}, ("hello.json:1", "JSON object, got str")),
     (RETRIEVE + ("{d}/twice_version.jsonl", "--request", "{d}/ok.json"), {},
      ("twice_version.jsonl:2", 'key "version" appears twice')),
     (RETRIEVE + ("{d}/events.jsonl", "--request", "{d}/empty.json"), {}, ("empty.json", "no requests")),
