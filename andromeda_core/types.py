@@ -188,10 +188,11 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "", strict:
     with no key twice in an object and no NaN or Infinity, unless `strict` is False (text this service wrote: the
     stream's entries, read at the apply rate)."""
     ta = adapter if isinstance(adapter, TypeAdapter) else TypeAdapter(adapter)
+    doc = data  # the document as read, where the error below looks for a lone surrogate
     try:
         if isinstance(data, (str, bytes)):
             if strict:
-                strict_json.read(data, where or "body")
+                doc = strict_json.read(data, where or "body")
             text = data
         else:  # validated with JSON semantics, so that a Python dict and its JSON text are judged alike
             text = json.dumps(data, allow_nan=False)
@@ -199,7 +200,7 @@ def parse(adapter: TypeAdapter[T] | type[T], data: Any, where: str = "", strict:
     except ValidationError as exc:
         err = exc.errors()[0]
         if err["type"] == "json_invalid" and (strict or not isinstance(data, (str, bytes))):  # text json.loads
-            found = strict_json.path_of(json.loads(data) if isinstance(data, (str, bytes)) else data, not_text)
+            found = strict_json.path_of(doc, not_text)
             raise InvalidInput("a string holds a lone surrogate (\\ud800-\\udfff without its pair): not text",
                                within(where, found[0] if found else "")) from None  # read, or wrote: only a lone
             # surrogate is left; in a key (found: None), the event or request is named
