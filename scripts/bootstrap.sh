@@ -19,7 +19,7 @@ STAMP=.venv/.andromeda-installed
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements-cpu.txt -nt "$STAMP" ] \
    || [ constraints-cpu.txt -nt "$STAMP" ]; then
   echo ">> installing Python packages into .venv (first run: a few minutes)"
-  .venv/bin/python -m pip install --upgrade --progress-bar on pip
+  .venv/bin/python -m pip install --progress-bar on pip==26.3  # pinned too: today's pip is no more tested than any package
   TORCH_PIN=$(sed -n 's/^torch==//p' requirements-cpu.txt)
   if ! .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_PIN')" 2>/dev/null; then
     # PyPI's Linux torch is the CUDA build (GBs of nvidia-* packages): take the CPU build from PyTorch's index where

@@ -428,6 +428,9 @@ def versus(pairs: list[tuple[Row, Row]], measure: Measure = held_out) -> tuple[i
             sum(label == "worse" for _, label in cells))
 
 
+TARGETS_HEAD = ("Targets (one that orders two models tests its own comparisons, Holm-adjusted over its 4 metrics, or its "
+                "12 model-metric pairs, and needs every one: stricter than any one alone; the tables above adjust over "
+                "all their comparisons at once, so a cell there may read within noise where a target counts it):")
 MATCH_MARGIN = 0.1  # "matches": not worse than the other by this share of its mean, on any metric (non-inferiority)
 
 
@@ -583,7 +586,7 @@ def section(data: RecData, retrain: bool, plot_dir: Path, beside: bool = False) 
             f"Short histories, simulated for every user: the towers of the retrieval models read only the last "
             f"{SHORT_HISTORY} engagements (item-kNN and content sum over their last {SHORT_HISTORY}; segments and "
             f"co-engagements stay; the whole history is still excluded from the ranking).\n\n{subset_table(subsets['short'])}\n\n"
-            f"Targets:\n" + "\n".join(targets(rows, ranker_top, TRUE_RECALL_TARGET.get(data.name), truth, expected)))
+            f"{TARGETS_HEAD}\n" + "\n".join(targets(rows, ranker_top, TRUE_RECALL_TARGET.get(data.name), truth, expected)))
     return (f"## {data.name}\n\n{len(data.items.ids):,} items, {len(data.users.items):,} users, {len(users)} evaluated "
             f"(last engagement held out, full corpus ranked, history excluded). {timing(trained, started)} "
             f"The MoE kept, chosen on the validation split (mean of the four metrics at each user's second-to-last "

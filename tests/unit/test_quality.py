@@ -76,7 +76,7 @@ def test_the_report_has_every_row_interval_comparison_and_plot(tiny_report):
     assert len(re.findall(r"^\| \d+(\.\d+)?( \(chosen\))? \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{3} \|$", tradeoff, re.M)) == 5
     assert re.search(r"start: \d\.\d{4}, 0: \d\.\d{4}, 2: \d\.\d{4}; chosen: (start|0|2) \(", text)
     assert trained_now(text) == ["sasrec", "two_tower", "moe", "ranker", "moe (distill 0)", "moe (distill 2)"]
-    assert "Targets:" in text and text.count("- met") + text.count("- NOT met") >= 6
+    assert quality.TARGETS_HEAD in text and text.count("- met") + text.count("- NOT met") >= 6
 
 
 def trained_now(report: str) -> list[str]:
@@ -91,7 +91,7 @@ def test_a_second_run_reuses_the_checkpoints(tiny_report, monkeypatch):
     monkeypatch.setattr(quality, "load_data", lambda name, world=None: tiny_data(n_items=60, n_users=30))  # no truth
     text = quality.quality_report(("tiny",), out)
     assert "Time: training none (every model from its checkpoint); the rest (" in text
-    assert "Expected over" not in text and quality.ORACLE not in text and "Targets:" in text
+    assert "Expected over" not in text and quality.ORACLE not in text and quality.TARGETS_HEAD in text
 
 
 def power(x: int, y: int, then: Path | None = None) -> int:
