@@ -111,6 +111,7 @@ class ModelScorer:
         segments = torch.full((B, SEGMENTS), -1, dtype=torch.int64)
         for b, r in enumerate(requests):
             events = engagements_as_of(r, now[b])
+            engaged = {h.ad_id for h in events}
             if events:  # the last L engagements with ads the index holds, oldest first, as in training (whose
                 # histories hold engagements alone: impressions and hides would push them out, and read as ones)
                 vectors, found = lookup([h.ad_id for h in events])
@@ -119,8 +120,9 @@ class ModelScorer:
                 hist[b, :n], hist_mask[b, :n] = vectors[keep], True
                 hist_event[b, :n] = torch.tensor([EVENTS.index(h.event) for h in events], dtype=torch.int64)
                 hist_age[b, :n] = torch.tensor([max(0, now[b] - h.ts) / 3600 for h in events])  # 0 within the skew
-            if r.user.co_engagement:  # the last CO_ITEMS the index holds, as in training (not the last CO_ITEMS
-                vectors, found = lookup([c.ad_id for c in r.user.co_engagement])  # given, then those held)
+            co_ids = [c.ad_id for c in r.user.co_engagement if c.ad_id not in engaged]  # as in training, which
+            if co_ids:  # reads no co-engagement with an ad the user engaged with (serving did until 2026-12-07); the
+                vectors, found = lookup(co_ids)  # last CO_ITEMS the index holds (not the last given, then those held)
                 keep = found.nonzero().flatten()[-CO_ITEMS:]
                 co[b, : len(keep)], co_mask[b, : len(keep)] = vectors[keep], True
             held = segment_ids(r.user.cohorts, r.user.attributes, self.schema)

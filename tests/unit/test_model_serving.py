@@ -136,6 +136,20 @@ def test_co_engagements_are_the_last_ones_the_index_holds_as_in_training(default
     assert not torch.equal(state(known).experts, state([]).experts)
 
 
+def test_co_engagements_with_ads_the_user_engaged_with_are_not_read_as_in_training(default_schema, scorer, events):
+    """Training reads no co-engagement with an ad in the user's engagements (recdata); serving read them (a review
+    found 2,363 of the default world's 4,000 requests repeating a history ad there)."""
+    index = indexed(default_schema, scorer, events)
+
+    def state(co: list[int]):
+        return state_of(scorer, index, {"user": {"user_id": 1, "history": [{"ad_id": 2, "event": "click", "ts": 3600}],
+                                                 "co_engagement": [{"surface": "reels", "ad_id": a} for a in co]},
+                                        "context": {"ts": 3600 * 30}})
+
+    assert torch.equal(state([2, 3]), state([3])) and not torch.equal(state([3]), state([]))
+    assert torch.equal(state([2]), state([]))
+
+
 def test_a_history_ad_past_its_end_is_not_found_swept_or_not(default_schema, scorer):
     """Replicas sweep expired ads at their own times: the history must not read an ad on one and not another."""
     index = AdIndex(default_schema, scorer.dim)
