@@ -371,6 +371,22 @@ def test_redis_keeps_an_append_only_file_on_its_volume_and_never_evicts(overlay)
     assert one(resources, "Service", "andromeda-redis-headless")["spec"]["clusterIP"] == "None"
 
 
+def test_the_ingress_takes_the_bodies_the_service_takes_and_no_larger(overlay):
+    """nginx's size is in MiB for "m" (a review found 16m over the service's 8 MiB: batches nginx passed got a 413)."""
+    name, resources = overlay
+    size = one(resources, "Ingress")["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-body-size"]
+    number, unit = re.fullmatch(r"([0-9]+)([kmg]?)", size).groups()
+    assert int(number) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[unit] == \
+        overlay_config(K8S / "overlays" / name).limits.body_bytes
+
+
+def test_the_proxy_error_alert_leaves_the_readiness_probes_out(overlay):
+    """/readyz answers 503 while a shard is not ready, and the probes were most of a quiet namespace's traffic: the
+    proxies' 5xx alert paged for what AndromedaShardNotReady covers (a review of the manifests)."""
+    expr = alert_exprs(overlay[1])["AndromedaProxyErrorRate"]
+    assert expr.count('route!="/readyz"') == 2
+
+
 def test_ingress_sends_the_api_to_the_serve_service(overlay):
     _, resources = overlay
     serve_service = one(resources, "RayService")["spec"]["serveService"]
