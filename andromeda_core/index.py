@@ -461,7 +461,7 @@ class AdIndex:
         for position, row in enumerate(batch.row.tolist()):
             if row >= 0:
                 try:
-                    self._writer.check({name: values[row:row + 1] for name, values in batch.rows.items()})
+                    self._writer.check(batch.take([position]).rows)
                 except InvalidInput as exc:
                     refused[position] = exc
         return refused
