@@ -23,7 +23,6 @@ declared interests match (an inverted index from interest to ads, built as ads a
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import scipy.sparse as sp
 import torch
 
 from andromeda_core.models.recdata import RecData
+from andromeda_core.models.segments import words
 
 RECENT = (1, 5, 50)
 NAMES = tuple(f"knn{r}" for r in RECENT) + ("pop", "interest")
@@ -39,11 +39,6 @@ N_FEATURES = len(NAMES)
 FROM_ENGAGEMENTS = NAMES.index("interest")  # the features before it read engagements: a new ad has none of them
 FLOPS_PER_PAIR = sum(r + 1 for r in RECENT) + 1  # one add per recent engagement, one divide, per kNN feature; the
 # interest lookup
-WORD = re.compile(r"[^\W_]+")  # a word: letters and digits (an interest's underscores separate words)
-
-
-def words(text: str) -> tuple[str, ...]:
-    return tuple(WORD.findall(text.lower()))
 
 
 def interest_matches(texts: list[str], interests: list[list[str]], n_items: int) -> sp.csr_matrix:

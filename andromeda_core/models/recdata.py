@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import csv
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from andromeda_core.config import load_settings
-from andromeda_core.models.segments import segment_ids
+from andromeda_core.models.segments import mentions, segment_ids
 from andromeda_core.models.text import encode_texts_cached
 from andromeda_core.schema import Schema, attribute_values, load_schema
 from andromeda_core.synth import read_truth, world_files
@@ -38,6 +39,12 @@ class Items:
     categories: list[str]
     texts: list[str] = field(default_factory=list)  # (N,) the creative's words (synthetic: title and body), which
     # the ranker's interest feature matches declared interests in; empty when none are kept (MovieLens)
+    mentions: np.ndarray | None = None  # (N, m) int64 hashes of the described values each text mentions
+    # (segments.mentions), -1 padding; None (MovieLens): none
+
+    def __post_init__(self):
+        if self.mentions is None:
+            self.mentions = np.full((len(self.ids), 0), -1, np.int64)
 
 
 @dataclass
@@ -119,7 +126,8 @@ def load_synthetic(world: Path, max_ads: int | None = None) -> RecData:
         items = Items(ids=np.array(order), text=text,
                       category=np.array([categories.index(ads[i]["creative"]["category"]) for i in order]),
                       advertiser=np.array([ads[i]["advertiser_id"] for i in order]),
-                      bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories, texts=texts)
+                      bid=np.array([ads[i]["bid"] for i in order], np.float32), categories=categories, texts=texts,
+                      mentions=mentions(texts, schema))
         users, truth = _synthetic_users(world, schema, {ad_id: r for r, ad_id in enumerate(order)})
         truth["item_ad"] = np.array(order) - 1  # each item's row in the world's ad arrays
     return RecData("synthetic", items, users, truth)
@@ -174,7 +182,9 @@ def _impressions(log: Path, row: dict[int, int], user_ids: dict[int, int],
 
 
 def load_movielens(directory: Path | None = None) -> RecData:
-    """MovieLens ml-latest-small: items = movies (title + genres text), users = their ratings in time order."""
+    """MovieLens ml-latest-small: items = movies (title + genres text), users = their ratings in time order; ratings
+    of one second in the order of a hash of (user, movie id): the file's order (by movie id) would let a sequential
+    model learn that the held-out rating is often its second's highest movie id."""
     directory = directory or load_settings().movielens_dir
     with open(directory / "movies.csv", encoding="utf-8") as f:
         movies = list(csv.DictReader(f))
@@ -190,7 +200,7 @@ def load_movielens(directory: Path | None = None) -> RecData:
             by_user.setdefault(int(r["userId"]), []).append((int(r["timestamp"]), row[int(r["movieId"])], float(r["rating"])))
     seqs, events, times = [], [], []
     for user in sorted(by_user):
-        ratings = sorted(by_user[user])
+        ratings = sorted(by_user[user], key=lambda r: (r[0], zlib.crc32(f"{user}:{items.ids[r[1]]}".encode())))
         seqs.append(np.array([m for _, m, _ in ratings], np.int64))
         events.append(np.array([EVENTS.index("like" if s >= 4 else "click") for _, _, s in ratings], np.int64))
         times.append(np.array([t for t, _, _ in ratings], np.int64))

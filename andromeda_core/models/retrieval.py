@@ -27,11 +27,12 @@ from andromeda_core.models.segments import SEGMENTS
 from andromeda_core.models.text import TEXT_DIM
 from andromeda_core.models.towers import AdTower, Dims, UserInputs, UserState, UserTowers
 
-MODEL_VERSION = "9"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
+MODEL_VERSION = "10"  # 3: learned ad ids, ad bias, sequence expert; 4: segments (cohorts + declared attributes);
 # 5: the ranker reads pair features (head.cross and a wider first layer); 6: click prior in the bias, which
 # the user towers and the ranker's deep part no longer read; 7: the segment expert reads the text of described values;
 # 8: the ranker's interest pair feature (features.NAMES); 9: the ranker's deep part scaled into the funnel
-# (dims.deep_scale), so a ranker trained before, held to nothing, is trained again (and with it every checkpoint)
+# (dims.deep_scale), so a ranker trained before, held to nothing, is trained again (and with it every checkpoint);
+# 10: the ad tower adds the segment embeddings of the described values its text mentions (segments.mentions)
 CO_ITEMS = 8
 UNLOADABLE = (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError)  # what RetrievalModel.load
 # raises for a checkpoint this code cannot use: missing or corrupt, of another model version, lacking a tensor or its
@@ -115,14 +116,18 @@ class RetrievalModel(nn.Module):
         return torch.where(found, self.click_logodds[rows] if len(self.click_ids) else 0.0, 0.0)
 
     def embed_ads(self, text: torch.Tensor, category: torch.Tensor, advertiser: torch.Tensor, bid: torch.Tensor,
-                  ids: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
-        """(n, S) stored vectors: the ad tower's (text (n, 384), category, advertiser, bid, external ids (n,)),
+                  ids: torch.Tensor, mentions: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, S) stored vectors: the ad tower's (text (n, 384), category, advertiser, bid, external ids (n,),
+        mentions (n, m) int64 hashes of the described values the text mentions, -1 padding: segments.mentions; the
+        first dims.mentions are read),
         its bias raised by dims.click_weight x the ad's click prior. known (n,) bool, when given: False embeds
         the ad as one created after training (no learned identity, no prior)."""
         id_rows, prior = self.id_rows(ids), self.click_prior(ids)
         if known is not None:
             id_rows, prior = torch.where(known, id_rows, -1), torch.where(known, prior, 0.0)
-        stored = self.ad_tower(text, category, advertiser, bid, id_rows)
+        mentions = mentions[:, : self.dims.mentions]
+        mentioned = self.user_towers.segment_mean(mentions, mentions >= 0)  # the user towers' own table: one
+        stored = self.ad_tower(text, category, advertiser, bid, id_rows, mentioned)  # embedding per value, both sides
         return torch.cat([stored[:, :-1], stored[:, -1:] + self.dims.click_weight * prior[:, None]], 1)
 
     def item_vectors(self, items: Items, rows: np.ndarray | None = None, known: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,7 +136,7 @@ class RetrievalModel(nn.Module):
         rows = np.arange(len(items.ids)) if rows is None else rows
         return self.embed_ads(torch.from_numpy(items.text[rows]), torch.from_numpy(items.category[rows]),
                               torch.from_numpy(items.advertiser[rows]), torch.from_numpy(items.bid[rows]),
-                              torch.from_numpy(items.ids[rows]), known)
+                              torch.from_numpy(items.ids[rows]), torch.from_numpy(items.mentions[rows]), known)
 
     def users(self, inputs: UserInputs) -> UserState:
         return self.user_towers(inputs)

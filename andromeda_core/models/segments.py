@@ -5,9 +5,14 @@ categories (interests, behaviors, country, language, ...): each value of the voc
 "category=value" (values outside it, which targeting ignores too, and repeats are left out).
 Id-kind categories (custom audiences, city) and ordinals (age) are left out: too many distinct values
 for a hashed table, or numbers. Tokens hash with CRC-32 (stable across processes and machines); the
-tower takes them modulo its table size."""
+tower takes them modulo its table size.
+
+An ad's mentions: the described values (DESCRIBED categories' values) whose words occur whole, in order, in its
+creative text ("title. body"), hashed as a user's segments are; the ad tower adds their segment embeddings, so an
+ad that names an interest sits near the users who declare it."""
 from __future__ import annotations
 
+import re
 import zlib
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
@@ -19,6 +24,13 @@ from andromeda_core.schema import Schema, attribute_values
 
 SEGMENTS = 32  # at most this many per user: cohorts first, then attributes in schema order
 DESCRIBED = ("interests", "behaviors")  # user categories whose values are words: their text is read too
+MENTIONS = 8  # at most this many per ad, in the order the text names them
+WORD = re.compile(r"[^\W_]+")  # a word: letters and digits (a value's underscores separate words)
+
+
+def words(text: str) -> tuple[str, ...]:
+    """text -> its words, lower case."""
+    return tuple(WORD.findall(text.lower()))
 
 
 def segment_ids(cohorts: Sequence[int], attributes: Mapping[str, Any], schema: Schema) -> list[int]:
@@ -49,3 +61,28 @@ def described_table(schema: Schema) -> tuple[np.ndarray, np.ndarray]:
     """(hashes (V,) int64 ascending, texts (V, 384) float16 unit MiniLM embeddings) of described_values."""
     hashes, texts = described_values(schema)
     return hashes, encode_texts_cached(texts, progress=False)
+
+
+@lru_cache(maxsize=4)
+def _phrases_by_first_word(schema: Schema) -> dict[str, list[tuple[tuple[str, ...], int]]]:
+    """first word -> [(the described value's words, its hash)], longest phrase first."""
+    hashes, texts = described_values(schema)
+    out: dict[str, list[tuple[tuple[str, ...], int]]] = {}
+    for h, text in sorted(zip(hashes.tolist(), texts), key=lambda p: -len(words(p[1]))):
+        if words(text):
+            out.setdefault(words(text)[0], []).append((words(text), h))
+    return out
+
+
+def mentions(texts: Sequence[str], schema: Schema) -> np.ndarray:
+    """(N,) creative texts -> (N, MENTIONS) int64: the hashes of the described values each text mentions as whole
+    words in order (case and underscores ignored), each once, in the order of their first word; -1 pads."""
+    phrases = _phrases_by_first_word(schema)
+    out = np.full((len(texts), MENTIONS), -1, np.int64)
+    for i, text in enumerate(texts):
+        w, found = words(text), []
+        for start, word in enumerate(w):
+            found += [h for phrase, h in phrases.get(word, ()) if w[start:start + len(phrase)] == phrase]
+        found = list(dict.fromkeys(found))[:MENTIONS]
+        out[i, :len(found)] = found
+    return out

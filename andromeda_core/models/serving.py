@@ -1,7 +1,7 @@
 """A trained RetrievalModel behind the retriever's Scorer interface.
 
-encode_ads runs the ad tower (MiniLM text embedding of title and body, creative category,
-advertiser, bid, and the ad's learned identity when the model was trained on its id; content alone
+encode_ads runs the ad tower (MiniLM text embedding of title and body, the described values they mention,
+creative category, advertiser, bid, and the ad's learned identity when the model was trained on its id; content alone
 for an ad created after training) at publish time; the index stores its (S,) output. encode_users runs the user
 towers once per request on the stored vectors of the ads in the user's history and cross-surface
 engagements (looked up in the index), the segments (cohorts and declared attributes) and the serving context. score applies the head.
@@ -18,7 +18,7 @@ from andromeda_core.errors import InvalidInput
 from andromeda_core.models import EmbeddingLookup, KernelHead
 from andromeda_core.models.recdata import EVENTS
 from andromeda_core.models.retrieval import CO_ITEMS, RetrievalModel, served_name
-from andromeda_core.models.segments import SEGMENTS, segment_ids
+from andromeda_core.models.segments import SEGMENTS, mentions, segment_ids
 from andromeda_core.models.text import encode_texts
 from andromeda_core.models.towers import UserInputs, UserState
 from andromeda_core.models.two_tower import engagements_as_of
@@ -72,12 +72,14 @@ class ModelScorer:
         """-> (n, S) float32 stored vectors on the CPU; the ad tower runs on the device."""
         if not ads:
             return torch.zeros((0, self.dim))
-        text = torch.from_numpy(encode_texts([f"{a.creative.title}. {a.creative.body}" for a in ads])).to(self.device)
+        texts = [f"{a.creative.title}. {a.creative.body}" for a in ads]  # as training reads them (load_synthetic)
+        text = torch.from_numpy(encode_texts(texts)).to(self.device)
         category = [self.categories.get(a.creative.category, len(self.categories)) for a in ads]
         stored = self.model.embed_ads(text, torch.tensor(category, device=self.device),
                                       torch.tensor([a.advertiser_id for a in ads], device=self.device),
                                       torch.tensor([a.bid for a in ads], dtype=torch.float32, device=self.device),
-                                      torch.tensor([a.ad_id for a in ads], device=self.device))
+                                      torch.tensor([a.ad_id for a in ads], device=self.device),
+                                      torch.from_numpy(mentions(texts, self.schema)).to(self.device))
         return stored.cpu()
 
     def _context(self, r: RetrieveRequest, now: int) -> list[int]:

@@ -9,7 +9,9 @@ ad id engaged often enough in training (TrainConfig.min_id_engagements), started
 (identity.co_engagement_start). An ad the model has no id row for
 (created after training, or rarer) gets the content part alone; training drops each ad's id row with some
 probability (`id_dropout`), so the content tower learns to stand in for the id (the fallback is
-content-only, not hashing).
+content-only, not hashing). a also adds a linear map (started as the identity) of the mean of the user towers'
+segment embeddings of the described values its text mentions (segments.mentions: an ad naming "yoga" sits near the
+users who declare yoga; a new ad has its mentions too).
 
 User experts (E = interests + 4), each an embedding u_e (D) and a gating key k_e (G):
   sequence expert: causal self-attention (SASRec style) over the engagement sequence, read at its
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from andromeda_core.models import find_sorted
+from andromeda_core.models.segments import MENTIONS
 from andromeda_core.models.text import TEXT_DIM
 from andromeda_core.wire import NumpyPickled
 
@@ -55,6 +58,8 @@ class Dims:
     click_weight: float = 2.0  # weight of an ad's click log-odds (RetrievalModel.click_prior) in its bias
     click_smoothing: float = 2.0  # impressions the click log-odds were smoothed by (RecData.click_logodds; a record)
     deep_scale: float = 1.0  # a ranker's: the scale its trained deep part was kept at (train.scale_deep_part; a record)
+    mentions: int = MENTIONS  # described values per ad whose segment embeddings the ad tower adds (segments.mentions;
+    # 0 when trained on items that keep no text, MovieLens's, so serving adds none either)
     layers: int = 2  # self-attention blocks of the sequence expert
     heads: int = 2
 
@@ -137,10 +142,13 @@ class AdTower(nn.Module):
         nn.init.normal_(self.identity.weight, std=0.01)
         with torch.no_grad():
             self.identity.weight[ids] = 0
+        self.mentioned = nn.Parameter(torch.eye(d.dim))  # (D, D) map of the user towers' segment embeddings,
+        # started as the identity (and drawing no random numbers: every other weight starts as before it)
 
     def forward(self, text: torch.Tensor, category: torch.Tensor, advertiser: torch.Tensor, bid: torch.Tensor,
-                id_rows: torch.Tensor) -> torch.Tensor:
-        """text (N, 384), category/advertiser (N,) int64, bid (N,), id_rows (N,) int64 (-1: no id) -> (N, S)."""
+                id_rows: torch.Tensor, mentioned: torch.Tensor) -> torch.Tensor:
+        """text (N, 384), category/advertiser (N,) int64, bid (N,), id_rows (N,) int64 (-1: no id), mentioned
+        (N, D): the mean segment embedding of the described values its text mentions (0 for none) -> (N, S)."""
         d, text = self.d, text.float()
         h = torch.cat([F.gelu(self.text(text)), self.category(category.clamp(0, d.categories - 1)),
                        self.advertiser(advertiser % d.advertiser_buckets),
@@ -148,7 +156,7 @@ class AdTower(nn.Module):
         out = self.mlp(h)
         no_id = self.identity.num_embeddings - 1
         ident = self.identity(torch.where((id_rows >= 0) & (id_rows < no_id), id_rows, no_id))
-        a = out[:, : d.dim] + ident[:, : d.dim]
+        a = out[:, : d.dim] + ident[:, : d.dim] + mentioned @ self.mentioned
         bias = out[:, -1:] + ident[:, -1:]
         return torch.cat([a, out[:, d.dim: d.dim + d.gate], F.normalize(self.semantic(text), dim=1), bias], 1)
 
@@ -244,6 +252,13 @@ class UserTowers(nn.Module):
         return (self.item(self.d.features(x.hist)) + self.event(x.hist_event) + self.position(position)
                 + self.gap(gap_buckets(previous - x.hist_age)) + self.age(gap_buckets(x.hist_age)))
 
+    def segment_mean(self, segments: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """segments (B, C) hashed ids, mask (B, C) -> (B, D): the mean of their embeddings; 0 for a row with none."""
+        if not segments.shape[1]:
+            return self.segment.weight.new_zeros((len(segments), self.d.dim))
+        weights = mask.float() / mask.float().sum(1, keepdim=True).clamp(min=1)
+        return self.segment(segments.clamp(min=0) % self.d.segment_buckets, per_sample_weights=weights)
+
     def described(self, segments: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """segments (B, C) hashed ids, mask (B, C) -> (B, D): the projection of the mean text of the described
         values among them; 0 for a user with none."""
@@ -269,11 +284,7 @@ class UserTowers(nn.Module):
         attn = torch.nan_to_num(torch.softmax(logits, -1))  # rows with no history are all zeros
         interests = self.interest_out(torch.einsum("bil,bld->bid", attn, seq))
         # Segment expert.
-        segments = x.segments.clamp(min=0) % d.segment_buckets
-        weights = x.segment_mask.float() / x.segment_mask.float().sum(1, keepdim=True).clamp(min=1)
-        segment = self.segment(segments, per_sample_weights=weights) if segments.shape[1] \
-            else x.hist.new_zeros((B, d.dim))
-        segment = segment + self.described(x.segments, x.segment_mask)
+        segment = self.segment_mean(x.segments, x.segment_mask) + self.described(x.segments, x.segment_mask)
         # Semantic expert: attention-pooled semantic parts of engaged ads.
         sem = x.hist[..., d.dim + d.gate: d.dim + d.gate + d.semantic]
         sem_logits = self.semantic_query(sem).squeeze(-1).masked_fill(~x.hist_mask, float("-inf"))

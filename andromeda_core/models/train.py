@@ -65,6 +65,9 @@ class TrainConfig:
     logq: bool = True  # correct every candidate's logit by log of its expected count in the candidate set
     balanced: bool = False  # sample users uniformly (then one of their engagements), not engagements
     id_dropout: float = 0.1  # share of ads embedded from content alone in each step
+    context_dropout: float = 0.05  # share of training examples whose surface and placement read as unknown, as a
+    # request that names neither (or a value the schema lacks) reads them at serving: untrained, those embedding rows
+    # kept their random start and scaled every expert of such a request by noise
     min_id_engagements: int = 10  # training engagements an ad needs for a learned identity; rarer ads are content
     # alone (on the synthetic world, where an ad averages 2 engagements, ids from 1 up cut the two-tower's expected
     # HR@10 2.5x)
@@ -89,8 +92,9 @@ class TrainConfig:
         for name in ("steps", "prior_users"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.funnel <= 1:
-            raise ValueError(f"funnel must be a share between 0 and 1, got {self.funnel}")
+        for name in ("funnel", "context_dropout"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be a share between 0 and 1, got {getattr(self, name)}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be at least 0, got {self.weight_decay}")
         if not 0 <= self.id_start < float("inf"):
@@ -421,7 +425,8 @@ def new_model(data: RecData, kind: str, cfg: TrainConfig, init: RetrievalModel |
     times in training, started from co-engagement (co_engagement_start) at RMS norm cfg.id_start unless a model to
     start from (init) gives its weights or cfg.id_start is 0."""
     id_rows = data.train_items(cfg.min_id_engagements)
-    model = RetrievalModel(kind, Dims(categories=len(data.items.categories) + 1), data.items.ids[id_rows],
+    dims = Dims(categories=len(data.items.categories) + 1, mentions=data.items.mentions.shape[1])
+    model = RetrievalModel(kind, dims, data.items.ids[id_rows],
                            described=init.described if init is not None else described_table(load_schema()))
     if init is None and cfg.id_start and len(id_rows):
         in_id_order = id_rows[np.argsort(data.items.ids[id_rows], kind="stable")]  # the model's identity rows
@@ -445,6 +450,7 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
            progress: bool) -> RetrievalModel:
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
+    context_rng = np.random.default_rng([cfg.seed, 1])  # its own stream: the draws of rng stay those they were
     examples = data.train_examples()
     n_items = len(data.items.ids)
     model = new_model(data, kind, cfg, init)
@@ -495,7 +501,10 @@ def _train(data: RecData, kind: str, cfg: TrainConfig, teacher: Teacher | None, 
         with_id = torch.from_numpy(rng.random(len(needed)) >= (0.0 if frozen else cfg.id_dropout))
         stored = torch.zeros((n_items, model.dims.stored)).index_put(
             (torch.from_numpy(needed),), model.item_vectors(data.items, needed, with_id))
-        state = model.users(user_inputs(data, stored, users, positions, model.dims.history))
+        inputs = user_inputs(data, stored, users, positions, model.dims.history)
+        unknown = torch.from_numpy(context_rng.random(len(users)) < cfg.context_dropout)[:, None]
+        inputs.context[:, :2] = inputs.context[:, :2].masked_fill(unknown, 0)
+        state = model.users(inputs)
         cross = pair.pairs(data, users, positions, candidates) if pair is not None else None
         logq = log_q(candidates, engaged, taught, cfg, n_items) if cfg.logq else torch.zeros(len(candidates))
         candidate_vectors = stored[candidates]

@@ -15,8 +15,8 @@ from andromeda_core.models.recdata import Items, RecData, Users
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.towers import BID_FEATURE_MAX, Dims, SequenceEncoder, UserState
 from andromeda_core.models.train import (CLICK_SMOOTHINGS, CLICK_WEIGHTS, TrainConfig, choose_click_prior, default_config,
-                                         expert_losses, item_probability, log_q, lr_schedule, other_start, training_steps,
-                                         train, validation_score)
+                                         expert_losses, item_probability, log_q, lr_schedule, new_model, other_start,
+                                         training_steps, train, validation_score)
 
 DIMS = Dims(dim=16, gate=8, semantic=8, interests=2, categories=5)
 
@@ -93,7 +93,7 @@ def test_a_bid_reads_as_at_most_the_bid_feature_cap():
     text, category, advertiser = torch.randn(4, 384), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     bids = torch.tensor([1.0, BID_FEATURE_MAX, 1e30, 3.4e38])
     with torch.no_grad():
-        out = tower(text[:1].expand(4, -1), category, advertiser, bids, torch.full((4,), -1))
+        out = tower(text[:1].expand(4, -1), category, advertiser, bids, torch.full((4,), -1), torch.zeros(4, DIMS.dim))
     assert not torch.equal(out[0], out[1])
     assert torch.equal(out[2], out[1]) and torch.equal(out[3], out[1])
 
@@ -307,6 +307,27 @@ def test_weight_decay_shrinks_the_trained_weights():
         norms[decay] = sum(p.detach().square().sum().item() for p in model.parameters() if p.requires_grad) ** 0.5
     assert norms[10.0] < 0.95 * norms[0.0]  # 4 steps at lr x decay = 0.1 scale every weight by 0.9^4 = 0.66;
     # Adam's own moves are ~lr each
+
+
+def test_context_dropout_trains_the_unknown_surface_and_placement():
+    """Every training user has a known surface and placement; a request naming neither reads row 0 of both tables.
+    Without context dropout training never moves those rows (no weight decay here); with it, it does; a share
+    outside [0, 1] is refused."""
+    data = tiny_data()
+    data.users.context[:] = [3, 5, 10]
+    rows = {}
+    for dropout in (0.0, 0.5):
+        cfg = TrainConfig(steps=6, batch=8, negatives=4, seed=2, lr=1e-2, weight_decay=0.0, validate_every=0,
+                          context_dropout=dropout)
+        torch.manual_seed(cfg.seed)
+        start = new_model(data, "moe", cfg).user_towers
+        trained = train(data, "moe", cfg, progress=False).user_towers
+        moved = {(table, row): not torch.equal(getattr(trained, table).weight[row], getattr(start, table).weight[row])
+                 for table, row in (("surface", 0), ("placement", 0), ("surface", 3), ("placement", 5))}
+        rows[dropout] = [moved[key] for key in sorted(moved)]  # placement 0, 5, surface 0, 3
+    assert rows[0.0] == [False, True, False, True] and rows[0.5] == [True] * 4
+    with pytest.raises(ValueError, match="context_dropout must be a share between 0 and 1"):
+        TrainConfig(context_dropout=1.5)
 
 
 @pytest.mark.parametrize("decay", [-0.1, float("nan")])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -44,6 +45,23 @@ def test_movielens_sequences_follow_time_and_split_last_two(small_movielens):
     liked = {EVENTS.index("like"), EVENTS.index("click")}
     assert set(np.concatenate(data.users.events).tolist()) <= liked
     assert sum(len(s) for s in data.users.items) == len(ratings)
+
+
+def test_movielens_ratings_of_one_second_are_in_hashed_order_not_by_movie(small_movielens):
+    """Ratings of one user and second come in the order of crc32("user:movieId"), whatever the file's order."""
+    directory, ratings = small_movielens
+    data, seconds = load_movielens(directory), {}
+    for user, movie, _, ts in ratings:
+        seconds.setdefault((int(user), int(ts)), []).append(int(movie))
+    tied = {key: movies for key, movies in seconds.items() if len(movies) > 1}
+    assert len(tied) > 20
+    users, in_movie_order = sorted({user for user, _ in seconds}), 0
+    for (user, ts), movies in tied.items():
+        u = users.index(user)
+        got = data.items.ids[data.users.items[u][data.users.times[u] == ts]].tolist()
+        assert got == sorted(movies, key=lambda m: zlib.crc32(f"{user}:{m}".encode()))
+        in_movie_order += got == sorted(movies)
+    assert in_movie_order < len(tied)
 
 
 def test_synthetic_loader_keeps_latest_versions_and_clicks(tmp_path, default_schema):

@@ -41,7 +41,8 @@ class RandomTextAdTower:
         return self.model.ad_tower(text, torch.zeros(len(ads), dtype=torch.long),
                                    torch.tensor([a.advertiser_id for a in ads]),
                                    torch.tensor([a.bid for a in ads], dtype=torch.float32),
-                                   self.model.id_rows(torch.tensor([a.ad_id for a in ads])))
+                                   self.model.id_rows(torch.tensor([a.ad_id for a in ads])),
+                                   torch.zeros((len(ads), self.model.dims.dim)))  # mentions none
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,27 @@
 """Segments: a user's cohorts and declared enum attributes, hashed the same way in training data and at
-serving, and read by the MoE's segment expert, with the text of the described ones (interests, behaviours)."""
+serving, and read by the MoE's segment expert, with the text of the described ones (interests, behaviours); an ad's
+mentions of described values, read by the ad tower through the same segment table."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 import zlib
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from andromeda_core.models.quality import checkpoint_meta
+from andromeda_core.models.recdata import load_synthetic
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
-from andromeda_core.models.segments import SEGMENTS, described_values, segment_ids
-from andromeda_core.types import parse_request
+from andromeda_core.models.segments import MENTIONS, SEGMENTS, described_values, mentions, segment_ids
+from andromeda_core.models.serving import ModelScorer
+from andromeda_core.models.train import TrainConfig, new_model
+from andromeda_core.synth import WorldConfig, synthesize
+from andromeda_core.types import parse_event, parse_request
 from tests.unit.test_models import DIMS, tiny_data
 from tests.unit.test_models_device import lookup, model_scorer
 
@@ -107,3 +118,88 @@ def test_the_described_table_travels_in_the_checkpoint(tmp_path):
     RetrievalModel("moe", DIMS, described=(hashes, texts)).save(tmp_path / "m.safetensors")
     loaded, _ = RetrievalModel.load(tmp_path / "m.safetensors")
     assert loaded.user_towers.described_hashes.tolist() == [3, 7] and loaded.user_towers.described_text.eq(1).all()
+
+
+def brute_mentions(text: str, schema) -> list[int]:
+    """The described values whose words are a run of the text's words (letters and digits, case ignored), by the
+    place of that run's first word, the longer value first at one place; each value once."""
+    text_words = re.findall(r"[a-z0-9]+", text.lower())
+    found = []
+    for start in range(len(text_words)):
+        at = [(len(value.split()), h) for h, value in zip(*described_values(schema))
+              if text_words[start:start + len(value.split())] == value.split()]
+        found += [h for _, h in sorted(at, key=lambda p: -p[0])]
+    return list(dict.fromkeys(found))
+
+
+WORDS = ["running", "Running", "gear", "yoga", "frequent", "international", "traveler", "jazz", "the", "shoes",
+         "run", "ning", "_", ".", "!", "-", "running_gear", "YOGA2"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(WORDS), max_size=14), min_size=1, max_size=5),
+       st.sampled_from([" ", "", ", "]))
+def test_mentions_are_the_described_values_named_as_whole_words(default_schema, texts, separator):
+    texts = [separator.join(t) for t in texts]
+    got = mentions(texts, default_schema)
+    assert got.shape == (len(texts), MENTIONS)
+    for row, text in zip(got.tolist(), texts):
+        want = brute_mentions(text, default_schema)[:MENTIONS]
+        assert row == want + [-1] * (MENTIONS - len(want))
+
+
+def test_mentions_on_hand_made_texts(default_schema):
+    token = {t: zlib.crc32(t.encode()) for t in ("interests=running", "interests=running_gear", "interests=yoga",
+                                                 "behaviors=frequent_international_traveler")}
+    got = mentions(["Running gear for YOGA. Running!", "Frequent international traveler", "runningyoga", ""],
+                   default_schema).tolist()
+    assert got[0][:3] == [token["interests=running_gear"], token["interests=running"], token["interests=yoga"]]
+    assert got[1][0] == token["behaviors=frequent_international_traveler"]
+    assert got[2] == got[3] == [-1] * MENTIONS  # no whole word
+    many = " ".join(default_schema.by_name["interests"].vocabulary[:20]).replace("_", " ")
+    assert (mentions([many], default_schema) >= 0).sum() == MENTIONS  # the first MENTIONS kept
+
+
+def test_an_ad_moves_with_the_segment_embeddings_of_what_it_mentions():
+    """The ad tower adds the user towers' own segment embedding (one table for both sides) of the values its text
+    mentions: changing the row of one value moves exactly the ads that mention it, by that change (the map
+    starts as the identity) averaged over their mentions; dims.mentions = 0 reads none."""
+    data = tiny_data()
+    running, yoga = (zlib.crc32(t.encode()) for t in ("interests=running", "interests=yoga"))
+    data.items.mentions = np.full((40, MENTIONS), -1, np.int64)
+    data.items.mentions[0, 0] = data.items.mentions[1, 1] = running
+    data.items.mentions[1, 0] = data.items.mentions[2, 0] = yoga
+    model = RetrievalModel("moe", dataclasses.replace(DIMS, mentions=MENTIONS), np.arange(1, 21)).eval()
+    with torch.no_grad():
+        before = model.item_vectors(data.items)
+        model.user_towers.segment.weight[running % DIMS.segment_buckets] += 1.0
+        moved = model.item_vectors(data.items) - before
+    assert torch.allclose(moved[0, :DIMS.dim], torch.ones(DIMS.dim), atol=1e-5)
+    assert torch.allclose(moved[1, :DIMS.dim], torch.full((DIMS.dim,), 0.5), atol=1e-5)  # one of its two mentions
+    assert moved[2:].abs().max() == 0 and moved[:, DIMS.dim:].abs().max() == 0
+    blind = RetrievalModel("moe", dataclasses.replace(DIMS, mentions=0), np.arange(1, 21)).eval()
+    blind.load_state_dict(model.state_dict())
+    data.items.mentions[:] = -1
+    with torch.no_grad():
+        assert torch.equal(blind.item_vectors(data.items), model.item_vectors(data.items))
+
+
+def test_publishing_embeds_an_ad_as_training_embedded_it(default_schema, tmp_path):
+    """The served ad tower (ModelScorer.encode_ads, from the ad's fields) gives each ad of a world the vector
+    training gives its item (RetrievalModel.item_vectors, from RecData): the same text, mentions, category,
+    advertiser, bid and identity, through a checkpoint."""
+    world = synthesize(WorldConfig(ads=80, users=6, seed=2), tmp_path / "w", default_schema)
+    data = load_synthetic(world)
+    assert (data.items.mentions >= 0).sum(1).mean() > 1  # the world's creatives name interests
+    model = new_model(data, "moe", TrainConfig(min_id_engagements=1))
+    with torch.no_grad():
+        model.user_towers.segment.weight.normal_()
+        model.ad_tower.identity.weight.normal_()
+    model.save(tmp_path / "m.safetensors", checkpoint_meta(data, 0))
+    scorer = ModelScorer.load(tmp_path / "m.safetensors", default_schema)
+    events = [parse_event(json.loads(line)) for line in (world / "events.jsonl").read_text().splitlines()]
+    ads = {e.ad.ad_id: e.ad for e in events if e.op == "upsert"}  # the latest version, as load_synthetic
+    with torch.no_grad():
+        want = model.item_vectors(data.items)
+    got = scorer.encode_ads([ads[i] for i in data.items.ids.tolist()])
+    assert torch.allclose(got, want, atol=1e-5)
