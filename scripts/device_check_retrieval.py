@@ -38,7 +38,8 @@ with torch.no_grad():
     moe.ad_tower.identity.weight[:-1].normal_()
     stored = moe.ad_tower(torch.randn(len(upserts), 384), torch.randint(0, 60, (len(upserts),)),
                           torch.tensor([op.ad.advertiser_id for op in upserts]), torch.tensor([op.ad.bid for op in upserts]),
-                          moe.id_rows(torch.tensor([op.ad.ad_id for op in upserts])))
+                          moe.id_rows(torch.tensor([op.ad.ad_id for op in upserts])),
+                          torch.zeros(len(upserts), moe.dims.dim))  # mentions none
 moe_vec = {id(op): v.numpy() for op, v in zip(upserts, stored)}
 moe_ops = [PreparedAd(op.ad, op.targeting, moe_vec[id(op)]) if isinstance(op, PreparedAd) else op for op in base]
 scorers = {"two_tower": (lambda d: HashedTwoTower(device=d), base), "moe": (lambda d: ModelScorer(copy.deepcopy(moe), [], schema, device=d), moe_ops)}

@@ -119,15 +119,17 @@ class RetrievalModel(nn.Module):
                   ids: torch.Tensor, mentions: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
         """(n, S) stored vectors: the ad tower's (text (n, 384), category, advertiser, bid, external ids (n,),
         mentions (n, m) int64 hashes of the described values the text mentions, -1 padding: segments.mentions; the
-        first dims.mentions are read),
+        first dims.mentions are read, of those the values its segment expert holds texts for, `described`),
         its bias raised by dims.click_weight x the ad's click prior. known (n,) bool, when given: False embeds
         the ad as one created after training (no learned identity, no prior)."""
         id_rows, prior = self.id_rows(ids), self.click_prior(ids)
         if known is not None:
             id_rows, prior = torch.where(known, id_rows, -1), torch.where(known, prior, 0.0)
+        # The user towers' own segment table (one embedding per value, both sides), for the values it trained on: a
+        # value that a serving schema adds would read an untrained row.
         mentions = mentions[:, : self.dims.mentions]
-        mentioned = self.user_towers.segment_mean(mentions, mentions >= 0)  # the user towers' own table: one
-        stored = self.ad_tower(text, category, advertiser, bid, id_rows, mentioned)  # embedding per value, both sides
+        mentioned = self.user_towers.segment_mean(mentions, find_sorted(self.user_towers.described_hashes, mentions)[1])
+        stored = self.ad_tower(text, category, advertiser, bid, id_rows, mentioned)
         return torch.cat([stored[:, :-1], stored[:, -1:] + self.dims.click_weight * prior[:, None]], 1)
 
     def item_vectors(self, items: Items, rows: np.ndarray | None = None, known: torch.Tensor | None = None) -> torch.Tensor:

@@ -64,25 +64,31 @@ def described_table(schema: Schema) -> tuple[np.ndarray, np.ndarray]:
 
 
 @lru_cache(maxsize=4)
-def _phrases_by_first_word(schema: Schema) -> dict[str, list[tuple[tuple[str, ...], int]]]:
-    """first word -> [(the described value's words, its hash)], longest phrase first."""
+def _phrases_by_first_word(schema: Schema) -> dict[str, list[tuple[int, dict[tuple[str, ...], int]]]]:
+    """first word -> [(phrase length, {the described value's words: its hash})], longest first."""
     hashes, texts = described_values(schema)
-    out: dict[str, list[tuple[tuple[str, ...], int]]] = {}
-    for h, text in sorted(zip(hashes.tolist(), texts), key=lambda p: -len(words(p[1]))):
-        if words(text):
-            out.setdefault(words(text)[0], []).append((words(text), h))
-    return out
+    by_length: dict[str, dict[int, dict[tuple[str, ...], int]]] = {}
+    for h, text in zip(hashes.tolist(), texts):
+        phrase = words(text)
+        if phrase:
+            by_length.setdefault(phrase[0], {}).setdefault(len(phrase), {})[phrase] = h
+    return {first: sorted(lengths.items(), reverse=True) for first, lengths in by_length.items()}
 
 
 def mentions(texts: Sequence[str], schema: Schema) -> np.ndarray:
     """(N,) creative texts -> (N, MENTIONS) int64: the hashes of the described values each text mentions as whole
-    words in order (case and underscores ignored), each once, in the order of their first word; -1 pads."""
+    words in order (case and underscores ignored), each once, in the order of their first word (the longer value
+    first at one word); -1 pads. A few dict lookups per word of the text."""
     phrases = _phrases_by_first_word(schema)
     out = np.full((len(texts), MENTIONS), -1, np.int64)
     for i, text in enumerate(texts):
-        w, found = words(text), []
+        w, found = words(text), {}
         for start, word in enumerate(w):
-            found += [h for phrase, h in phrases.get(word, ()) if w[start:start + len(phrase)] == phrase]
-        found = list(dict.fromkeys(found))[:MENTIONS]
-        out[i, :len(found)] = found
+            for length, of_length in phrases.get(word, ()):
+                h = of_length.get(w[start:start + length])
+                if h is not None:
+                    found[h] = None
+            if len(found) >= MENTIONS:
+                break
+        out[i, :len(found)] = list(found)[:MENTIONS]
     return out

@@ -19,7 +19,8 @@ from andromeda_core.models.recdata import load_synthetic
 from andromeda_core.models.retrieval import RetrievalModel, user_inputs
 from andromeda_core.models.segments import MENTIONS, SEGMENTS, described_values, mentions, segment_ids
 from andromeda_core.models.serving import ModelScorer
-from andromeda_core.models.train import TrainConfig, new_model
+from andromeda_core.models.towers import Dims
+from andromeda_core.models.train import TrainConfig, new_model, train
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import parse_event, parse_request
 from tests.unit.test_models import DIMS, tiny_data
@@ -162,26 +163,52 @@ def test_mentions_on_hand_made_texts(default_schema):
 
 def test_an_ad_moves_with_the_segment_embeddings_of_what_it_mentions():
     """The ad tower adds the user towers' own segment embedding (one table for both sides) of the values its text
-    mentions: changing the row of one value moves exactly the ads that mention it, by that change (the map
-    starts as the identity) averaged over their mentions; dims.mentions = 0 reads none."""
+    mentions that the model holds described values for: changing the row of one value moves exactly the ads that
+    mention it, by that change (the map starts as the identity) averaged over their mentions; a value it holds none
+    for (a serving schema's addition) is not read, nor is any with dims.mentions = 0."""
     data = tiny_data()
-    running, yoga = (zlib.crc32(t.encode()) for t in ("interests=running", "interests=yoga"))
+    running, yoga, chess = (zlib.crc32(t.encode()) for t in ("interests=running", "interests=yoga", "interests=chess"))
     data.items.mentions = np.full((40, MENTIONS), -1, np.int64)
     data.items.mentions[0, 0] = data.items.mentions[1, 1] = running
     data.items.mentions[1, 0] = data.items.mentions[2, 0] = yoga
-    model = RetrievalModel("moe", dataclasses.replace(DIMS, mentions=MENTIONS), np.arange(1, 21)).eval()
+    data.items.mentions[3, 0] = data.items.mentions[4, 1] = chess
+    data.items.mentions[4, 0] = running
+    described = (np.array(sorted([running, yoga])), np.zeros((2, 384), np.float16))
+    model = RetrievalModel("moe", dataclasses.replace(DIMS, mentions=MENTIONS), np.arange(1, 21), described=described)
     with torch.no_grad():
-        before = model.item_vectors(data.items)
+        before = model.eval().item_vectors(data.items)
         model.user_towers.segment.weight[running % DIMS.segment_buckets] += 1.0
+        model.user_towers.segment.weight[chess % DIMS.segment_buckets] += 1.0
         moved = model.item_vectors(data.items) - before
-    assert torch.allclose(moved[0, :DIMS.dim], torch.ones(DIMS.dim), atol=1e-5)
-    assert torch.allclose(moved[1, :DIMS.dim], torch.full((DIMS.dim,), 0.5), atol=1e-5)  # one of its two mentions
-    assert moved[2:].abs().max() == 0 and moved[:, DIMS.dim:].abs().max() == 0
-    blind = RetrievalModel("moe", dataclasses.replace(DIMS, mentions=0), np.arange(1, 21)).eval()
+    for item, share in ((0, 1.0), (1, 0.5), (4, 1.0)):  # item 1: one of its two mentions; item 4: chess not read
+        assert torch.allclose(moved[item, :DIMS.dim], torch.full((DIMS.dim,), share), atol=1e-5)
+    assert moved[[2, 3]].abs().max() == 0 and moved[5:].abs().max() == 0 and moved[:, DIMS.dim:].abs().max() == 0
+    blind = RetrievalModel("moe", dataclasses.replace(DIMS, mentions=0), np.arange(1, 21), described=described).eval()
     blind.load_state_dict(model.state_dict())
-    data.items.mentions[:] = -1
     with torch.no_grad():
-        assert torch.equal(blind.item_vectors(data.items), model.item_vectors(data.items))
+        mentioned = blind.item_vectors(data.items)
+        data.items.mentions[:] = -1
+        assert torch.equal(mentioned, model.item_vectors(data.items))
+
+
+def test_training_moves_the_segment_rows_of_mentioned_values_through_the_ads():
+    """Users here declare nothing, so only the ads' mentions can train a value's segment row: with mentions the
+    mentioned value's row moves, without (Dims.mentions = 0, as MovieLens) it stays (no weight decay)."""
+    running = zlib.crc32(b"interests=running")
+    moved = {}
+    for width in (MENTIONS, 0):
+        data = tiny_data()
+        data.users.segments = [[] for _ in data.users.segments]
+        data.items.mentions = np.full((40, width), -1, np.int64)
+        data.items.mentions[::3, :1] = running
+        cfg = TrainConfig(steps=4, batch=8, negatives=4, seed=2, lr=1e-2, weight_decay=0.0, validate_every=0)
+        torch.manual_seed(cfg.seed)
+        row = running % Dims().segment_buckets
+        start = new_model(data, "moe", cfg).user_towers.segment.weight[row].clone()
+        trained = train(data, "moe", cfg, progress=False)
+        moved[width] = not torch.equal(trained.user_towers.segment.weight[row], start)
+        assert trained.dims.mentions == width
+    assert moved == {MENTIONS: True, 0: False}
 
 
 def test_publishing_embeds_an_ad_as_training_embedded_it(default_schema, tmp_path):
