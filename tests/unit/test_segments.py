@@ -125,10 +125,10 @@ def brute_mentions(text: str, schema) -> list[int]:
     """The described values whose words are a run of the text's words (letters and digits, case ignored), by the
     place of that run's first word, the longer value first at one place; each value once."""
     text_words = re.findall(r"[a-z0-9]+", text.lower())
+    values = [(h, value.split()) for h, value in zip(*described_values(schema))]
     found = []
     for start in range(len(text_words)):
-        at = [(len(value.split()), h) for h, value in zip(*described_values(schema))
-              if text_words[start:start + len(value.split())] == value.split()]
+        at = [(len(value), h) for h, value in values if text_words[start:start + len(value)] == value]
         found += [h for _, h in sorted(at, key=lambda p: -p[0])]
     return list(dict.fromkeys(found))
 
