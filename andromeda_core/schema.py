@@ -5,6 +5,8 @@ word); a larger one (big enums, `id` spaces) to fixed-width lists of value indic
 """
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -235,10 +237,17 @@ def read_yaml(path: str | Path) -> Any:
         raise InvalidInput(f"not YAML: {problem}", f"{path}:{mark.line + 1}" if mark else str(path)) from None
 
 
+@functools.lru_cache(maxsize=1)
+def _shipped_yaml() -> Any:
+    """The shipped default schema's YAML, parsed once per process (0.2 s a parse, and the training and evaluation
+    code loads it many times); load_schema builds from a copy."""
+    return read_yaml(DEFAULT_SCHEMA_PATH)
+
+
 def load_schema(path: str | Path | None = None) -> Schema:
     """Load a schema YAML; None loads the shipped default. Errors name the file."""
     path = path or DEFAULT_SCHEMA_PATH
-    raw = read_yaml(path)
+    raw = copy.deepcopy(_shipped_yaml()) if Path(path) == DEFAULT_SCHEMA_PATH else read_yaml(path)
     try:
         return schema_from_dict(raw)
     except InvalidInput as exc:

@@ -827,7 +827,8 @@ def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch
         warmed = set(launched)
         launched.clear()
         paths = set()
-        for B in (1, 3, fused.MATCHED_ROWS_MAX_B, fused.MATCHED_ROWS_MAX_B + 2):  # both ways of loading rows
+        for B in dict.fromkeys((1, 3, fused.MATCHED_ROWS_MAX_B, fused.MATCHED_ROWS_MAX_B + 2)):  # both ways of
+            # loading rows (each batch size once: MATCHED_ROWS_MAX_B is 1 today)
             for m in (1, 2, 3, 9, 100):
                 path: dict = {}
                 fused.fused_scan(*on_device(table), *on_device([r[:B] for r in requests]), 20, 2, m, stats=path)
