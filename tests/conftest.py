@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter, chosen before any module defines one
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from andromeda_cli.main import main
 from andromeda_core.index import AdIndex
 from andromeda_core.ingest import prepare_ops
 from andromeda_core.models.two_tower import HashedTwoTower
@@ -74,6 +75,17 @@ def wait_until(condition, seconds: float = 10.0) -> bool:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.01)
     return bool(condition())
+
+
+def run_in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `andromeda ARGV` run in process (the CLI's refusals, without a Python and
+    torch start per case)."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def upsert(ad_id: int, version: int = 1, targeting: dict | None = None, **fields) -> dict:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from andromeda_core.models.retrieval import RetrievalModel
+from tests.conftest import run_in_process
 
 
 def andromeda(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -61,7 +62,7 @@ def test_bad_event_line_exits_2_naming_line_and_field(world, tmp_path):
     assert result.returncode == 2 and f"{events}:2.version" in result.stderr and result.stdout == ""
 
 
-def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tmp_path):
+def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tmp_path, capsys, monkeypatch):
     sasrec, ranker, checkpoint = (tmp_path / f"{name}.safetensors" for name in ("sasrec", "ranker", "moe"))
     base = tmp_path / "cache" / "models" / "synthetic-moe-from-sasrec.safetensors"  # the default --out
     env = {**os.environ, "ANDROMEDA_CACHE": str(tmp_path / "cache")}
@@ -83,6 +84,7 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
     assert untaught["init"] == "synthetic-moe-from-sasrec.safetensors" and "teacher" not in untaught
     other = tmp_path / "other-world"  # enough users for a few ads to earn learned ids (5 users give none)
     andromeda("synth", "--ads", "2000", "--users", "1000", "--seed", "2", "--out", str(other))
+    monkeypatch.setenv("ANDROMEDA_CACHE", env["ANDROMEDA_CACHE"])  # the refusals in process (a start each saved)
     for args, words in ((["--model", "sasrec", "--init", str(ranker)], "is a ranker model: a sasrec goes on only"),
                         (["--model", "moe", "--init", str(ranker)], "a moe goes on only from a moe or a sasrec"),
                         (["--model", "moe", "--init", str(base), "--out", str(base)], "would overwrite --init"),
@@ -92,8 +94,8 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(world, tm
                          "is a moe model: the teacher must be a ranker"),
                         (["--model", "moe", "--init", str(base), "--world", str(other), "--out", str(tmp_path / "x")],
                          "was trained on other data")):
-        refused = andromeda("train", "--data", "synthetic", "--world", str(world), *args, check=False)
-        assert refused.returncode == 2 and words in refused.stderr and refused.stdout == ""
+        code, out, err = run_in_process(capsys, "train", "--data", "synthetic", "--world", str(world), *args)
+        assert code == 2 and words in err and out == ""
     refused = subprocess.run([sys.executable, "-m", "andromeda_cli", "serve", "--model", str(ranker)], capture_output=True,
                              text=True, timeout=300, env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"})
     assert refused.returncode == 2 and "--model" in refused.stderr and "is not served" in refused.stderr  # up front,

@@ -17,13 +17,13 @@ import redis
 import torch
 from safetensors.torch import save_file
 
-from andromeda_cli.main import main, parser
+from andromeda_cli.main import parser
 from andromeda_core.models.retrieval import RetrievalModel
 from andromeda_core.models.towers import Dims
 from andromeda_core.schema import DEFAULT_SCHEMA_PATH
 from index_updater.local_redis import LocalRedis, free_port
 from index_updater.records import shard_stream
-from tests.conftest import upsert
+from tests.conftest import run_in_process as andromeda, upsert
 
 FILES = {
     "events.jsonl": "\n".join(json.dumps(upsert(i)) for i in (1, 2, 3)) + "\n",
@@ -75,14 +75,6 @@ def d(tmp_path_factory) -> Path:
     return root
 
 
-def andromeda(capsys, *argv: str) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `andromeda ARGV` run in process."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse's usage errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_refused(result: tuple[int, str, str], *words: str) -> None:

@@ -456,12 +456,12 @@ def test_threshold_scan_with_nan_and_infinite_values_equals_reference(monkeypatc
 def test_a_per_block_scan_too_large_for_one_pass_runs_the_requests_in_parts(monkeypatch):
     """Past PER_BLOCK_BYTES of partials the per-block scan takes the requests in parts (Triton): the same answers."""
     gen = torch.Generator().manual_seed(41)
-    table = make_table(gen, 700, 3, 21, torch.int8)
+    table = make_table(gen, 300, 3, 21, torch.int8)  # 3 blocks, the last partial
     requests = make_requests(gen, 5, 6, 12, 8)
     args = (*table, *requests, 20, 2, 9)
     whole = [t.cpu() for t in fused.fused_scan(*on_device(args), 0)]
     width = min(triton.next_power_of_2(9), fused.BLOCK)
-    monkeypatch.setattr(fused, "PER_BLOCK_BYTES", 2 * triton.cdiv(700, fused.BLOCK) * width * 8)  # 2 requests a part
+    monkeypatch.setattr(fused, "PER_BLOCK_BYTES", 2 * triton.cdiv(300, fused.BLOCK) * width * 8)  # 2 requests a part
     batches, scan = [], fused.fused_scan
     monkeypatch.setattr(fused, "fused_scan", lambda *a, **kw: batches.append(a[6].shape[0]) or scan(*a, **kw))
     stats: dict = {}
@@ -813,7 +813,7 @@ def test_warm_up_launches_every_kernel_signature_later_passes_launch(monkeypatch
     for name in ("_scan_kernel", "_merge_kernel"):
         monkeypatch.setattr(fused, name, LaunchRecorder(getattr(fused, name), launched))
     if DEVICE == "cpu":  # small blocks and merges, so that the interpreter gets through them in seconds
-        for name, value in (("BLOCK", 16), ("SAMPLE_STRIDE", 4), ("MIN_CANDIDATES", 256), ("MERGE_MAX_K", 32),
+        for name, value in (("BLOCK", 16), ("SAMPLE_STRIDE", 4), ("MIN_CANDIDATES", 256), ("MERGE_MAX_K", 16),
                             ("MERGE_TILE", 64)):
             monkeypatch.setattr(fused, name, value)
     gen = torch.Generator().manual_seed(5)

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from andromeda_core.errors import InvalidInput
-from andromeda_core.schema import load_schema, read_yaml
+from andromeda_core.schema import DEFAULT_SCHEMA_PATH, load_schema, read_yaml
 
 
 def test_default_schema_has_the_promised_breadth(default_schema):
@@ -39,3 +39,15 @@ def test_yaml_refuses_a_key_twice_but_keeps_merge_keys(tmp_path):
     with pytest.raises(InvalidInput, match="'c' appears twice") as error:
         read_yaml(twice)
     assert error.value.field == f"{twice}:2"
+
+
+
+def test_the_shipped_schema_parsed_once_builds_the_same_schema_each_time(tmp_path):
+    """load_schema() parses the shipped YAML once per process and builds each schema from a copy of it: after
+    loads, the same schema as a copy of the file read afresh; any other file is read at each load."""
+    first, second = load_schema(), load_schema()
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(DEFAULT_SCHEMA_PATH.read_text())
+    assert first == second == load_schema(copy) and first is not second
+    copy.write_text("name: other\ncategories:\n  - {name: country, kind: enum, vocabulary: [US]}\n")
+    assert [c.name for c in load_schema(copy).categories] == ["country"]
