@@ -75,8 +75,6 @@ def d(tmp_path_factory) -> Path:
     return root
 
 
-
-
 def assert_refused(result: tuple[int, str, str], *words: str) -> None:
     code, out, err = result
     last = err.strip().splitlines()[-1]

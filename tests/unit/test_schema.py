@@ -41,7 +41,6 @@ def test_yaml_refuses_a_key_twice_but_keeps_merge_keys(tmp_path):
     assert error.value.field == f"{twice}:2"
 
 
-
 def test_the_shipped_schema_parsed_once_builds_the_same_schema_each_time(tmp_path):
     """load_schema() parses the shipped YAML once per process and builds each schema from a copy of it: after
     loads, the same schema as a copy of the file read afresh; any other file is read at each load."""
