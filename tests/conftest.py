@@ -33,6 +33,12 @@ SMALL_SCHEMA = {
 }
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the session's Ray Serve (tests/integration/conftest.py: ray_serve) run last, each module's together
+    as collected: Ray starts once and stays up beside no other test."""
+    items.sort(key=lambda item: "ray_serve" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session")
 def small_schema():
     return schema_from_dict(SMALL_SCHEMA)

@@ -11,11 +11,12 @@ import pytest
 import ray
 import redis
 from ray import serve
+from ray.serve import Application
 
 from andromeda_core.index import AdIndex
 from deployments.config import SERVE_ENV
 from index_updater.consumer import ShardConsumer
-from index_updater.local_redis import LocalRedis
+from index_updater.local_redis import LocalRedis, free_port
 from index_updater.publisher import Publisher
 
 
@@ -78,24 +79,65 @@ def redis_for(tmp: Path) -> Iterator[str]:
             server.stop()
 
 
+WRITE_TOKEN = "integration-test-write-token"  # ANDROMEDA_WRITE_TOKEN of the session's Ray workers: an admin's
+
+
 @contextmanager
-def local_ray(env: dict[str, str]) -> Iterator[None]:
-    """A local Ray (2 CPUs) whose workers inherit `env` and the service's Ray Serve settings (SERVE_ENV, as `andromeda
-    up` and the image set them); after: Serve and Ray shut down, the environment restored."""
-    env = {**SERVE_ENV, **env}
+def local_ray(workers_env: dict[str, str]) -> Iterator[None]:
+    """A local Ray (2 CPUs) whose processes inherit `workers_env` (set in this process only while Ray starts) and the
+    service's Ray Serve settings (SERVE_ENV, as `andromeda up` and the image set them; this process keeps them while
+    Ray runs); after: Serve and Ray shut down, the environment restored."""
+    env = {**SERVE_ENV, **workers_env}
     before = {key: os.environ.get(key) for key in env}
+
+    def restore(keys) -> None:
+        for key in keys:
+            if before[key] is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = before[key]
+
     os.environ.update(env)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        restore(workers_env)
     try:
         yield
     finally:
         serve.shutdown()
         ray.shutdown()
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore(SERVE_ENV)
+
+
+@pytest.fixture(scope="session")
+def session_redis_url(tmp_path_factory) -> Iterator[str]:
+    """The URL of the Redis the services on Ray share: REDIS_URL's, or a redis-server started once per session."""
+    with redis_for(tmp_path_factory.mktemp("session-redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def ray_serve(session_redis_url) -> Iterator[str]:
+    """Ray Serve on a local Ray, started once per session (the tests that use it run last: tests/conftest.py): its
+    base URL. Its workers read REDIS_URL (session_redis_url) and ANDROMEDA_WRITE_TOKEN (WRITE_TOKEN) from their
+    environment, as the pods do from the Secret. Each module deletes the applications it deployed."""
+    with local_ray({"REDIS_URL": session_redis_url, "ANDROMEDA_WRITE_TOKEN": WRITE_TOKEN}):
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def deployed(apps: dict[str, Application]) -> Iterator[None]:
+    """Each application of apps (name -> app) run on the session's Serve at route prefix /name; deleted after."""
+    try:
+        for name, app in apps.items():
+            serve.run(app, name=name, route_prefix=f"/{name}")
+        yield
+    finally:
+        for name in apps:
+            serve.delete(name)
 
 
 def eventually(condition: Callable[[], bool], timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:

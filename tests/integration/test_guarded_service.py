@@ -1,5 +1,5 @@
 """The write path's authorisation, the input limits, the rate limit, the overload guard and the deadline,
-over HTTP: a real local Ray Serve (2 CPUs, one per module) and a real redis-server. Four applications:
+over HTTP: the session's local Ray Serve (2 CPUs) and redis-server. Four applications:
 /auth (2 shards, a token file, tight limits), /tight (read auth and a rate limit shared by two routers),
 /over (one request in flight per router) and /ha (two replicas of a shard)."""
 from __future__ import annotations
@@ -21,44 +21,37 @@ from deployments import config as config_module
 from deployments.app import build_app
 from deployments.auth import add_token
 from deployments.config import Auth, Limits, Overload, RateLimit, ServiceConfig
-from index_updater.local_redis import free_port
 from index_updater.owners import owners_key
 from index_updater.records import shard_stream
-from tests.integration.conftest import eventually, hung, local_ray, redis_for
+from tests.integration.conftest import WRITE_TOKEN as ADMIN, deployed, eventually, hung
 from tests.conftest import upsert
 
-ADMIN = "admin-token-for-the-guard-tests"
 NOW = 1_767_000_000
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("guarded")
-    with redis_for(tmp) as url:
-        tokens = tmp / "tokens.json"
-        names = {"acme": ("advertiser", 7), "globex": ("advertiser", 8), "viewer": ("reader", None)}
-        issued = {name: add_token(tokens, name, role, adv) for name, (role, adv) in names.items()}
-        with local_ray({"ANDROMEDA_WRITE_TOKEN": ADMIN}):  # the routers' workers inherit it
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            common = dict(redis_url=url, snapshot_every_s=5, shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=5,
-                          auth=Auth(token_file=str(tokens), reload_s=0.2))
-            apps = {
-                "auth": ServiceConfig(stream="guard-auth", shards=2, max_events_per_request=3, snapshot_dir=str(tmp / "a"),
-                                      limits=Limits(body_bytes=4096, k=50, batch_requests=4, history=4, values_per_category=3,
-                                                    string_chars=16), **common),
-                "tight": ServiceConfig(stream="guard-tight", snapshot_dir=str(tmp / "t"),
-                                       router_replicas=2, rate_limit=RateLimit(requests_per_s=0.2, burst=3, shared=True,
-                                                                               store_timeout_s=5),  # not a timeout test
-                                       **{**common, "auth": Auth(token_file=str(tokens), reload_s=0.2, read_auth=True)}),
-                "over": ServiceConfig(stream="guard-over", snapshot_dir=str(tmp / "o"), overload=Overload(router_inflight=1),
-                                      **common),
-                "ha": ServiceConfig(stream="guard-ha", replicas=2, snapshot_dir=str(tmp / "h"), **common),
-            }
-            for name, config in apps.items():
-                serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-            yield SimpleNamespace(url=f"http://127.0.0.1:{port}", tokens=tokens, issued=issued, redis=redis.Redis.from_url(url),
-                                  common=common)
+def svc(tmp_path_factory, session_redis_url, ray_serve):
+    tmp, url = tmp_path_factory.mktemp("guarded"), session_redis_url
+    tokens = tmp / "tokens.json"
+    names = {"acme": ("advertiser", 7), "globex": ("advertiser", 8), "viewer": ("reader", None)}
+    issued = {name: add_token(tokens, name, role, adv) for name, (role, adv) in names.items()}
+    common = dict(redis_url=url, snapshot_every_s=5, shard_cpus=0.1, router_cpus=0.1, shard_timeout_s=5,
+                  auth=Auth(token_file=str(tokens), reload_s=0.2))
+    apps = {
+        "auth": ServiceConfig(stream="guard-auth", shards=2, max_events_per_request=3, snapshot_dir=str(tmp / "a"),
+                              limits=Limits(body_bytes=4096, k=50, batch_requests=4, history=4, values_per_category=3,
+                                            string_chars=16), **common),
+        "tight": ServiceConfig(stream="guard-tight", snapshot_dir=str(tmp / "t"),
+                               router_replicas=2, rate_limit=RateLimit(requests_per_s=0.2, burst=3, shared=True,
+                                                                       store_timeout_s=5),  # not a timeout test
+                               **{**common, "auth": Auth(token_file=str(tokens), reload_s=0.2, read_auth=True)}),
+        "over": ServiceConfig(stream="guard-over", snapshot_dir=str(tmp / "o"), overload=Overload(router_inflight=1),
+                              **common),
+        "ha": ServiceConfig(stream="guard-ha", replicas=2, snapshot_dir=str(tmp / "h"), **common),
+    }
+    with deployed({name: build_app(config) for name, config in apps.items()}):
+        yield SimpleNamespace(url=ray_serve, tokens=tokens, issued=issued, redis=redis.Redis.from_url(url),
+                              common=common)
 
 
 def post(url: str, body, token: str | None = None, headers: dict | None = None) -> requests.Response:

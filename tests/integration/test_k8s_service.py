@@ -1,7 +1,8 @@
-"""The service as the cpu-dev Kubernetes overlay configures it, on a local Ray (2 CPUs) and a real
+"""The service as the cpu-dev Kubernetes overlay configures it, on the session's local Ray (2 CPUs) and
 redis-server: the Serve config is the overlay's rendered spec.serveConfigV2, deployed the way KubeRay
-deploys it (the dashboard's PUT /api/serve/applications/ handler: serve_start with the config's options,
-then deploy_apps), with the replicas reading REDIS_URL and the write token from their environment as the
+deploys it (the dashboard's PUT /api/serve/applications/ handler: serve_start with the config's options, which
+finds the session's Serve running on the same HTTP host and port, as a cluster's dashboard finds it after the first
+deploy, then deploy_apps), with the replicas reading REDIS_URL and the write token from their environment as the
 pods do from the Secret. Only what a laptop cannot give is changed: the HTTP host and port, and the snapshot
 directory. Then: it answers, and every metric the k8s/ alerts and dashboard name is in its /metrics."""
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -27,13 +29,10 @@ from andromeda_core.schema import load_schema
 from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import parse_request
 from deployments.config import APP_NAME, ServiceConfig
-from index_updater.local_redis import free_port
-from tests.integration.conftest import local_ray, redis_for
 from index_updater.publisher import Publisher
 from tests.k8s.manifests import (KUBELET_METRICS, RAY_SERVE_METRICS, alert_exprs, grafana_exprs, metric_names, one,
                                   rendered, serve_config)
 
-TOKEN = "k8s-test-write-token"
 READY_TIMEOUT_S = 240
 
 
@@ -61,29 +60,30 @@ def wait_ready(url: str, timeout_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def cpu_dev(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("k8s-cpu-dev")
+def cpu_dev(tmp_path_factory, session_redis_url, ray_serve):
+    tmp, url = tmp_path_factory.mktemp("k8s-cpu-dev"), session_redis_url
     overlay_config = serve_config(one(rendered("cpu-dev"), "RayService"))
     service = ServiceConfig.model_validate(overlay_config["applications"][0]["args"])
-    with redis_for(tmp) as url:
-        world = tmp / "world"
-        base_time = (int(time.time()) // 86400 + 12) * 86400  # every window still open while the test runs
-        synthesize(WorldConfig(ads=400, users=10, seed=11, base_time=base_time), world, load_schema())
-        schema = load_schema(service.schema_path)
-        scorer = load_scorer(service.model, schema)
-        Publisher(redis.Redis.from_url(url), schema, scorer, shards=service.shards,
-                  stream=service.stream).publish_file(world / "events.jsonl")
-        # The pods' environment: REDIS_URL and the write token from the Secret; Ray's workers inherit it.
-        with local_ray({"REDIS_URL": url, "ANDROMEDA_WRITE_TOKEN": TOKEN}):
-            config = ServeDeploySchema.model_validate(local_copy(overlay_config, free_port(), tmp / "snapshots"))
-            client = serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location,
-                                 grpc_options=config.grpc_options.model_dump(), global_logging_config=config.logging_config,
-                                 controller_options=config.controller_options)
-            client.deploy_apps(config)
-            base = f"http://127.0.0.1:{config.http_options.port}"
-            wait_ready(base, READY_TIMEOUT_S)
-            yield SimpleNamespace(url=base, world=world, service=service, schema=schema, scorer=scorer,
-                                  overlay_config=overlay_config, deployed=config)
+    world = tmp / "world"
+    base_time = (int(time.time()) // 86400 + 12) * 86400  # every window still open while the test runs
+    synthesize(WorldConfig(ads=400, users=10, seed=11, base_time=base_time), world, load_schema())
+    schema = load_schema(service.schema_path)
+    scorer = load_scorer(service.model, schema)
+    Publisher(redis.Redis.from_url(url), schema, scorer, shards=service.shards,
+              stream=service.stream).publish_file(world / "events.jsonl")
+    # The workers read REDIS_URL (this Redis) and the write token from their environment (ray_serve), as the pods do
+    # from the Secret; the config names no redis_url.
+    config = ServeDeploySchema.model_validate(local_copy(overlay_config, urlsplit(ray_serve).port, tmp / "snapshots"))
+    client = serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location,
+                         grpc_options=config.grpc_options.model_dump(), global_logging_config=config.logging_config,
+                         controller_options=config.controller_options)
+    try:
+        client.deploy_apps(config)
+        wait_ready(ray_serve, READY_TIMEOUT_S)
+        yield SimpleNamespace(url=ray_serve, world=world, service=service, schema=schema, scorer=scorer,
+                              overlay_config=overlay_config, deployed=config)
+    finally:
+        serve.delete(APP_NAME)
 
 
 def post(url: str, body) -> requests.Response:

@@ -31,42 +31,37 @@ from andromeda_core.synth import WorldConfig, synthesize
 from andromeda_core.types import parse_request
 from deployments.app import build_app
 from deployments.config import ServiceConfig, by_reference
-from index_updater.local_redis import free_port
-from tests.integration.conftest import eventually, local_ray, redis_for
+from tests.integration.conftest import WRITE_TOKEN as TOKEN, deployed, eventually
 from index_updater.publisher import Publisher
 from index_updater.snapshots import stream_id_key
 from tests.conftest import upsert
 
-TOKEN = "test-write-token"
 NOW = 1_767_000_000
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    """Redis, a tiny trained MoE over a 600-ad synthetic world, and Ray Serve running two applications
-    over that corpus: /one with one shard and /two with two."""
-    tmp = tmp_path_factory.mktemp("service")
-    with redis_for(tmp) as url:
-        world = tmp / "world"
-        # Its time starts 12 days from now: every ad's window ends after now, so no replica sweeps an ad
-        # that the offline index (which never sweeps) still holds for history lookups.
-        base_time = (int(time.time()) // 86400 + 12) * 86400
-        synthesize(WorldConfig(ads=600, users=12, seed=3, base_time=base_time), world, load_schema())
-        data = load_synthetic(world)
-        model = tmp / "moe.safetensors"
-        train(data, "moe", TrainConfig(steps=3, batch=16, negatives=16), progress=False).save(model, checkpoint_meta(data, 0))
-        with local_ray({"ANDROMEDA_WRITE_TOKEN": TOKEN}):  # the router's workers inherit it
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            schema = load_schema()
-            for name, shards in (("one", 1), ("two", 2)):
-                config = ServiceConfig(redis_url=url, stream=f"test-{name}", shards=shards, model=str(model),
-                                       snapshot_dir=str(tmp / name), snapshot_every_s=1, shard_cpus=0.1, router_cpus=0.1,
-                                       shard_timeout_s=3)
-                Publisher(redis.Redis.from_url(url), schema, ModelScorer.load(model, schema), shards=shards,
-                          stream=config.stream).publish_file(world / "events.jsonl")
-                serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-            yield SimpleNamespace(url=f"http://127.0.0.1:{port}", world=world, model=model, redis=redis.Redis.from_url(url))
+def service(tmp_path_factory, session_redis_url, ray_serve):
+    """A tiny trained MoE over a 600-ad synthetic world, and two applications over that corpus on the session's Ray
+    Serve: /one with one shard and /two with two."""
+    tmp, url = tmp_path_factory.mktemp("service"), session_redis_url
+    world = tmp / "world"
+    # Its time starts 12 days from now: every ad's window ends after now, so no replica sweeps an ad
+    # that the offline index (which never sweeps) still holds for history lookups.
+    base_time = (int(time.time()) // 86400 + 12) * 86400
+    synthesize(WorldConfig(ads=600, users=12, seed=3, base_time=base_time), world, load_schema())
+    data = load_synthetic(world)
+    model = tmp / "moe.safetensors"
+    train(data, "moe", TrainConfig(steps=3, batch=16, negatives=16), progress=False).save(model, checkpoint_meta(data, 0))
+    schema, apps = load_schema(), {}
+    for name, shards in (("one", 1), ("two", 2)):
+        config = ServiceConfig(redis_url=url, stream=f"test-{name}", shards=shards, model=str(model),
+                               snapshot_dir=str(tmp / name), snapshot_every_s=1, shard_cpus=0.1, router_cpus=0.1,
+                               shard_timeout_s=3)
+        Publisher(redis.Redis.from_url(url), schema, ModelScorer.load(model, schema), shards=shards,
+                  stream=config.stream).publish_file(world / "events.jsonl")
+        apps[name] = build_app(config)
+    with deployed(apps):
+        yield SimpleNamespace(url=ray_serve, world=world, model=model, redis=redis.Redis.from_url(url))
 
 
 @pytest.fixture(scope="module")
