@@ -8,6 +8,10 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter, chosen before any module defines one
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import speed_up_interpreter
+
+    speed_up_interpreter()
 
 from andromeda_cli.main import main
 from andromeda_core.index import AdIndex
