@@ -37,9 +37,12 @@ SMALL_SCHEMA = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]):
     """The tests on the session's Ray Serve (tests/integration/conftest.py: ray_serve) run last, each module's together
-    as collected: Ray starts once and stays up beside no other test."""
+    as collected: Ray starts once and stays up beside no other test. After every other reordering (--ff, --nf), so
+    that none splits a module and sets its fixture up twice."""
+    yield
     items.sort(key=lambda item: "ray_serve" in getattr(item, "fixturenames", ()))
 
 

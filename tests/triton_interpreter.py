@@ -27,8 +27,9 @@ def patch_languages_once_per_launch() -> bool:
         languages = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
         if languages in patched:
             return interpreter._LangPatchScope()  # nothing to restore
+        scope = patch_lang(fn)
         patched.add(languages)
-        return patch_lang(fn)
+        return scope
 
     def launch_afresh(self, *args, **kwargs):
         patched.clear()
@@ -37,6 +38,7 @@ def patch_languages_once_per_launch() -> bool:
         finally:
             patched.clear()
 
+    patch_once.__wrapped__ = patch_lang
     interpreter._patch_lang = patch_once
     interpreter.GridExecutor.__call__ = launch_afresh
     return True
@@ -45,7 +47,8 @@ def patch_languages_once_per_launch() -> bool:
 def xor_sums_in_numpy() -> bool:
     """tl.xor_sum (which tl.sort and tl.topk call at every stage) as one numpy reduction, where the interpreter
     combines element by element in Python (its fallback for a reduction it does not know: most of the time of an
-    interpreted scan with a top-k). XOR of integers: the same bits in any order."""
+    interpreted scan with a top-k). XOR of integers: the same bits in any order. Along a given axis only: the others
+    (None, negative) go the interpreter's way, whose shapes there differ from numpy's."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -57,10 +60,11 @@ def xor_sums_in_numpy() -> bool:
     apply_impl = reduce_ops.apply_impl
 
     def apply_xor_in_numpy(self, input):
-        if self.combine_fn is not combine or len(input) != 1:
-            return apply_impl(self, input)
-        data = input[0].handle.data
-        return self.to_tensor(np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims), input[0].dtype)
+        axis = getattr(self.axis, "value", self.axis)
+        if self.combine_fn is not combine or len(input) != 1 or axis is None or axis < 0:  # as the interpreter does
+            return apply_impl(self, input)  # (tl.sort and tl.topk reduce along a given axis >= 0)
+        keep_dims = bool(getattr(self.keep_dims, "value", self.keep_dims))
+        return self.to_tensor(np.bitwise_xor.reduce(input[0].handle.data, axis=axis, keepdims=keep_dims), input[0].dtype)
 
     reduce_ops.apply_impl = apply_xor_in_numpy
     return True

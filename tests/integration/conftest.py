@@ -100,8 +100,10 @@ def local_ray(workers_env: dict[str, str]) -> Iterator[None]:
     os.environ.update(env)
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    finally:
-        restore(workers_env)
+    except BaseException:
+        restore(env)
+        raise
+    restore(workers_env)
     try:
         yield
     finally:
@@ -135,9 +137,14 @@ def deployed(apps: dict[str, Application]) -> Iterator[None]:
         for name, app in apps.items():
             serve.run(app, name=name, route_prefix=f"/{name}")
         yield
-    finally:
+    finally:  # every one, even after one that fails to go, so that none starves the next module's of the 2 CPUs
+        failed = []
         for name in apps:
-            serve.delete(name)
+            try:
+                serve.delete(name)
+            except Exception as exc:
+                failed.append(f"{name}: {exc!r}")
+        assert not failed, failed
 
 
 def eventually(condition: Callable[[], bool], timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:

@@ -6,6 +6,7 @@ import functools
 import operator
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +55,25 @@ def test_xor_sum_is_the_xor_of_the_values(dtype, axis):
     _xor_rows[(1,)](x, out, 4, 8, axis)
     lines = x.T.tolist() if axis == 0 else x.tolist()
     assert out.tolist() == [functools.reduce(operator.xor, line) for line in lines]
+
+
+@pytest.mark.parametrize("dtype", ["int1", "uint8", "int16", "int32", "uint32", "int64", "uint64"])
+@pytest.mark.parametrize("axis, keep_dims", [(0, False), (1, False), (0, True), (1, True), (None, False), (-1, True)])
+def test_xor_sum_gives_what_the_interpreters_own_reduction_gives(dtype, axis, keep_dims):
+    """Values, shape and type of the numpy reduction against the interpreter's element-by-element one."""
+    from triton.runtime import interpreter
+
+    triton_type = getattr(tl, dtype)
+    data = np.random.default_rng(len(dtype)).integers(0, 2**8, (4, 8)).astype(interpreter._get_np_dtype(triton_type))
+    x = tl.core.tensor(interpreter.TensorHandle(data, triton_type), tl.block_type(triton_type, [4, 8]))
+    reduce = interpreter.ReduceOps(axis, tl.standard._xor_combine, keep_dims)
+    scope = interpreter._patch_lang.__wrapped__(_xor_rows.fn)  # the language as in a launch, for the combine
+    try:
+        got, want = reduce.apply(x), reduce.generic_reduce((x,))[0]
+    finally:
+        scope.restore()
+    assert got.type == want.type and got.handle.data.dtype == want.handle.data.dtype
+    assert np.array_equal(got.handle.data, want.handle.data)
 
 
 def test_jit_helpers_called_again_in_later_launches_give_the_same_answers():
