@@ -165,8 +165,8 @@ def test_a_stall_longer_than_half_the_bound_ends_in_the_resend(private_redis, sm
     stream = redis.Redis.from_url(private_redis.url)
     with hung(private_redis):
         resumed = threading.Timer(0.65 * bound_s, lambda: os.kill(private_redis.process.pid, signal.SIGCONT))
-        resumed.start()
-        started = time.monotonic()
+        started = time.monotonic()  # before the timer starts, so the write ends at least 0.65 of the bound after
+        resumed.start()  # (a clock read after the start failed the bound below by 0.7 ms on a loaded box)
         ids = bounded.publish([upsert(2)])
         took = time.monotonic() - started
         resumed.join()
