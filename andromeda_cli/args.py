@@ -41,7 +41,10 @@ def input_file(text: str) -> Path:
 
 
 def output_dir(text: str) -> Path:
-    """A directory to write into: it exists as a directory or not at all."""
+    """A directory to write into: it exists as a directory or not at all; named (an empty name, as Path reads it, was
+    the working folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: name a directory (. for this one)")
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: exists and is not a directory")

@@ -34,6 +34,7 @@ from andromeda_core.retriever import Retriever
 from andromeda_core.schema import Schema, load_schema
 from andromeda_core.synth import WorldConfig, synthesize, world_config
 from andromeda_core.types import K_MAX, TIME_LIMIT
+from kernels.cpu import BuildError
 
 REQUEST_BATCH = 16  # requests sharing one pass over the table
 DEMO_ADS, DEMO_USERS = 50000, 100
@@ -363,7 +364,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-USER_ERRORS = (AndromedaError, ValidationError, OSError)  # the user can act on these; others are bugs
+USER_ERRORS = (AndromedaError, ValidationError, OSError, BuildError)  # the user can act on these; others are bugs
 
 
 def message(exc: Exception) -> str:

@@ -487,6 +487,9 @@ def cmd_up(args: argparse.Namespace) -> None:
                                "`andromeda serve`", f"{args.config}: {field}")
     check_port(service_config(args, settings.redis_url or "redis://127.0.0.1:6379/0"))  # bad flags and a taken
     # port fail before any work, and before a second redis-server would open a running one's files
+    redis_dir = (Path("var") / "redis").resolve()  # redis-server resolves paths after chdir
+    if not settings.redis_url:  # another up's redis-server in this folder (or none installed) refuses before any work
+        os.close(LocalRedis(redis_dir).lock())  # (start() takes the lock again, for good)
     world = demo_world(args.demo_ads)
     if args.model is None:
         args.model = demo_model(world)
@@ -495,7 +498,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     server = keeper = None
     redis_url = settings.redis_url
     if not redis_url:
-        server = LocalRedis((Path("var") / "redis").resolve()).start()  # redis-server resolves paths after chdir
+        server = LocalRedis(redis_dir).start()
         redis_url = server.url
         print(f"started redis-server at {redis_url} (data in var/redis)", file=sys.stderr)
         keeper = RedisKeeper(server, REDIS_CHECK_S, CRASH_LOOP_S).start()

@@ -26,6 +26,11 @@ TASKS_PER_THREAD = 1  # slot ranges per thread, each with its own heaps: a heap 
 LANES = 16  # experts per request at most (cpu_fused.cpp holds a value per expert in one register)
 
 
+class BuildError(RuntimeError):
+    """The CPU kernels cannot be built or loaded on this machine (no C++ compiler, flags it refuses, a cache folder
+    others may write to): its setup to fix, which the message names (the CLI prints it as an error, exit 2)."""
+
+
 def _machine() -> bytes:
     """What a -march=native build depends on: the architecture and the CPU's feature flags."""
     try:
@@ -50,7 +55,7 @@ def _cache_folder() -> Path:
     folder.mkdir(mode=0o700, exist_ok=True)
     info = folder.lstat()
     if not folder.is_dir() or folder.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise RuntimeError(f"{folder} is not a folder of this user's alone (owner uid {info.st_uid}, mode "
+        raise BuildError(f"{folder} is not a folder of this user's alone (owner uid {info.st_uid}, mode "
                            f"{info.st_mode & 0o777:o}): the CPU kernel is loaded from it; remove it, or set XDG_CACHE_HOME "
                            "to a folder of yours")
     return folder
@@ -62,7 +67,8 @@ _BUILD = threading.Lock()  # one build at a time: the temp file is named by the 
 def build(source: bytes) -> Path:
     """The shared library compiled from C++ `source` with FLAGS and then $ANDROMEDA_CXXFLAGS, in the cache folder
     (_cache_folder), built once per source, flags and machine."""
-    flags = (*FLAGS, *os.environ.get("ANDROMEDA_CXXFLAGS", "").split())  # appended: e.g. -mno-avx512f
+    extra = os.environ.get("ANDROMEDA_CXXFLAGS", "").split()
+    flags = (*FLAGS, *extra)  # appended: e.g. -mno-avx512f
     key = hashlib.sha256(source + " ".join(flags).encode() + _machine()).hexdigest()[:16]
     path = _cache_folder() / f"cpu_fused-{key}.so"
     with _BUILD:
@@ -72,10 +78,13 @@ def build(source: bytes) -> Path:
             try:
                 subprocess.run([compiler, *flags, "-x", "c++", "-", "-o", str(tmp)], input=source, check=True,
                                capture_output=True)
-            except FileNotFoundError:
-                raise RuntimeError(f"the CPU kernels need a C++ compiler ({compiler}); install g++ (apt-get install g++)") from None
+            except (FileNotFoundError, PermissionError):
+                raise BuildError(f"CXX: the CPU kernels need a C++ compiler, and {compiler!r} is none here; install g++ "
+                                 "(apt-get install g++) or set CXX to one") from None
             except subprocess.CalledProcessError as exc:
-                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{exc.stderr.decode(errors='replace')[-2000:]}") from None
+                given = f" with ANDROMEDA_CXXFLAGS={' '.join(extra)!r}" if extra else ""
+                raise BuildError(f"compiling {SOURCE.name} by {compiler}{given} failed:\n"
+                                 f"{exc.stderr.decode(errors='replace')[-2000:].strip()}") from None
             os.replace(tmp, path)
     return path
 

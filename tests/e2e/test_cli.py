@@ -47,6 +47,18 @@ def test_retrieve_one_request_prints_the_response(world, tmp_path):
     assert scores == sorted(scores, reverse=True)
 
 
+@pytest.mark.parametrize("setting, named", [({"ANDROMEDA_CXXFLAGS": "-bogusflag"}, "ANDROMEDA_CXXFLAGS='-bogusflag'"),
+                                             ({"CXX": "/nonexistent/g++"}, "CXX: ")])
+def test_a_cpu_kernel_that_cannot_build_is_an_error_naming_the_setting(world, tmp_path, setting, named):
+    """A compiler that is missing or refuses the flags: one error line naming the setting, not a traceback."""
+    env = {**os.environ, **setting, "XDG_CACHE_HOME": str(tmp_path / "fresh")}  # no kernel built before
+    out = subprocess.run([sys.executable, "-m", "andromeda_cli", "retrieve", "--events", str(world / "events.jsonl"),
+                          "--request", str(world / "requests.jsonl"), "--quiet"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and out.stdout == ""
+    assert out.stderr.startswith("error: ") and named in out.stderr, out.stderr
+
+
 def test_retrieve_jsonl_gives_one_line_per_request(world):
     out = andromeda("retrieve", "--events", str(world / "events.jsonl"), "--request", str(world / "requests.jsonl"), "--quiet")
     lines = [json.loads(line) for line in out.stdout.splitlines()]

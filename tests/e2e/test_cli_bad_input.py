@@ -186,6 +186,7 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("synth", "--ads", "5", "--users", "0", "--out", "{d}/w"), {}, ("argument --users",)),
     (("synth", "--ads", "5", "--users", "3", "--seed", "-1", "--out", "{d}/w"), {}, ("argument --seed",)),
     (("synth", "--ads", "5", "--users", "3", "--out", "{d}/a_file"), {}, ("argument --out", "not a directory")),
+    (("synth", "--ads", "5", "--users", "3", "--out", ""), {}, ("argument --out", "an empty path")),
     (("synth", "--ads", "5", "--users", "3", "--workers", "0", "--out", "{d}/w"), {}, ("argument --workers",)),
     (("demo", "--out", "{d}/w", "--show", "-1"), {}, ("argument --show",)),
     (("up", "--demo-ads", "0"), {}, ("argument --demo-ads", "in [1, 100000000]")),

@@ -159,3 +159,17 @@ def test_up_without_redis_server_says_so_in_one_line(up, monkeypatch, tmp_path):
     assert code == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == ("error: redis-server is not installed (apt-get install redis-server), "
                                             "or set REDIS_URL")
+
+
+def test_a_second_up_in_the_folder_refuses_before_any_work(up, monkeypatch, tmp_path):
+    """Another up's redis-server holds var/redis: refused before the demo world and model (it made them first, half a
+    minute at the default size, and refused only when starting its redis-server)."""
+    made = []
+    monkeypatch.setattr(service, "demo_world", lambda ads: made.append(ads))
+    held = LocalRedis(tmp_path / "var" / "redis").lock()
+    try:
+        code, err = up(lambda config, stop, stderr: None)
+    finally:
+        os.close(held)
+    assert code == 2 and made == [] and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("error: ") and "in use by another redis-server" in err, err

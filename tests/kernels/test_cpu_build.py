@@ -30,7 +30,7 @@ def test_a_temp_folder_others_can_write_to_is_refused(tmp_path, monkeypatch):
     folder = tmp_path / f"andromeda-{os.getuid()}"
     folder.mkdir(mode=0o777)
     folder.chmod(0o777)  # as another user would leave it: anyone may write
-    with pytest.raises(RuntimeError, match="mode 777"):
+    with pytest.raises(cpu.BuildError, match="mode 777"):
         cpu._cache_folder()
     folder.chmod(0o700)
     assert cpu._cache_folder() == folder
