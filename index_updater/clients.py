@@ -26,12 +26,12 @@ if "maint_notifications_config" in _CONNECTION_OPTIONS:
 def unsupported_options(url: str) -> str | None:
     """Why the Redis URL's query options do not suit this project's clients, or None: they read RESP2 replies of
     bytes (stream entries hold binary fields), and redis-py lets the URL's options override the client's own, so
-    protocol=3 or decode_responses=true there would make every read fail. A URL that does not parse is left to the
-    client's own error."""
+    protocol=3 or decode_responses=true there would make every read fail. A URL that does not parse (a port that is no
+    number) is refused too: a config written for other machines (`serve-config`) met it only when a replica connected."""
     try:
         options = parse_url(url)
-    except ValueError:
-        return None
+    except ValueError as exc:  # redis-py's message names the part, never the password
+        return f"it does not parse ({exc})"
     if options.get("protocol") not in (None, 2):
         return (f"its query option protocol={options['protocol']} is not supported: Andromeda's Redis clients read "
                 f"RESP2 replies (leave it out, or set protocol=2)")

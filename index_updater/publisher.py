@@ -197,12 +197,12 @@ class Publisher:
                      on_batch: Callable[[int], None] | None = None) -> int:
         """Publish a JSONL file in batches. The whole file is validated first: a bad line writes nothing. Both passes
         read the same bytes: a regular file through one handle up to its size when opened (lines appended meanwhile are
-        neither checked nor published), anything else (a pipe: `/dev/stdin`) from a private copy (until 2026-12-07
-        each pass opened the path: the check drained a pipe and nothing was published; appended lines went out
-        unchecked)."""
+        neither checked nor published), anything else (a pipe: `/dev/stdin`; a file that reports no size, as /proc's
+        do, which was published as empty) from a private copy (until 2026-12-07 each pass opened the path: the check
+        drained a pipe and nothing was published; appended lines went out unchecked)."""
         with open(path, "rb") as source:
             info = os.fstat(source.fileno())
-            if stat.S_ISREG(info.st_mode):
+            if stat.S_ISREG(info.st_mode) and info.st_size:
                 events, size = source, info.st_size
             else:
                 events, size = tempfile.TemporaryFile(), None

@@ -171,6 +171,9 @@ class RetrievalModel(nn.Module):
         if config.get("model_version") != MODEL_VERSION:
             raise ValueError(f"{path}: model version {config.get('model_version')} is not {MODEL_VERSION}")
         tensors = load_file(str(path))
+        damaged = next((name for name, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()), None)
+        if damaged is not None:  # it would embed every ad as NaN: each write refused, one by one, at serving
+            raise ValueError(f"{path}: {damaged} holds NaN or infinite values; train it again")
         model = cls(config["model"], Dims(**config["dims"]), tensors["item_ids"], tensors["click_ids"],
                     tensors["click_logodds"],
                     (tensors["user_towers.described_hashes"], tensors["user_towers.described_text"]))

@@ -194,6 +194,7 @@ CASES = [  # (argv with {d} for the files' directory, environment, words the err
     (("serve", "--demo-ads", "-5"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("argument --demo-ads", "in [0, 100000000]")),
     (("serve", "--port", "70000"), {"REDIS_URL": "redis://127.0.0.1:1/0"}, ("argument --port", "in [1, 65535]")),
     (("serve-config", "--shards", "0"), {}, ("argument --shards", "in [1, 1024]")),
+    (("serve-config", "--redis", "redis://:pw@h:notaport/0"), {}, ("--redis", "does not parse", "'notaport'")),
     (("up", "--replicas", "257"), {}, ("argument --replicas", "in [1, 256]")),
     (("serve", "--config", "{d}/redis_config.yaml"), {"REDIS_URL": ""},  # the file's redis_url, as REDIS_URL would be
      ("cannot reach Redis at redis://127.0.0.1:1/0",)),
@@ -340,6 +341,13 @@ def test_publish_reads_a_pipe_once(tmp_path, capsys, redis_url):
     writer.join()
     assert code == 0 and "published 3 events" in out, err
     assert redis.Redis.from_url(redis_url).xlen(shard_stream("piped", 0)) == 3
+
+
+def test_publish_reads_a_file_that_reports_no_size(capsys, redis_url):
+    """/proc's files report a size of 0 and hold text: it is read (here: not JSON), not published as empty (exit 0)."""
+    assert_refused(andromeda(capsys, "publish", "/proc/self/status", "--redis", redis_url, "--stream", "proc"),
+                   "/proc/self/status:1", "not JSON")
+    assert redis.Redis.from_url(redis_url).exists(shard_stream("proc", 0)) == 0
 
 
 def test_publish_to_a_key_of_another_type_names_it(d, capsys, redis_url):

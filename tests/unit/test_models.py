@@ -391,6 +391,11 @@ def test_checkpoint_round_trip(tmp_path):
     assert not model.ad_tower.identity.weight[-1].any()  # the "no id" row stays zero through training
     with torch.no_grad():
         assert torch.equal(model.item_vectors(data.items), loaded.item_vectors(data.items))
+    with torch.no_grad():
+        model.user_towers.keys.weight[0, 0] = float("nan")  # a damaged file: refused at load, naming the tensor
+    model.save(tmp_path / "nan.safetensors", {"data": "tiny", "schema_version": 1})
+    with pytest.raises(ValueError, match="user_towers.keys.weight holds NaN or infinite values"):
+        RetrievalModel.load(tmp_path / "nan.safetensors")
 
 
 def test_int8_quantisation_error_is_bounded():
