@@ -280,9 +280,18 @@ class RedisKeeper:
         return self
 
     def stop(self) -> None:
-        """Stop watching (before `up` stops the server itself)."""
+        """Stop watching (before `up` stops the server itself), with one last look: a server that died since the last
+        check (whose death may be why `up` stops: a write that failed first) is reported, not started again."""
         self._done.set()
         self._thread.join()
+        code = self.server.process.poll()
+        if code is not None and not self.stopped.is_set():
+            if code == 0:
+                self.stopped.set()
+            else:
+                how = f"killed by {signal_name(-code)}" if code < 0 else f"exit status {code}"
+                self._give_up(f"redis-server at {self.server.url} ({self.server.directory}) died ({how}); see "
+                              f"{self.server.directory / 'redis.log'}")
 
     def _watch(self) -> None:
         try:

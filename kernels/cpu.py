@@ -56,8 +56,8 @@ def _cache_folder() -> Path:
     info = folder.lstat()
     if not folder.is_dir() or folder.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o022:
         raise BuildError(f"{folder} is not a folder of this user's alone (owner uid {info.st_uid}, mode "
-                           f"{info.st_mode & 0o777:o}): the CPU kernel is loaded from it; remove it, or set XDG_CACHE_HOME "
-                           "to a folder of yours")
+                         f"{info.st_mode & 0o777:o}): the CPU kernel is loaded from it; remove it, or set XDG_CACHE_HOME "
+                         "to a folder of yours")
     return folder
 
 

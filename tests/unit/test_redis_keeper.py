@@ -76,3 +76,12 @@ def test_a_server_killed_by_a_realtime_signal_is_restarted(capsys):
 def test_signal_name():
     assert signal_name(signal.SIGKILL) == "SIGKILL"
     assert signal_name(REALTIME).startswith(f"signal {int(REALTIME)} (")
+
+
+def test_a_death_since_the_last_check_is_reported_when_the_keeper_stops():
+    """up stops its keeper when a write fails; the server's death that failed it, not yet seen by the watch, is its
+    failure (before, up ended on the write's redis.ConnectionError, a traceback), and it is not started again."""
+    keeper = RedisKeeper(FakeServer([-signal.SIGKILL]), check_s=60, crash_loop_s=30).start()  # the watch never looks
+    keeper.stop()
+    assert keeper.stopped.is_set() and keeper.server.restarts == 0
+    assert keeper.failure is not None and "died (killed by SIGKILL)" in keeper.failure and "redis.log" in keeper.failure
