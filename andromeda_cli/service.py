@@ -289,9 +289,7 @@ class RedisKeeper:
             if code == 0:
                 self.stopped.set()
             else:
-                how = f"killed by {signal_name(-code)}" if code < 0 else f"exit status {code}"
-                self._give_up(f"redis-server at {self.server.url} ({self.server.directory}) died ({how}); see "
-                              f"{self.server.directory / 'redis.log'}")
+                self._give_up(f"{self._where()} died ({exit_how(code)}); see {self.server.directory / 'redis.log'}")
 
     def _watch(self) -> None:
         try:
@@ -306,8 +304,7 @@ class RedisKeeper:
             code = self.server.process.poll()
             if code is None:
                 continue
-            how = f"killed by {signal_name(-code)}" if code < 0 else f"exit status {code}"
-            where = f"redis-server at {self.server.url} ({self.server.directory})"
+            how, where = exit_how(code), self._where()
             if code == 0:  # asked to shut down
                 if not self.stopped.is_set():
                     print(f"{where} was shut down; stopping", file=sys.stderr, flush=True)
@@ -324,6 +321,9 @@ class RedisKeeper:
             print(f"{where} died ({how}); started it again on its data (AOF: nothing it acknowledged is lost)",
                   file=sys.stderr, flush=True)
 
+    def _where(self) -> str:
+        return f"redis-server at {self.server.url} ({self.server.directory})"
+
     def _give_up(self, failure: str) -> None:
         self.failure = failure
         self.stopped.set()
@@ -331,6 +331,11 @@ class RedisKeeper:
 
 def keeper_error(keeper: RedisKeeper) -> AndromedaError:
     return AndromedaError(f"{keeper.failure or 'its redis-server was shut down'}; `up` stopped")
+
+
+def exit_how(code: int) -> str:
+    """A process's end, from its return code: "killed by SIGKILL" or "exit status 1"."""
+    return f"killed by {signal_name(-code)}" if code < 0 else f"exit status {code}"
 
 
 def signal_name(number: int) -> str:
