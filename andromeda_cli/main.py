@@ -172,11 +172,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = default_config(args.model, args.seed, distill, start, going_on, examples=len(data.train_examples()))
     cfg = dataclasses.replace(cfg, steps=args.steps or cfg.steps,
                               click_weights=cfg.click_weights if args.click_weight is None else (args.click_weight,))
-    teacher = ask_teacher(ranker, data) if ranker is not None else None
     learned = np.sort(data.items.ids[data.train_items(cfg.min_id_engagements)])  # the ads training here gives ids
     fits = init is None or np.array_equal(init.item_ids.numpy(), learned)
-    if not fits:  # a model of other data: its learned ids are not the ads trained on here
+    if not fits:  # a model of other data (its learned ids are not the ads trained on here): before asking the teacher
         raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
+    teacher = ask_teacher(ranker, data) if ranker is not None else None
     model = train(data, args.model, cfg, teacher, init)
     model.save(out, checkpoint_meta(data, args.seed, args.teacher, cfg.distill, args.init,
                                     len(teacher.users) if teacher is not None else 0, cfg))
