@@ -174,7 +174,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                               click_weights=cfg.click_weights if args.click_weight is None else (args.click_weight,))
     learned = np.sort(data.items.ids[data.train_items(cfg.min_id_engagements)])  # the ads training here gives ids
     fits = init is None or np.array_equal(init.item_ids.numpy(), learned)
-    if not fits:  # a model of other data (its learned ids are not the ads trained on here): before asking the teacher
+    if not fits:  # a model of other data (its learned ids are not the ads trained on here), refused before the
+        # teacher's rankings, which take minutes
         raise InvalidInput(f"{args.init} was trained on other data than --data {args.data}", "--init")
     teacher = ask_teacher(ranker, data) if ranker is not None else None
     model = train(data, args.model, cfg, teacher, init)

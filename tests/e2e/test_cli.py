@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
+from andromeda_core.models import distill
 from andromeda_core.models.retrieval import RetrievalModel
-from andromeda_core.models.segments import described_table
-from andromeda_core.schema import load_schema
 from tests.conftest import run_in_process
 
 
@@ -77,12 +76,11 @@ def test_bad_event_line_exits_2_naming_line_and_field(world, tmp_path):
 
 
 def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(tmp_path, capsys, monkeypatch):
-    world = tmp_path / "world"  # few ads: their texts are embedded into this test's own cache, and by retrieve
+    world = tmp_path / "small-world"  # few ads: their texts are embedded into this test's own cache, and by retrieve
     andromeda("synth", "--ads", "300", "--users", "5", "--seed", "1", "--out", str(world))
     sasrec, ranker, checkpoint = (tmp_path / f"{name}.safetensors" for name in ("sasrec", "ranker", "moe"))
     base = tmp_path / "cache" / "models" / "synthetic-moe-from-sasrec.safetensors"  # the default --out
     monkeypatch.setenv("ANDROMEDA_CACHE", str(tmp_path / "cache"))
-    described_table(load_schema())  # into this test's cache (no pass of MiniLM where this process has made it)
     train = ("train", "--data", "synthetic", "--world", str(world), "--steps", "3")
     first = subprocess.run([sys.executable, "-m", "andromeda_cli", *train, "--model", "sasrec", "--out", str(sasrec)],
                            capture_output=True, text=True, timeout=600)  # the command as a user runs it; the rest in
@@ -101,6 +99,7 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(tmp_path,
     assert untaught["init"] == "synthetic-moe-from-sasrec.safetensors" and "teacher" not in untaught
     other = tmp_path / "other-world"  # enough users for ads to earn learned ids (5 users give none); few ads to embed
     andromeda("synth", "--ads", "200", "--users", "1000", "--seed", "2", "--out", str(other))
+    monkeypatch.setattr(distill, "ask_teacher", lambda *_: pytest.fail("asked the teacher before refusing"))  # minutes
     for args, words in ((["--model", "sasrec", "--init", str(ranker)], "is a ranker model: a sasrec goes on only"),
                         (["--model", "moe", "--init", str(ranker)], "a moe goes on only from a moe or a sasrec"),
                         (["--model", "moe", "--init", str(base), "--out", str(base)], "would overwrite --init"),
@@ -108,9 +107,9 @@ def test_train_distils_a_ranker_into_a_checkpoint_the_retriever_serves(tmp_path,
                          "would overwrite --teacher"),
                         (["--model", "moe", "--init", str(base), "--teacher", str(base), "--out", str(tmp_path / "y")],
                          "is a moe model: the teacher must be a ranker"),
-                        (["--model", "moe", "--init", str(base), "--world", str(other), "--out", str(tmp_path / "x")],
-                         "was trained on other data")):
-        code, out, err = run_in_process(capsys, "train", "--data", "synthetic", "--world", str(world), *args)
+                        (["--model", "moe", "--init", str(base), "--teacher", str(ranker), "--world", str(other),
+                          "--out", str(tmp_path / "x")], "was trained on other data")):
+        code, out, err = run_in_process(capsys, *train, *args)
         assert code == 2 and words in err and out == ""
     refused = subprocess.run([sys.executable, "-m", "andromeda_cli", "serve", "--model", str(ranker)], capture_output=True,
                              text=True, timeout=300, env={**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0"})
