@@ -332,7 +332,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("eval", help="quality report of every model and baseline on every data set; trains the missing "
-                                    "checkpoints (about 45 minutes on 2 CPU cores) and rewrites docs/quality.md")
+                                    "checkpoints (about an hour on 2 CPU cores: 44 to 83 minutes measured) and "
+                                    "rewrites docs/quality.md")
     s.add_argument("--data", nargs="+", choices=DATASETS, default=list(DATASETS),
                    help="data sets to evaluate (default: MovieLens and both synthetic worlds)")
     s.add_argument("--retrain", action="store_true", help="train even where a checkpoint exists")

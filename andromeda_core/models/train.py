@@ -126,7 +126,8 @@ def other_start(kind: str, init: RetrievalModel | None) -> str:
 PASSES = 12  # a retrieval model trains for about this many passes over the training engagements, within STEPS: 2,000
 # steps against 1,000 lifted the MoE's validation on MovieLens (2.6 passes in 1,000 steps) 0.2288 -> 0.2517 and on
 # synthetic-b (6.2 passes) 0.0967 -> 0.1282, and lowered it on the default synthetic world (13.7 passes) 0.1175 -> 0.1069
-STEPS = (1000, 2000)  # the most keeps `andromeda eval` within its 45 minutes
+STEPS = (1000, 2000)  # the most set by `andromeda eval`'s 45-minute target (it took 44 minutes on one 2-core box, 83
+# on another: README, "Not met yet")
 
 
 def training_steps(examples: int) -> int:
